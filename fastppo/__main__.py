@@ -1,0 +1,7 @@
+"""``python -m fastppo`` is the ``fastppo`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

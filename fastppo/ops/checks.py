@@ -1,0 +1,112 @@
+"""Argument checks shared by the public ops.
+
+Every error names the argument and what was seen, so a user never has to read a stack trace
+from inside a kernel. Checks here look at metadata only (shapes, dtypes, devices) and never
+synchronise with the device; the value checks that need a sync (label ranges, temperature
+signs) run only when ``FASTPPO_CHECK=1`` is set.
+"""
+
+import math
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def value_checks_enabled() -> bool:
+    """True when ``FASTPPO_CHECK=1``: ops then also check values, at the cost of a host sync."""
+    return os.environ.get("FASTPPO_CHECK", "0") == "1"
+
+
+def check_tensor(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_float(x, name: str, *, min_dim: int = 1) -> None:
+    """``x`` is a fp32/bf16/fp16 tensor with at least ``min_dim`` dimensions."""
+    check_tensor(x, name)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+
+
+def check_same_device(device: torch.device, owner: str, **others) -> None:
+    """Every tensor in ``others`` (None allowed) lives on ``device``, the device of ``owner``."""
+    for name, x in others.items():
+        if x is not None and x.device != device:
+            raise ValueError(f"{name} is on {x.device} but {owner} is on {device}")
+
+
+def check_labels(labels, lead: torch.Size, lead_name: str) -> None:
+    """``labels`` is an integer tensor whose shape is exactly ``lead`` (no broadcasting)."""
+    check_tensor(labels, "labels")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.shape != lead:
+        raise ValueError(
+            f"labels must have shape {tuple(lead)} (the leading dims of {lead_name}), "
+            f"got {tuple(labels.shape)}"
+        )
+
+
+def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """With ``FASTPPO_CHECK=1``: every label is in [0, V) or equals ``ignore_index``."""
+    if not value_checks_enabled():
+        return
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bool(bad.any()):
+        example = labels[bad].flatten()[0].item()
+        raise ValueError(
+            f"labels has {int(bad.sum())} value(s) outside [0, {vocab_size}) that are not "
+            f"ignore_index={ignore_index}, e.g. {example}"
+        )
+
+
+def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
+    """Return ``(per_row, inv_scalar)``: a ``(N,)`` fp32 tensor or None, and 1 / the scalar.
+
+    A Python number applies to every row. A tensor must broadcast to ``lead`` (e.g. ``(B, 1)``
+    for per-sequence temperatures over ``(B, T)`` tokens); it is not differentiated through.
+    """
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a floating tensor, got {temperature.dtype}")
+        check_same_device(device, "the inputs", temperature=temperature)
+        try:
+            shape = torch.broadcast_shapes(temperature.shape, lead)
+        except RuntimeError:
+            shape = None
+        if shape != lead:
+            raise ValueError(
+                f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
+                f"token shape {tuple(lead)}"
+            )
+        per_row = temperature.detach().to(torch.float32).expand(lead).reshape(-1).contiguous()
+        if value_checks_enabled() and not bool((per_row > 0).all() & per_row.isfinite().all()):
+            raise ValueError("temperature must be positive and finite everywhere")
+        return per_row, 1.0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a positive number or a tensor, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    return None, 1.0 / float(temperature)
+
+
+def check_ignore_index(ignore_index) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``(..., V)`` as ``(B, T, V)`` for the kernels, without copying when strides allow.
+
+    Two leading dims stay as they are, so a slice like ``logits[:, :-1]`` is read in place.
+    """
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    return x.flatten(0, -3)

@@ -1,0 +1,49 @@
+"""Choosing between the Triton kernels and their PyTorch twins.
+
+``backend="auto"`` sends CUDA tensors to Triton and everything else to the PyTorch twin, which is
+the production path on CPU. ``"triton"`` forces the kernels: on CPU that works only when
+``TRITON_INTERPRET=1`` was set before triton was imported (the interpreter runs them on CPU
+tensors, which is how the tests check every kernel without a GPU). ``"torch"`` forces the twin.
+
+The two implementations of an op family expose the same launcher signatures, so an op picks one
+with :func:`implementation` and calls it without caring which it got.
+"""
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+# Looked up once, without importing triton: the import is slow and absent off Linux.
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn the user's ``backend`` into ``"triton"`` or ``"torch"`` for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and TRITON_INSTALLED else "torch"
+    if backend == "triton":
+        if not TRITON_INSTALLED:
+            raise ValueError("backend='triton' needs the triton package, which is not installed")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, got tensors on {device}; to run the kernels "
+                "on CPU set TRITON_INTERPRET=1 before triton is imported"
+            )
+    return backend
+
+
+def implementation(backend: str, family: str):
+    """The module holding ``family``'s launchers for a resolved ``backend``.
+
+    ``family`` names a module both in ``fastppo.kernels`` (Triton) and, with a ``_torch`` suffix,
+    in ``fastppo.ops`` (the PyTorch twin).
+    """
+    if backend == "triton":
+        return importlib.import_module(f"fastppo.kernels.{family}")
+    return importlib.import_module(f"fastppo.ops.{family}_torch")

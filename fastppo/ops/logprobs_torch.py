@@ -1,0 +1,81 @@
+"""PyTorch twin of ``fastppo.kernels.logprobs``: the CPU production path and the kernels' reference.
+
+Same launcher signatures as the Triton kernels, so an op calls either without knowing which.
+It walks the rows in chunks of about ``ROW_CHUNK_ELEMENTS`` logits, so it never holds an fp32
+copy of the whole ``(N, V)`` logits, and vectorises within a chunk.
+"""
+
+import torch
+
+# fp32 elements per chunk: 4 MiB per temporary keeps a chunk's working set in cache on a CPU.
+ROW_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(B: int, T: int, V: int):
+    """Yield ``(b0, b1, t0, t1)`` boxes of ``(B, T)`` rows, each about ROW_CHUNK_ELEMENTS logits.
+
+    A box is either several whole sequences (``t0, t1 = 0, T``) or a run of one sequence, so its
+    rows are consecutive in the flattened ``N = B * T`` order, starting at ``b0 * T + t0``.
+    """
+    rows = max(1, ROW_CHUNK_ELEMENTS // max(V, 1))
+    if rows >= T:
+        step = rows // max(T, 1)
+        for b0 in range(0, B, step):
+            yield b0, min(B, b0 + step), 0, T
+    else:
+        for b0 in range(B):
+            for t0 in range(0, T, rows):
+                yield b0, b0 + 1, t0, min(T, t0 + rows)
+
+
+def _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1):
+    """fp32 scaled logits ``(n, V)`` of one box, its flat row range, and the per-row scale."""
+    T = logits.shape[1]
+    r0, r1 = b0 * T + t0, (b1 - 1) * T + t1
+    z = logits[b0:b1, t0:t1].reshape(-1, logits.shape[2]).float()  # (n, V)
+    scale = inv_temperature if temperature is None else (1.0 / temperature[r0:r1]).unsqueeze(1)
+    return z * scale, r0, r1, scale
+
+
+def _label_masks(labels, V, ignore_index):
+    in_range = (labels >= 0) & (labels < V)
+    return in_range, labels == ignore_index, torch.where(in_range, labels, 0).long()
+
+
+def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
+                     logp, entropy, lse):
+    """Fill ``logp``, ``entropy``, ``lse`` ``(N,)`` fp32 from ``logits`` ``(B, T, V)``."""
+    B, T, V = logits.shape
+    for box in _row_chunks(B, T, V):
+        z, r0, r1, _ = _chunk(logits, temperature, inv_temperature, *box)  # (n, V)
+        in_range, ignored, safe = _label_masks(labels[r0:r1], V, ignore_index)
+        row_lse = torch.logsumexp(z, dim=1)  # (n,)
+        log_p = z.sub_(row_lse.unsqueeze(1))  # z is a fresh fp32 tensor: reuse its storage
+        p = log_p.exp()
+        # p == 0 covers -inf logits, whose p * log p is 0 * -inf; NaN logits stay NaN.
+        row_ent = -(p * log_p).masked_fill_(p == 0, 0.0).sum(dim=1)
+        row_logp = log_p.gather(1, safe.unsqueeze(1)).squeeze(1)
+        row_logp = torch.where(in_range, row_logp, float("nan"))
+        logp[r0:r1] = row_logp.masked_fill(ignored, 0.0)
+        entropy[r0:r1] = row_ent.masked_fill(ignored, 0.0)
+        lse[r0:r1] = row_lse
+
+
+def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,
+                      lse, entropy, grad_logp, grad_entropy):
+    """Write d(loss)/d(logits) into ``grad`` ``(B, T, V)``; ``grad`` may be ``logits`` itself."""
+    B, T, V = logits.shape
+    for b0, b1, t0, t1 in _row_chunks(B, T, V):
+        z, r0, r1, scale = _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1)
+        in_range, ignored, safe = _label_masks(labels[r0:r1], V, ignore_index)
+        g_lp = torch.where(in_range, grad_logp[r0:r1], float("nan")).masked_fill(ignored, 0.0)
+        log_p = z.sub_(lse[r0:r1].unsqueeze(1))  # (n, V)
+        p = log_p.exp()
+        dz = p * -g_lp.unsqueeze(1)
+        dz.scatter_add_(1, safe.unsqueeze(1), torch.where(in_range, g_lp, 0.0).unsqueeze(1))
+        if grad_entropy is not None:
+            g_ent = grad_entropy[r0:r1].masked_fill(ignored, 0.0).unsqueeze(1)
+            term = p.mul_(log_p.add_(entropy[r0:r1].unsqueeze(1)))  # p * (log p + H), in place
+            dz -= g_ent * term.masked_fill_(log_p == float("-inf"), 0.0)
+        dz *= scale
+        grad[b0:b1, t0:t1] = dz.view(b1 - b0, t1 - t0, V)

@@ -1,0 +1,107 @@
+"""``token_logprobs``: per-token log-probs (and entropy) of labels under ``softmax(logits / T)``.
+
+This is the op every policy-gradient loss starts from. It is registered as a ``torch.library``
+custom op with a fake implementation and an autograd formula, so ``torch.compile(fullgraph=True)``
+traces through it, and it never synchronises with the device, so it can be captured in a CUDA
+graph. The forward reads the logits once; the backward reads them once more and writes the
+gradient in the logits' dtype; neither makes an fp32 copy of the logits.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .dispatch import implementation, resolve_backend
+
+
+@torch.library.custom_op("fastppo::token_logprobs", mutates_args=())
+def _forward(logits: Tensor, labels: Tensor, temperature: Optional[Tensor], inv_temperature: float,
+             ignore_index: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    # logits: (B, T, V) any strides; labels, temperature: (N,) -> logp, entropy, lse: (N,) fp32
+    logp, entropy, lse = (torch.empty(labels.shape[0], dtype=torch.float32, device=logits.device)
+                          for _ in range(3))
+    implementation(backend, "logprobs").logprobs_forward(
+        logits, labels, temperature, inv_temperature, ignore_index, logp, entropy, lse)
+    return logp, entropy, lse
+
+
+@_forward.register_fake
+def _(logits, labels, temperature, inv_temperature, ignore_index, backend):
+    return tuple(labels.new_empty(labels.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("fastppo::token_logprobs_backward", mutates_args=())
+def _backward(logits: Tensor, labels: Tensor, temperature: Optional[Tensor], inv_temperature: float,
+              ignore_index: int, backend: str, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
+              grad_entropy: Optional[Tensor]) -> Tensor:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (B, T, V)
+    implementation(backend, "logprobs").logprobs_backward(
+        logits, grad, labels, temperature, inv_temperature, ignore_index,
+        lse, entropy, grad_logp, grad_entropy)
+    return grad
+
+
+@_backward.register_fake
+def _(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, entropy,
+      grad_logp, grad_entropy):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, temperature, inv_temperature, ignore_index, backend = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, labels, temperature, lse, entropy)
+    ctx.args = (inv_temperature, ignore_index, backend)
+    ctx.set_materialize_grads(False)  # an unused entropy then costs nothing in the backward
+
+
+def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    logits, labels, temperature, lse, entropy = ctx.saved_tensors
+    inv_temperature, ignore_index, backend = ctx.args
+    grad = _backward(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, entropy,
+                     _dense(grad_logp, lse), None if grad_entropy is None else _dense(grad_entropy, lse))
+    return grad, None, None, None, None, None
+
+
+def _dense(grad: Optional[Tensor], like: Tensor) -> Tensor:
+    # Upstream gradients may be None (output unused) or expanded with stride 0 (from a sum).
+    return torch.zeros_like(like) if grad is None else grad.to(torch.float32).contiguous()
+
+
+torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, *, temperature=1.0, ignore_index: int = -100,
+                   return_entropy: bool = False, backend: str = "auto"):
+    """Log-prob of each label under ``softmax(logits / temperature)``, optionally with the entropy.
+
+    Args:
+        logits: ``(..., V)`` float32, bfloat16 or float16, any strides (slices are read in place).
+        labels: integer tensor of shape ``(...)``, the leading shape of ``logits``.
+        temperature: a positive number, or a tensor broadcastable to ``(...)`` (e.g. ``(B, 1)``
+            per sequence). A runtime value: changing it never recompiles a kernel.
+        ignore_index: label value whose log-prob and entropy are 0, with zero gradient.
+        return_entropy: also return ``-sum p log p`` of the same distribution.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``logp`` of shape ``(...)`` in float32, or ``(logp, entropy)``. Both are differentiable
+        with respect to ``logits``. A label outside ``[0, V)`` (other than ``ignore_index``) gives
+        NaN, and with ``FASTPPO_CHECK=1`` a ``ValueError``.
+    """
+    checks.check_float(logits, "logits")
+    lead = logits.shape[:-1]
+    checks.check_labels(labels, lead, "logits")
+    checks.check_ignore_index(ignore_index)
+    checks.check_same_device(logits.device, "logits", labels=labels)
+    per_row_temperature, inv_temperature = checks.normalize_temperature(temperature, lead, logits.device)
+    backend = resolve_backend(backend, logits.device)
+    checks.check_label_values(labels, logits.shape[-1], ignore_index)
+
+    logp, entropy, _ = _forward(checks.as_rows(logits), labels.reshape(-1), per_row_temperature,
+                                inv_temperature, ignore_index, backend)
+    if return_entropy:
+        return logp.view(lead), entropy.view(lead)
+    return logp.view(lead)

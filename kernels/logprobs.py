@@ -1,0 +1,200 @@
+"""Triton kernels for per-token log-probs and entropy of a softmax over the vocabulary.
+
+Two kernels, both one pass over the logits:
+
+* ``_logprobs_fwd_kernel`` reads each row once and produces the label's log-prob, the entropy and
+  the log-sum-exp (kept for the backward). It runs an online softmax over blocks of the
+  vocabulary, so V may be any size, carrying for every row
+
+      m = running max,   s = sum exp(z - m),   w = sum exp(z - m) * (z - m).
+
+  Then ``lse = m + log s`` and ``entropy = log s - w / s``. Accumulating ``w`` relative to the
+  running max (instead of ``sum p * z``) keeps the entropy free of the cancellation that
+  ``lse - sum p z`` suffers when logits are large.
+
+* ``_logprobs_bwd_kernel`` reads each row once more and writes the gradient with respect to the
+  logits, for upstream gradients ``g_lp`` (of the log-prob) and ``g_ent`` (of the entropy):
+
+      dz_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + entropy),   dlogits = dz / T.
+
+  The output pointer may alias the input (the linear path overwrites its fp32 logits chunk with
+  its gradient): every element is read before it is written, by the same program.
+
+Logits are addressed as a ``(B, T, V)`` view with arbitrary strides, so slices such as
+``logits[:, :-1]`` are read in place with no copy. Rows are indexed on grid axis 0 (no 65,535
+limit) and all offsets are int64. A program handles ``BLOCK_N`` rows at once, so small
+vocabularies do not waste a program per row. Temperature is a runtime value (a scalar or a
+per-row tensor), never a compile-time constant.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_offsets(rows, T, stride_b, stride_t):
+    # rows: (BLOCK_N,) int64 -> offset of each row's first element in a (B, T, V) strided view
+    b = rows // T
+    return b * stride_b + (rows - b * T) * stride_t
+
+
+@triton.jit
+def _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP: tl.constexpr):
+    if HAS_TEMP:
+        return 1.0 / tl.load(temp_ptr + rows, mask=row_ok, other=1.0).to(tl.float32)
+    return tl.zeros_like(rows).to(tl.float32) + inv_temp
+
+
+@triton.jit
+def _logprobs_fwd_kernel(
+    logits_ptr, stride_b, stride_t, stride_v,
+    labels_ptr, temp_ptr, inv_temp,
+    logp_ptr, ent_ptr, lse_ptr,
+    N, T, V, ignore_index,
+    HAS_TEMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < N
+    base = _row_offsets(rows, T, stride_b, stride_t)  # (BLOCK_N,)
+    scale = _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP)  # (BLOCK_N,)
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    w = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        ok = row_ok[:, None] & (cols < V)[None, :]
+        z = tl.load(logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v,
+                    mask=ok, other=float("-inf")).to(tl.float32) * scale[:, None]  # (BLOCK_N, BLOCK_V)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        # While a row has seen only -inf, keep its reference point finite so no inf - inf appears.
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        shift = tl.where(m == float("-inf"), 0.0, m - ref)  # <= 0
+        decay = tl.exp(shift)
+        d = z - ref[:, None]
+        e = tl.exp(d)
+        w = decay * (w + shift * s) + tl.sum(tl.where(z == float("-inf"), 0.0, e * d), axis=1)
+        s = decay * s + tl.sum(e, axis=1)
+        m = m_new
+
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    log_s = tl.log(s)
+    lse = ref + log_s
+    entropy = log_s - w / s
+
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    in_range = (labels >= 0) & (labels < V)
+    ignored = labels == ignore_index
+    z_label = tl.load(logits_ptr + base + tl.where(in_range, labels, 0) * stride_v,
+                      mask=row_ok & in_range, other=0.0).to(tl.float32) * scale
+    logp = tl.where(in_range, z_label - lse, float("nan"))  # out-of-range labels are visible NaN
+    tl.store(logp_ptr + rows, tl.where(ignored, 0.0, logp), mask=row_ok)
+    tl.store(ent_ptr + rows, tl.where(ignored, 0.0, entropy), mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _logprobs_bwd_kernel(
+    logits_ptr, stride_b, stride_t, stride_v,
+    grad_ptr, gstride_b, gstride_t, gstride_v,
+    labels_ptr, temp_ptr, inv_temp,
+    lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
+    N, T, V, ignore_index,
+    HAS_TEMP: tl.constexpr, HAS_G_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < N
+    base = _row_offsets(rows, T, stride_b, stride_t)
+    gbase = _row_offsets(rows, T, gstride_b, gstride_t)
+    scale = _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP)
+
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    in_range = (labels >= 0) & (labels < V)
+    ignored = labels == ignore_index
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    # An ignored row gets exactly zero gradient; an out-of-range label gets NaN (never a finite lie).
+    g_lp = tl.where(ignored, 0.0, tl.where(in_range, g_lp, float("nan")))
+    if HAS_G_ENT:
+        entropy = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        g_ent = tl.where(ignored, 0.0, g_ent)
+
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (cols < V)[None, :]
+        z = tl.load(logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v,
+                    mask=ok, other=float("-inf")).to(tl.float32) * scale[:, None]  # (BLOCK_N, BLOCK_V)
+        log_p = z - lse[:, None]
+        p = tl.exp(log_p)
+        dz = tl.where(cols[None, :] == labels[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
+        if HAS_G_ENT:
+            dz -= g_ent[:, None] * tl.where(z == float("-inf"), 0.0, p * (log_p + entropy[:, None]))
+        dz = dz * scale[:, None]
+        tl.store(grad_ptr + gbase[:, None] + cols[None, :].to(tl.int64) * gstride_v,
+                 dz.to(grad_ptr.dtype.element_ty), mask=ok)
+
+
+# Elements a program touches per loop iteration, and the widest vocabulary block.
+_TILE = 4096
+_MAX_BLOCK_N = 64
+
+
+def _tiling(V, block_v):
+    """(BLOCK_N, BLOCK_V, num_warps) for a vocabulary of V; ``block_v`` overrides for tests."""
+    BLOCK_V = block_v or min(triton.next_power_of_2(V), _TILE)
+    BLOCK_N = max(1, min(_MAX_BLOCK_N, _TILE // BLOCK_V))
+    num_warps = 8 if BLOCK_N * BLOCK_V >= 2048 else 4
+    return BLOCK_N, BLOCK_V, num_warps
+
+
+def _temperature_args(temperature, inv_temperature):
+    # A per-row tensor wins; otherwise the scalar rides along as a runtime argument.
+    return (temperature, 1.0, True) if temperature is not None else (None, inv_temperature, False)
+
+
+def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
+                     logp, entropy, lse, *, block_v=None):
+    """Fill ``logp``, ``entropy``, ``lse`` (fp32, ``(N,)``) from ``logits`` ``(B, T, V)``.
+
+    ``labels`` is ``(N,)`` integer with N = B * T; ``temperature`` is ``(N,)`` or None, in which
+    case the scalar ``inv_temperature`` (1 / temperature) applies to every row.
+    """
+    B, T, V = logits.shape
+    N = B * T
+    if N == 0:
+        return
+    BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
+    temp, inv_temp, has_temp = _temperature_args(temperature, inv_temperature)
+    _logprobs_fwd_kernel[(triton.cdiv(N, BLOCK_N),)](
+        logits, logits.stride(0), logits.stride(1), logits.stride(2),
+        labels, temp, inv_temp,
+        logp, entropy, lse,
+        N, T, V, ignore_index,
+        HAS_TEMP=has_temp, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
+    )
+
+
+def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,
+                      lse, entropy, grad_logp, grad_entropy, *, block_v=None):
+    """Write d(loss)/d(logits) into ``grad`` (same ``(B, T, V)`` shape; may be ``logits`` itself).
+
+    ``grad_logp`` and ``grad_entropy`` are the upstream gradients, ``(N,)``; ``grad_entropy`` may
+    be None when the entropy was not used.
+    """
+    B, T, V = logits.shape
+    N = B * T
+    if N == 0:
+        return
+    BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
+    temp, inv_temp, has_temp = _temperature_args(temperature, inv_temperature)
+    _logprobs_bwd_kernel[(triton.cdiv(N, BLOCK_N),)](
+        logits, logits.stride(0), logits.stride(1), logits.stride(2),
+        grad, grad.stride(0), grad.stride(1), grad.stride(2),
+        labels, temp, inv_temp,
+        lse, entropy, grad_logp, grad_entropy,
+        N, T, V, ignore_index,
+        HAS_TEMP=has_temp, HAS_G_ENT=grad_entropy is not None,
+        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
+    )

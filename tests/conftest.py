@@ -1,0 +1,45 @@
+"""Test setup: without a GPU, every Triton kernel runs in the Triton interpreter on CPU tensors.
+
+``TRITON_INTERPRET`` is read when triton is imported, so it is set here, before any test module
+(or torch.compile) can import triton.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fastppo.ops.dispatch import TRITON_INSTALLED  # noqa: E402  (after the environment is set)
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each op runs on both implementations: the PyTorch twin and the Triton kernels."""
+    return request.param
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

@@ -1,0 +1,78 @@
+"""Bad input raises a clear error naming the argument, before any kernel runs."""
+
+import pytest
+import torch
+
+import fastppo
+from fastppo.ops.dispatch import resolve_backend
+
+V, H = 11, 6
+
+
+def logits_call(**overrides):
+    args = dict(logits=torch.randn(2, 3, V), labels=torch.randint(0, V, (2, 3)))
+    args.update(overrides)
+    return fastppo.token_logprobs(args.pop("logits"), args.pop("labels"), **args)
+
+
+def linear_call(**overrides):
+    args = dict(hidden=torch.randn(2, 3, H), weight=torch.randn(V, H), labels=torch.randint(0, V, (2, 3)))
+    args.update(overrides)
+    return fastppo.linear_token_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+
+
+@pytest.mark.parametrize("call,overrides,error,match", [
+    (logits_call, dict(labels=torch.randint(0, V, (2, 4))), ValueError, r"labels must have shape \(2, 3\).*\(2, 4\)"),
+    (logits_call, dict(labels=torch.randint(0, V, (3,))), ValueError, "labels must have shape"),
+    (logits_call, dict(labels=torch.zeros(2, 3)), TypeError, "labels must be an integer tensor"),
+    (logits_call, dict(labels=torch.zeros(2, 3, dtype=torch.bool)), TypeError, "labels must be an integer"),
+    (logits_call, dict(logits=torch.randn(2, 3, V).double()), TypeError, "logits must be float32"),
+    (logits_call, dict(logits=torch.randint(0, 5, (2, 3, V))), TypeError, "logits must be float32"),
+    (logits_call, dict(logits=torch.tensor(1.0)), ValueError, "logits must have at least 1"),
+    (logits_call, dict(logits=[1.0, 2.0]), TypeError, "logits must be a torch.Tensor"),
+    (logits_call, dict(temperature=0.0), ValueError, "temperature must be positive"),
+    (logits_call, dict(temperature=float("nan")), ValueError, "temperature must be positive"),
+    (logits_call, dict(temperature="hot"), TypeError, "temperature must be"),
+    (logits_call, dict(temperature=torch.ones(3, 3)), ValueError, "temperature of shape"),
+    (logits_call, dict(temperature=torch.ones(2, 3, 1)), ValueError, "does not broadcast to the token shape"),
+    (logits_call, dict(temperature=torch.ones(2, 1, dtype=torch.long)), TypeError, "temperature must be a floating"),
+    (logits_call, dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+    (logits_call, dict(backend="cuda"), ValueError, "backend must be one of"),
+    (linear_call, dict(weight=torch.randn(V, H + 1)), ValueError, r"weight must have shape \(V, 6\)"),
+    (linear_call, dict(weight=torch.randn(V)), ValueError, "weight must have at least 2"),
+    (linear_call, dict(weight=torch.randn(V, H).half()), TypeError, "weight has dtype torch.float16"),
+    (linear_call, dict(bias=torch.randn(V + 1)), ValueError, r"bias must have shape \(11,\)"),
+    (linear_call, dict(bias=torch.randn(V).half()), TypeError, "bias has dtype"),
+    (linear_call, dict(labels=torch.randint(0, V, (3, 2))), ValueError, "leading dims of hidden"),
+    (linear_call, dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    (linear_call, dict(chunk_size=2.0), ValueError, "chunk_size must be a positive int"),
+])
+def test_bad_input(call, overrides, error, match):
+    with pytest.raises(error, match=match):
+        call(**overrides)
+
+
+def test_tensors_on_different_devices():
+    meta_labels = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="labels is on meta but logits is on cpu"):
+        logits_call(labels=meta_labels)
+    with pytest.raises(ValueError, match="weight is on meta but hidden is on cpu"):
+        linear_call(weight=torch.randn(V, H, device="meta"))
+    with pytest.raises(ValueError, match="temperature is on meta"):
+        logits_call(temperature=torch.ones(2, 1, device="meta"))
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_value_checks_on_request(monkeypatch):
+    monkeypatch.setenv("FASTPPO_CHECK", "1")
+    with pytest.raises(ValueError, match=r"outside \[0, 11\)"):
+        linear_call(labels=torch.full((2, 3), V))
+    with pytest.raises(ValueError, match="temperature must be positive and finite everywhere"):
+        logits_call(temperature=torch.tensor([[1.0], [-1.0]]))
+    logits_call(labels=torch.full((2, 3), -100))  # ignore_index is never out of range

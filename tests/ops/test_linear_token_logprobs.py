@@ -1,0 +1,133 @@
+"""linear_token_logprobs against the float64 oracle, and its O(chunk x V) memory bound."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import fastppo
+from fastppo.ops.linear_token_logprobs import default_chunk_size
+from tests.oracles import assert_grad_close, assert_values_close, linear_logprobs_oracle
+from tests.ops.test_token_logprobs import DTYPES, make_labels
+
+CASES = [  # (leading shape, H, V, chunk_size, bias)
+    ((2, 5), 16, 37, 3, True),  # chunks that do not divide N; odd V
+    ((7,), 8, 1, None, False),  # V = 1
+    ((3, 4), 32, 5000, 5, False),  # V above one kernel block
+    ((2, 3), 24, 300, 64, True),  # one chunk larger than N
+]
+
+
+def check_linear(hidden, weight, bias, labels, backend, *, chunk_size=None, temperature=1.0):
+    dtype = hidden.dtype
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
+    hidden, weight, bias = leaves
+    logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
+                                                  return_entropy=True, chunk_size=chunk_size, backend=backend)
+    refs = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
+    ref_logp, ref_entropy = linear_logprobs_oracle(refs[0], refs[1], labels, refs[2], temperature)
+    scale = (refs[0].detach() @ refs[1].detach().T).abs().max().item() / temperature if labels.numel() else 0.0
+    assert_values_close(logp, ref_logp, dtype, scale)
+    assert_values_close(entropy, ref_entropy, dtype, scale)
+
+    g_logp, g_entropy = torch.randn_like(logp), torch.randn_like(entropy)
+    (logp * g_logp + entropy * g_entropy).sum().backward()
+    (ref_logp * g_logp.double() + ref_entropy * g_entropy.double()).sum().backward()
+    for leaf, ref in zip(leaves, refs):
+        if leaf is not None:
+            assert_grad_close(leaf.grad, ref.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lead,H,V,chunk_size,with_bias", CASES, ids=lambda c: str(c))
+def test_matches_oracle(backend, device, dtype, lead, H, V, chunk_size, with_bias):
+    hidden = torch.randn(*lead, H, device=device).to(dtype)
+    weight = (torch.randn(V, H, device=device) / H**0.5 * 3).to(dtype)
+    bias = torch.randn(V, device=device).to(dtype) if with_bias else None
+    check_linear(hidden, weight, bias, make_labels(lead, V, device=device), backend,
+                 chunk_size=chunk_size, temperature=0.8)
+
+
+def test_only_weight_needs_grad(backend, device):
+    hidden = torch.randn(6, 8, device=device)
+    weight = torch.randn(21, 8, device=device, requires_grad=True)
+    labels = make_labels((6,), 21, device=device)
+    logp = fastppo.linear_token_logprobs(hidden, weight, labels, chunk_size=4, backend=backend)
+    logp.sum().backward()
+    ref_weight = weight.detach().double().requires_grad_()
+    linear_logprobs_oracle(hidden.double(), ref_weight, labels)[0].sum().backward()
+    assert_grad_close(weight.grad, ref_weight.grad, torch.float32)
+
+
+def test_ignored_rows_do_not_touch_gradients(backend, device):
+    hidden = torch.randn(4, 8, device=device, requires_grad=True)
+    weight = torch.randn(13, 8, device=device, requires_grad=True)
+    labels = torch.full((4,), -100, device=device)
+    logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True, backend=backend)
+    assert (logp == 0).all() and (entropy == 0).all()
+    (logp.sum() + entropy.sum()).backward()
+    assert (hidden.grad == 0).all() and (weight.grad == 0).all()
+
+
+def test_per_sequence_temperature(backend, device):
+    hidden = torch.randn(3, 4, 8, device=device)
+    weight = torch.randn(29, 8, device=device)
+    labels = make_labels((3, 4), 29, device=device)
+    temperature = torch.tensor([[0.5], [1.0], [2.0]], device=device)
+    logp = fastppo.linear_token_logprobs(hidden, weight, labels, temperature=temperature, chunk_size=5,
+                                         backend=backend)
+    ref_logp, _ = linear_logprobs_oracle(hidden, weight, labels, temperature=temperature.double())
+    assert_values_close(logp, ref_logp, torch.float32, logit_scale=50)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in bytes) any op creates, looking inside fastppo's custom ops.
+
+    Bytes, not elements: the Triton interpreter stages each kernel argument as a byte tensor of
+    the same size, which is not a second buffer of the op's own.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "fastppo":
+            # Run the op's CPU implementation with this mode active, so its inner ops are seen too.
+            with self:
+                out = func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_memory_is_bounded_by_the_chunk(backend):
+    N, H, V, chunk = 512, 16, 1000, 32
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    bias = torch.randn(V, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    with LargestTensor() as mode:
+        logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=True,
+                                                      chunk_size=chunk, backend=backend)
+        (logp.sum() + entropy.sum()).backward()
+    assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
+    assert mode.largest == chunk * V * 4  # the fp32 chunk buffer is the largest tensor ...
+    assert mode.largest * 10 < N * V * 4  # ... and it is far from the full logits
+
+    # The same mode does see a full-logits implementation: the check can fail.
+    with LargestTensor() as naive:
+        torch.log_softmax(hidden @ weight.T, dim=-1)
+    assert naive.largest == N * V * 4
+
+
+def test_default_chunk_size():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_chunk_size(10, 151936, cpu) == 10  # never more rows than there are
+    assert default_chunk_size(100_000, 151936, cpu) == 16  # 2**22 // 151936 = 27 -> 16
+    assert default_chunk_size(100_000, 151936, cuda) == 256  # 2**26 // 151936 = 441 -> 256
+    assert default_chunk_size(100_000, 10**9, cuda) == 1

@@ -1,0 +1,82 @@
+"""float64 references the ops are checked against, written for clarity, not speed.
+
+Each oracle takes the op's inputs upcast to float64 (so for bf16/fp16 inputs it sees exactly the
+values the op saw) and is differentiable, so gradients are checked with autograd on the oracle.
+"""
+
+import torch
+
+
+def logprobs_oracle(logits, labels, temperature=1.0, ignore_index=-100):
+    """float64 ``(logp, entropy)`` of ``labels`` under ``softmax(logits / temperature)``."""
+    z = logits.double()
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.double().unsqueeze(-1)
+    else:
+        z = z / temperature
+    log_p = torch.log_softmax(z, dim=-1)
+    V = logits.shape[-1]
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < V)
+    logp = log_p.gather(-1, labels.clamp(0, V - 1).long().unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(in_range, logp, float("nan"))
+    p = log_p.exp()
+    # Select before multiplying: p * log p at a -inf logit is 0 * -inf, and its gradient NaN.
+    entropy = -(p * torch.where(p > 0, log_p, 0.0)).sum(-1)
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.where(ignored, zero, logp), torch.where(ignored, zero, entropy)
+
+
+def logprobs_grad_oracle(logits, labels, grad_logp, grad_entropy, temperature=1.0, ignore_index=-100):
+    """float64 closed-form gradient of ``sum(grad_logp * logp + grad_entropy * entropy)``.
+
+    ``dlogp/dz = onehot - p`` and ``dH/dz = -p (log p + H)``. For a peaked row autograd through
+    ``-sum p log p`` cancels ``1 - 1e-17`` even in float64 and returns 0; this form does not.
+    """
+    z = logits.double() / temperature
+    log_p = torch.log_softmax(z, dim=-1)
+    p = log_p.exp()
+    _, entropy = logprobs_oracle(logits, labels, temperature, ignore_index)
+    keep = (labels != ignore_index).double().unsqueeze(-1)
+    onehot = torch.nn.functional.one_hot(labels.clamp(min=0).long(), logits.shape[-1]).double()
+    d_logp = onehot - p
+    d_entropy = -torch.where(p > 0, p * (log_p + entropy.unsqueeze(-1)), 0.0)
+    dz = grad_logp.double().unsqueeze(-1) * d_logp + grad_entropy.double().unsqueeze(-1) * d_entropy
+    return keep * dz / temperature
+
+
+def linear_logprobs_oracle(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100):
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    return logprobs_oracle(logits, labels, temperature, ignore_index)
+
+
+def relative_error(x, ref):
+    """``||x - ref|| / ||ref||`` in float64 (0 when both are 0)."""
+    x, ref = x.double(), ref.double()
+    denom = ref.norm()
+    return (x - ref).norm().item() / max(denom.item(), 1e-30)
+
+
+# Tolerances from the numerics policy (DESIGN.md): fp32 inputs, then bf16/fp16 inputs compared with
+# the oracle evaluated on the same upcast values.
+LOGP_ATOL = {torch.float32: 2e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# What fp32 cannot resolve beyond the absolute tolerance, per unit of the row's largest |logit|.
+LOGIT_SCALE_ATOL = 4e-7
+
+
+def assert_values_close(actual, expected, dtype, logit_scale=0.0):
+    """fp32 results match the float64 oracle; NaN only where the oracle has NaN."""
+    assert actual.dtype == torch.float32
+    atol = LOGP_ATOL[dtype] + LOGIT_SCALE_ATOL * float(logit_scale)
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=0, equal_nan=True)
+
+
+def assert_grad_close(actual, expected, dtype):
+    """Gradient in its tensor's dtype, within the policy's relative error of the oracle's."""
+    assert actual.dtype == dtype
+    assert torch.isfinite(actual).all(), "gradient has NaN or inf"
+    err = relative_error(actual, expected)
+    assert err <= GRAD_RTOL[dtype], f"relative gradient error {err:.3g} > {GRAD_RTOL[dtype]}"
