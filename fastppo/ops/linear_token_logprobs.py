@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import checks
 from .dispatch import implementation, resolve_backend
+from .token_logprobs import upstream_grads
 
 # Default fp32 elements in a chunk of logits: 256 MiB on a GPU, 16 MiB on a CPU.
 _CHUNK_ELEMENTS = {"cuda": 1 << 26}
@@ -137,12 +138,9 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     hidden, weight, bias, labels, temperature, lse, entropy = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float().contiguous()
-    if grad_entropy is not None:
-        grad_entropy = grad_entropy.float().contiguous()
     grad_hidden, grad_weight, grad_bias = _backward(
-        hidden, weight, bias, labels, temperature, *ctx.args, lse, entropy, grad_logp, grad_entropy,
-        need_hidden, need_weight, need_bias)
+        hidden, weight, bias, labels, temperature, *ctx.args, lse, entropy,
+        *upstream_grads(grad_logp, grad_entropy, lse), need_hidden, need_weight, need_bias)
     return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
             grad_bias if need_bias else None, None, None, None, None, None, None)
 

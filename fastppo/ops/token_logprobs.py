@@ -57,17 +57,21 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused entropy then costs nothing in the backward
 
 
+def upstream_grads(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], like: Tensor):
+    """Dense fp32 upstream gradients for the kernels: ``grad_logp`` always, ``grad_entropy`` or None.
+
+    Autograd hands over None for an unused output and expanded stride-0 tensors after a sum.
+    """
+    grad_logp = torch.zeros_like(like) if grad_logp is None else grad_logp.float().contiguous()
+    return grad_logp, None if grad_entropy is None else grad_entropy.float().contiguous()
+
+
 def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     logits, labels, temperature, lse, entropy = ctx.saved_tensors
     inv_temperature, ignore_index, backend = ctx.args
     grad = _backward(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, entropy,
-                     _dense(grad_logp, lse), None if grad_entropy is None else _dense(grad_entropy, lse))
+                     *upstream_grads(grad_logp, grad_entropy, lse))
     return grad, None, None, None, None, None
-
-
-def _dense(grad: Optional[Tensor], like: Tensor) -> Tensor:
-    # Upstream gradients may be None (output unused) or expanded with stride 0 (from a sum).
-    return torch.zeros_like(like) if grad is None else grad.to(torch.float32).contiguous()
 
 
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
