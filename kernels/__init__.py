@@ -1,10 +1,10 @@
 """fastppo's device code: Triton kernels and the thin launchers that run them.
 
-Nothing here validates arguments, chooses dtypes or knows about autograd; that is the job of
-``fastppo.ops``. Launchers take tensors already shaped the way the kernels expect and write into
-output tensors they are given.
+One module per kernel family (``logprobs``, ``gae``); each launcher takes tensors already shaped
+the way its kernel expects and writes into output tensors it is given. Nothing here validates
+arguments, chooses dtypes or knows about autograd: that is the job of ``fastppo.ops``.
 """
 
-from .logprobs import logprobs_backward, logprobs_forward
+from . import gae, logprobs
 
-__all__ = ["logprobs_forward", "logprobs_backward"]
+__all__ = ["logprobs", "gae"]

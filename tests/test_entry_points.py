@@ -23,7 +23,7 @@ def test_ci_runs_the_readme_test_command():
 def test_kernels_import_as_a_subpackage():
     import fastppo.kernels
 
-    assert callable(fastppo.kernels.logprobs_forward)
+    assert callable(fastppo.kernels.logprobs.logprobs_forward) and callable(fastppo.kernels.gae.gae)
     assert fastppo.__version__
 
 

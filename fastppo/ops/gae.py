@@ -1,0 +1,73 @@
+"""``gae``: generalised advantage estimation over masked token sequences, in one kernel launch.
+
+A custom op with a fake implementation, so compiled trainers trace through it. It has no
+gradient: advantages and returns are targets, so the inputs are detached.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .dispatch import implementation, resolve_backend
+
+
+@torch.library.custom_op("fastppo::gae", mutates_args=())
+def _gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+         backend: str) -> tuple[Tensor, Tensor]:
+    # (B, T) inputs, any strides -> advantages, returns: (B, T) fp32 contiguous
+    advantages = torch.empty(rewards.shape, dtype=torch.float32, device=rewards.device)
+    returns = torch.empty_like(advantages)
+    implementation(backend, "gae").gae(rewards, values, mask, gamma, lam, advantages, returns)
+    return advantages, returns
+
+
+@_gae.register_fake
+def _(rewards, values, mask, gamma, lam, backend):
+    out = rewards.new_empty(rewards.shape, dtype=torch.float32)
+    return out, torch.empty_like(out)
+
+
+def _check_unit_interval(x, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not 0 <= x <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+    return float(x)
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95,
+        backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Advantages and returns by GAE, skipping masked positions as if they were absent.
+
+    For each row the valid positions, in order, are the trajectory. For a valid ``t`` whose next
+    valid position is ``t'``::
+
+        delta_t = r_t + gamma * V_t' - V_t        (V_t' = 0 when t is the last valid position)
+        A_t     = delta_t + gamma * lam * A_t'    (A_t' = 0 likewise)
+        returns = A_t + V_t
+
+    Args:
+        rewards, values: ``(B, T)`` floating tensors (any dtype and strides).
+        mask: ``(B, T)`` bool or 0/1, true where the position belongs to the trajectory.
+        gamma, lam: discount and GAE lambda, each in [0, 1].
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see :func:`fastppo.token_logprobs`).
+
+    Returns:
+        ``(advantages, returns)``, fp32 ``(B, T)``, exactly 0 at masked positions. No gradient
+        flows through them.
+    """
+    for name, x in (("rewards", rewards), ("values", values)):
+        checks.check_tensor(x, name)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        if x.dim() != 2:
+            raise ValueError(f"{name} must have shape (B, T), got {tuple(x.shape)}")
+    checks.check_tensor(mask, "mask")
+    for name, x in (("values", values), ("mask", mask)):
+        if x.shape != rewards.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but rewards has {tuple(rewards.shape)}")
+    checks.check_same_device(rewards.device, "rewards", values=values, mask=mask)
+    gamma = _check_unit_interval(gamma, "gamma")
+    lam = _check_unit_interval(lam, "lam")
+    backend = resolve_backend(backend, rewards.device)
+    return _gae(rewards.detach(), values.detach(), mask, gamma, lam, backend)

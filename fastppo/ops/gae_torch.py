@@ -1,0 +1,41 @@
+"""PyTorch twin of ``fastppo.kernels.gae``: the CPU path, vectorised as a log-depth scan.
+
+The same two affine recurrences as the kernel (see its docstring), each solved with a
+Hillis-Steele doubling scan: log2(T) whole-tensor steps instead of a Python loop over T.
+"""
+
+import torch
+
+
+def reverse_affine_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Solve ``x_t = a_t * x_{t+1} + b_t`` along the last dim, right to left, with ``x_T = 0``.
+
+    ``a``, ``b``: ``(B, T)``. After the step with offset d, ``(a_t, b_t)`` is the composition of
+    the maps at ``t .. t + 2d - 1``, so after log2(T) steps ``x_t = b_t``.
+    """
+    a, b = a.clone(), b.clone()
+    T = a.shape[-1]
+    d = 1
+    while d < T:
+        b[..., :-d] = a[..., :-d] * b[..., d:] + b[..., :-d]  # right side evaluated before writing
+        a[..., :-d] = a[..., :-d] * a[..., d:]
+        d *= 2
+    return b
+
+
+def _shift_left(x: torch.Tensor) -> torch.Tensor:
+    # (B, T) -> (B, T) with x[:, t + 1] at t and 0 at T - 1
+    return torch.nn.functional.pad(x[:, 1:], (0, 1))
+
+
+def gae(rewards, values, mask, gamma, lam, advantages, returns):
+    """Fill ``advantages`` and ``returns`` (fp32 ``(B, T)``), as the kernel launcher does."""
+    m = (mask != 0).float()  # (B, T)
+    r, v = rewards.float(), values.float()
+    m1, v1 = _shift_left(m), _shift_left(v)
+    v_next = reverse_affine_scan(1.0 - m1, m1 * v1)  # V at the next valid position, 0 if none
+    delta = m * (r + gamma * v_next - v)
+    carried = reverse_affine_scan(m * (gamma * lam) + (1.0 - m), delta)  # A at the next valid position
+    valid = m != 0
+    advantages.copy_(torch.where(valid, carried, 0.0))
+    returns.copy_(torch.where(valid, carried + v, 0.0))
