@@ -4,13 +4,21 @@ The ops work on CUDA (Triton kernels) and on CPU (their PyTorch twins) and are s
 any trainer: exact documented semantics, fp32 results, no host syncs, clear errors on bad input.
 """
 
-from .ops import (gae, group_advantages, kl_penalty, linear_token_logprobs, masked_whiten, token_logprobs,
-                  token_rewards)
+from .ops import (
+    gae,
+    group_advantages,
+    kl_penalty,
+    linear_token_logprobs,
+    masked_whiten,
+    ppo_loss_from_hidden,
+    ppo_loss_from_logits,
+    ppo_policy_loss,
+    token_logprobs,
+    token_rewards,
+    value_loss,
+)
+from .ops import __all__ as _ops
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "token_logprobs", "linear_token_logprobs",
-    "gae", "masked_whiten", "group_advantages", "token_rewards", "kl_penalty",
-    "__version__",
-]
+__all__ = [*_ops, "__version__"]

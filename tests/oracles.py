@@ -80,3 +80,60 @@ def assert_grad_close(actual, expected, dtype):
     assert torch.isfinite(actual).all(), "gradient has NaN or inf"
     err = relative_error(actual, expected)
     assert err <= GRAD_RTOL[dtype], f"relative gradient error {err:.3g} > {GRAD_RTOL[dtype]}"
+
+
+def aggregate_oracle(x, mask, agg, num_tokens=None):
+    """The aggregation modes, each written as its own definition (not as token weights)."""
+    x = torch.where(mask, x, 0.0)
+    m = mask.double()
+    if agg == "token-mean":
+        denom = float(num_tokens) if num_tokens is not None else max(m.sum().item(), 1.0)
+        return x.sum() / denom
+    if agg == "seq-mean-token-mean":
+        rows = [x[b].sum() / m[b].sum() for b in range(x.shape[0]) if m[b].sum() > 0]
+        return torch.stack(rows).mean() if rows else x.sum() * 0
+    if agg == "seq-mean-token-sum":
+        return x.sum(dim=1).mean()
+    return x.sum() / x.numel()
+
+
+def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.2, clip_eps_high=None,
+                    dual_clip=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, agg="token-mean",
+                    num_tokens=None):
+    """float64 PPO policy loss and stats; differentiable w.r.t. ``logp`` and ``entropy``."""
+    mask = mask != 0
+
+    def clean(x):
+        return torch.where(mask, x.double(), 0.0)
+
+    logp, old, adv = clean(logp), clean(old), clean(adv)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    lr = (logp - old).clamp(-20, 20)
+    ratio = lr.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1 - clip_eps, 1 + high)
+    pg = torch.maximum(pg1, pg2)
+    stats = {}
+    count = max(mask.sum().item(), 1)
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual_on = (adv < 0) & (bound < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+        stats["dual_clipfrac"] = (dual_on & mask).sum() / count
+    loss = aggregate_oracle(pg, mask, agg, num_tokens)
+    stats["pg_loss"] = loss.detach().clone()
+    if ref is not None:
+        d = logp - clean(ref)
+        kl = {"k1": d, "k2": d**2 / 2, "k3": torch.exp(-d.clamp(-20, 20)) + d.clamp(-20, 20) - 1}[kl_estimator]
+        kl_term = aggregate_oracle(kl, mask, agg, num_tokens)
+        loss = loss + kl_coef * kl_term
+        stats["kl"] = kl_term.detach()
+    if entropy is not None:
+        ent_term = aggregate_oracle(clean(entropy), mask, agg, num_tokens)
+        loss = loss - entropy_coef * ent_term
+        stats["entropy"] = ent_term.detach()
+    stats["clipfrac"] = ((pg2 > pg1) & mask).sum() / count
+    stats["approx_kl"] = torch.where(mask, 0.5 * lr * lr, 0.0).sum().detach() / count
+    stats["ratio_mean"] = torch.where(mask, ratio, 0.0).sum().detach() / count
+    stats["ratio_max"] = torch.where(mask, ratio, 0.0).max().detach() if mask.any() else torch.tensor(0.0)
+    return loss, stats

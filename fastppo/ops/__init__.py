@@ -1,12 +1,16 @@
 """fastppo's public ops: validation, backend dispatch, autograd, and the PyTorch twin of each kernel."""
 
 from .advantages import group_advantages, masked_whiten, token_rewards
+from .fused_ppo_loss import ppo_loss_from_hidden, ppo_loss_from_logits
 from .gae import gae
 from .kl import kl_penalty
 from .linear_token_logprobs import linear_token_logprobs
+from .ppo_loss import ppo_policy_loss
 from .token_logprobs import token_logprobs
+from .value_loss import value_loss
 
 __all__ = [
     "token_logprobs", "linear_token_logprobs",
-    "gae", "masked_whiten", "group_advantages", "token_rewards", "kl_penalty",
+    "ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "value_loss", "kl_penalty",
+    "gae", "masked_whiten", "group_advantages", "token_rewards",
 ]

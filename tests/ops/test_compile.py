@@ -8,7 +8,12 @@ import fastppo
 def loss_fn(logits, labels, hidden, weight):
     logp, entropy = fastppo.token_logprobs(logits, labels, temperature=0.9, return_entropy=True)
     hlogp, hentropy = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=4)
-    return (logp * 0.5 + entropy * 0.1 + hlogp - hentropy * 0.2).sum()
+    mask = labels != -100
+    old = logp.detach() - 0.1
+    ppo, _ = fastppo.ppo_loss_from_logits(logits, labels, old, torch.ones_like(old), mask, kl_coef=0.1,
+                                          ref_logprobs=old, entropy_coef=0.01)
+    vf, _ = fastppo.value_loss(hlogp, old, logp.detach(), mask)
+    return (logp * 0.5 + entropy * 0.1 + hlogp - hentropy * 0.2).sum() + ppo + vf
 
 
 def test_fullgraph_compile_matches_eager():

@@ -1,0 +1,162 @@
+"""``ppo_policy_loss``: the clipped PPO objective with KL and entropy terms, in one kernel.
+
+A custom op (fake implementation and autograd registered, no host sync): the forward kernel
+reads each token tensor once and writes both the partial sums of the loss and its statistics
+and the per-token gradient, which it can because the aggregation is a fixed weight per token
+(see ``aggregation.py``). The backward is then one multiply by the upstream scalar.
+
+Gradients flow to ``logprobs`` and ``entropy``; ``old_logprobs``, ``advantages`` and
+``ref_logprobs`` are constants of the update, as in PPO.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .aggregation import aggregation_weights
+from .dispatch import implementation, resolve_backend
+from .kl import KL_ESTIMATORS
+from .ppo_loss_torch import PARTIALS
+
+# The statistics vector the op returns, in order.
+_STATS = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac")
+
+
+@torch.library.custom_op("fastppo::ppo_policy_loss", mutates_args=())
+def _ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, weights: Tensor, valid: Tensor,
+              ref_logprobs: Optional[Tensor], entropy: Optional[Tensor], clip_low: float, clip_high: float,
+              dual_clip: float, kl_coef: float, kl_estimator: int, entropy_coef: float,
+              backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    # token tensors: (N,) contiguous -> loss (), stats (len(_STATS),), d loss / d logprobs (N,) fp32
+    impl = implementation(backend, "ppo_loss")
+    N = logprobs.numel()
+    grad = torch.empty(N, dtype=torch.float32, device=logprobs.device)
+    partials = torch.zeros(impl.num_programs(N), len(PARTIALS), dtype=torch.float32, device=logprobs.device)
+    impl.ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
+                          clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials)
+    p = dict(zip(PARTIALS, partials.sum(dim=0).unbind()))
+    count = p["count"].clamp(min=1.0)
+    loss = p["pg"] + kl_coef * p["kl"] - entropy_coef * p["entropy"]
+    stats = torch.stack([p["pg"], p["kl"], p["entropy"], p["clipped"] / count, p["half_lr_sq"] / count,
+                         p["ratio"] / count, partials[:, PARTIALS.index("ratio_max")].max(),
+                         p["dual_clipped"] / count])
+    return loss, stats, grad
+
+
+@_ppo_loss.register_fake
+def _(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, clip_low, clip_high,
+      dual_clip, kl_coef, kl_estimator, entropy_coef, backend):
+    f32 = dict(dtype=torch.float32)
+    return (logprobs.new_empty((), **f32), logprobs.new_empty(len(_STATS), **f32),
+            logprobs.new_empty(logprobs.shape[0], **f32))
+
+
+def _setup_context(ctx, inputs, output):
+    logprobs, entropy, weights, entropy_coef = inputs[0], inputs[6], inputs[3], inputs[12]
+    _, stats, grad = output
+    ctx.mark_non_differentiable(stats, grad)
+    ctx.save_for_backward(grad, weights if entropy is not None else None)
+    ctx.logprobs_dtype = logprobs.dtype
+    ctx.entropy_coef = entropy_coef
+
+
+def _backward(ctx, grad_loss, _grad_stats, _grad_grad):
+    grad, weights = ctx.saved_tensors
+    grad_logprobs = (grad_loss * grad).to(ctx.logprobs_dtype) if ctx.needs_input_grad[0] else None
+    grad_entropy = None
+    if ctx.needs_input_grad[6] and ctx.entropy_coef != 0:
+        grad_entropy = -ctx.entropy_coef * grad_loss * weights
+    return (grad_logprobs, None, None, None, None, None, grad_entropy) + (None,) * 7
+
+
+torch.library.register_autograd(_ppo_loss, _backward, setup_context=_setup_context)
+
+
+def _check_token_tensor(x, name: str, like: Tensor) -> None:
+    checks.check_tensor(x, name)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+    if x.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but logprobs has {tuple(like.shape)}")
+    checks.check_same_device(like.device, "logprobs", **{name: x})
+
+
+def _check_number(x, name: str, *, minimum: Optional[float] = None, above: Optional[float] = None) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x!r}")
+    if above is not None and x <= above:
+        raise ValueError(f"{name} must be > {above}, got {x!r}")
+    return float(x)
+
+
+def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                    ref_logprobs: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
+                    clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
+                    dual_clip: Optional[float] = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                    entropy_coef: float = 0.0, agg: str = "token-mean", num_tokens=None,
+                    backend: str = "auto") -> tuple[Tensor, dict]:
+    """The PPO clipped policy loss, with optional KL-to-reference and entropy terms.
+
+    Per valid token (``mask`` true), in fp32::
+
+        lr    = clamp(logp - old_logp, -20, 20);   ratio = exp(lr)
+        pg    = max(-A * ratio, -A * clamp(ratio, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)))
+        pg    = min(pg, -A * dual_clip)   where A < 0   (dual clip, when dual_clip = c > 1)
+        kl    = kl_penalty(logp, ref_logp, kl_estimator)
+
+    ``loss = agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``, ``agg`` one of
+    ``token-mean`` (optionally over ``num_tokens``), ``seq-mean-token-mean``,
+    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (see ``fastppo.ops.aggregation``).
+
+    Token tensors share one shape (``(B, T)`` for the ``seq-*`` modes); ``mask`` is bool or 0/1.
+    Masked positions may hold anything, NaN included: they contribute nothing.
+
+    Returns ``(loss, stats)``: a 0-dim fp32 loss, differentiable w.r.t. ``logprobs`` and
+    ``entropy``, and a dict of detached 0-dim fp32 tensors: ``pg_loss`` (= agg(pg)),
+    ``clipfrac`` (fraction of valid tokens where the clipped term won), ``approx_kl`` (token mean
+    of lr**2 / 2), ``ratio_mean``, ``ratio_max``, plus ``kl`` (= agg(kl)) with a reference,
+    ``entropy`` (= agg(entropy)) when given, ``dual_clipfrac`` with dual clipping.
+    """
+    checks.check_tensor(logprobs, "logprobs")
+    if not logprobs.is_floating_point():
+        raise TypeError(f"logprobs must be a floating tensor, got {logprobs.dtype}")
+    for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages),
+                    ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+        if x is not None:
+            _check_token_tensor(x, name, logprobs)
+    checks.check_tensor(mask, "mask")
+    if mask.shape != logprobs.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but logprobs has {tuple(logprobs.shape)}")
+    checks.check_same_device(logprobs.device, "logprobs", mask=mask)
+    clip_low = _check_number(clip_eps, "clip_eps", minimum=0.0)
+    clip_high = clip_low if clip_eps_high is None else _check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
+    dual = 0.0 if dual_clip is None else _check_number(dual_clip, "dual_clip", above=1.0)
+    kl_coef = _check_number(kl_coef, "kl_coef")
+    entropy_coef = _check_number(entropy_coef, "entropy_coef")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if kl_coef != 0 and ref_logprobs is None:
+        raise ValueError("kl_coef is nonzero but no ref_logprobs were given")
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef is nonzero but no entropy was given")
+    valid = mask != 0
+    weights = aggregation_weights(valid, agg, num_tokens)
+    backend = resolve_backend(backend, logprobs.device)
+
+    def flat(x):
+        return None if x is None else x.reshape(-1)
+
+    loss, stats, _ = _ppo_loss(flat(logprobs), flat(old_logprobs).detach(), flat(advantages).detach(),
+                               flat(weights), flat(valid), None if ref_logprobs is None else flat(ref_logprobs).detach(),
+                               flat(entropy), clip_low, clip_high, dual, kl_coef,
+                               KL_ESTIMATORS.index(kl_estimator) + 1, entropy_coef, backend)
+    named = dict(zip(_STATS, stats.unbind()))
+    keep = ["pg_loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_max"]
+    keep += ["kl"] * (ref_logprobs is not None) + ["entropy"] * (entropy is not None)
+    keep += ["dual_clipfrac"] * (dual_clip is not None)
+    return loss, {k: named[k] for k in keep}

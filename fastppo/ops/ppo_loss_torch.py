@@ -1,0 +1,66 @@
+"""PyTorch twin of ``fastppo.kernels.ppo_loss``: the CPU path, with the same launcher signature.
+
+Token tensors are small next to the logits (N values, not N x V), so this twin is a plain
+vectorised pass with no chunking. See the kernel's docstring for the math.
+"""
+
+import torch
+
+from .kl import kl_penalty
+
+# The columns of the partial sums both implementations write, in order.
+PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
+
+
+def num_programs(N: int) -> int:
+    """Rows of partials this implementation writes: one (the whole batch at once)."""
+    return 1
+
+
+def _kl_slope(d: torch.Tensor, kl_estimator: int) -> torch.Tensor:
+    """d kl / d logp for the estimators of :func:`fastppo.kl_penalty` (k3 clamps d to [-20, 20])."""
+    if kl_estimator == 1:
+        return torch.ones_like(d)
+    if kl_estimator == 2:
+        return d
+    in_range = (d >= -20.0) & (d <= 20.0)
+    return torch.where(in_range, 1.0 - torch.exp(-d.clamp(-20.0, 20.0)), 0.0)
+
+
+def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
+                     clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials):
+    """Write ``d loss / d logprobs`` into ``grad`` and the sums of PARTIALS into ``partials[0]``."""
+    if logprobs.numel() == 0:
+        return
+
+    def safe(x):  # masked tokens may hold -inf or NaN: replace them before any arithmetic
+        return torch.where(valid, x.float(), 0.0)
+
+    logp, old, adv = safe(logprobs), safe(old_logprobs), safe(advantages)
+    raw = logp - old
+    lr = raw.clamp(-20.0, 20.0)
+    ratio = lr.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = pg2 > pg1  # the ratio is outside the clip range: no gradient
+    pg = torch.where(clipped, pg2, pg1)
+    slope = torch.where(clipped | (raw < -20.0) | (raw > 20.0), 0.0, pg1)  # d(-A exp(lr))/dlogp
+    dual_on = torch.zeros_like(valid)
+    if dual_clip > 0:
+        bound = -adv * dual_clip
+        dual_on = (adv < 0) & (bound < pg)
+        pg = torch.where(dual_on, bound, pg)
+        slope = torch.where(dual_on, 0.0, slope)
+    kl = torch.zeros_like(pg)
+    if ref_logprobs is not None:
+        ref = safe(ref_logprobs)
+        kl = kl_penalty(logp, ref, f"k{kl_estimator}")
+        slope = slope + kl_coef * _kl_slope(logp - ref, kl_estimator)
+    grad.copy_(weights * slope)
+
+    ent = safe(entropy) if entropy is not None else torch.zeros_like(pg)
+    m = valid.float()
+    partials[0] = torch.stack([
+        (weights * pg).sum(), (weights * kl).sum(), (weights * ent).sum(), (valid & clipped).sum(),
+        (m * 0.5 * lr * lr).sum(), (m * ratio).sum(), (m * ratio).max(), dual_on.sum(), m.sum(),
+    ]).float()

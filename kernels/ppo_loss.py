@@ -1,0 +1,119 @@
+"""Triton kernel for the PPO clipped policy loss over token tensors: one launch, one read.
+
+Per valid token, with ``A`` the advantage and every quantity in fp32::
+
+    lr    = clamp(logp - old_logp, -20, 20),   ratio = exp(lr)
+    pg    = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
+    pg    = min(pg, -A * dual_clip)                        where A < 0, with dual clipping
+    kl    = k1 | k2 | k3 of d = logp - ref_logp             with a reference
+
+The aggregation (token mean, sequence mean, ...) is a weight per token, ``w``, computed from the
+mask beforehand, so the loss is ``sum w * (pg + kl_coef * kl - entropy_coef * entropy)`` and its
+gradient with respect to ``logp`` is known token by token in the forward. The kernel writes that
+gradient (the backward only scales it by the upstream scalar) and, per program, the partial sums
+the loss and the statistics need. Summing the partials is a tiny deterministic reduction; no
+atomics, so results are bitwise reproducible.
+
+Masked tokens may hold anything (padding log-probs of -inf, say): every input is replaced by a
+harmless value before use, so they contribute exactly 0 and never a NaN.
+"""
+
+import triton
+import triton.language as tl
+
+# The columns of the per-program partials, in the order the kernel stores them.
+PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
+
+
+@triton.jit
+def _ppo_loss_fwd_kernel(
+    logp_ptr, old_ptr, adv_ptr, weight_ptr, valid_ptr, ref_ptr, ent_ptr,
+    grad_ptr, partials_ptr,
+    N, clip_low, clip_high, dual_clip, kl_coef,
+    HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr, DUAL_CLIP: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    valid = (tl.load(valid_ptr + offs, mask=offs < N, other=0) != 0) & (offs < N)
+    m = valid.to(tl.float32)
+    logp = tl.where(valid, tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
+    old = tl.where(valid, tl.load(old_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
+    adv = tl.where(valid, tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
+    w = tl.where(valid, tl.load(weight_ptr + offs, mask=valid, other=0.0), 0.0)
+
+    raw = logp - old
+    lr = tl.minimum(tl.maximum(raw, -20.0), 20.0)
+    ratio = tl.exp(lr)
+    pg1 = -adv * ratio
+    pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+    clipped = pg2 > pg1  # then the ratio is outside the clip range: no gradient
+    pg = tl.where(clipped, pg2, pg1)
+    dpg = tl.where(clipped | (raw < -20.0) | (raw > 20.0), 0.0, pg1)  # d(-A * exp(lr))/dlogp = pg1
+    dual_clipped = 0.0
+    if DUAL_CLIP:
+        bound = -adv * dual_clip
+        dual_on = (adv < 0) & (bound < pg)
+        pg = tl.where(dual_on, bound, pg)
+        dpg = tl.where(dual_on, 0.0, dpg)
+        dual_clipped = tl.sum(dual_on.to(tl.float32))
+
+    grad = dpg
+    kl = tl.zeros_like(pg)
+    if HAS_REF:
+        ref = tl.where(valid, tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
+        d = logp - ref
+        if KL_ESTIMATOR == 1:
+            kl = d
+            dkl = tl.full(d.shape, 1.0, tl.float32)
+        elif KL_ESTIMATOR == 2:
+            kl = 0.5 * d * d
+            dkl = d
+        else:
+            dc = tl.minimum(tl.maximum(d, -20.0), 20.0)
+            kl = tl.exp(-dc) + dc - 1.0
+            dkl = tl.where((d < -20.0) | (d > 20.0), 0.0, 1.0 - tl.exp(-dc))
+        grad += kl_coef * dkl
+    tl.store(grad_ptr + offs, w * grad, mask=offs < N)
+
+    ent = tl.zeros_like(pg)
+    if HAS_ENTROPY:
+        ent = tl.where(valid, tl.load(ent_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
+    row = partials_ptr + pid * 9  # one row of PARTIALS per program
+    tl.store(row + 0, tl.sum(w * pg))
+    tl.store(row + 1, tl.sum(w * kl))
+    tl.store(row + 2, tl.sum(w * ent))
+    tl.store(row + 3, tl.sum((valid & clipped).to(tl.float32)))
+    tl.store(row + 4, tl.sum(m * 0.5 * lr * lr))
+    tl.store(row + 5, tl.sum(m * ratio))
+    tl.store(row + 6, tl.max(m * ratio))
+    tl.store(row + 7, dual_clipped)
+    tl.store(row + 8, tl.sum(m))
+
+
+_BLOCK = 1024
+
+
+def num_programs(N: int) -> int:
+    """Rows of the partials tensor ``ppo_loss_forward`` needs for N tokens."""
+    return max(1, triton.cdiv(N, _BLOCK))
+
+
+def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
+                     clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials):
+    """Write ``d loss / d logprobs`` into ``grad`` and per-program sums into ``partials``.
+
+    Token tensors are contiguous ``(N,)``: ``weights`` and ``grad`` fp32, ``valid`` bool,
+    ``ref_logprobs`` and ``entropy`` optional. ``partials`` is zeroed fp32 ``(num_programs(N),
+    len(PARTIALS))``. ``dual_clip`` is 0 when off; ``kl_estimator`` is 1, 2 or 3 (k1, k2, k3).
+    """
+    N = logprobs.numel()
+    if N == 0:
+        return
+    _ppo_loss_fwd_kernel[(num_programs(N),)](
+        logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
+        grad, partials,
+        N, clip_low, clip_high, dual_clip, kl_coef,
+        HAS_REF=ref_logprobs is not None, HAS_ENTROPY=entropy is not None, DUAL_CLIP=dual_clip > 0,
+        KL_ESTIMATOR=kl_estimator, BLOCK=_BLOCK, num_warps=4,
+    )
