@@ -1,4 +1,5 @@
-"""Test setup: without a GPU, every Triton kernel runs in the Triton interpreter on CPU tensors.
+"""Test setup: without a GPU, every Triton kernel runs in the Triton interpreter on CPU tensors;
+with one, every test runs on it.
 
 ``TRITON_INTERPRET`` is read when triton is imported, so it is set here, before any test module
 (or torch.compile) can import triton.
@@ -10,7 +11,11 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
+if HAS_CUDA:
+    # Tests create tensors without naming a device: on a GPU machine they all run on it, so the
+    # Triton backend runs the compiled kernels.
+    torch.set_default_device("cuda")
+else:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fastppo.ops.dispatch import TRITON_INSTALLED  # noqa: E402  (after the environment is set)

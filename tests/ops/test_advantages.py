@@ -62,8 +62,9 @@ def _whiten_worker(rank, port, xs, masks, out_dir):
 
 
 def test_whiten_global_statistics_across_two_gloo_ranks(tmp_path):
-    xs = [torch.randn(3, 8) + 2, torch.randn(5, 8) * 4 - 1]  # ranks hold different amounts
-    masks = [torch.rand(3, 8) > 0.3, torch.rand(5, 8) > 0.6]
+    # gloo ranks on CPU tensors; ranks hold different amounts
+    xs = [torch.randn(3, 8, device="cpu") + 2, torch.randn(5, 8, device="cpu") * 4 - 1]
+    masks = [torch.rand(3, 8, device="cpu") > 0.3, torch.rand(5, 8, device="cpu") > 0.6]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

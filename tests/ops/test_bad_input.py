@@ -54,9 +54,9 @@ def test_bad_input(call, overrides, error, match):
 
 def test_tensors_on_different_devices():
     meta_labels = torch.zeros(2, 3, dtype=torch.long, device="meta")
-    with pytest.raises(ValueError, match="labels is on meta but logits is on cpu"):
+    with pytest.raises(ValueError, match="labels is on meta but logits is on "):
         logits_call(labels=meta_labels)
-    with pytest.raises(ValueError, match="weight is on meta but hidden is on cpu"):
+    with pytest.raises(ValueError, match="weight is on meta but hidden is on "):
         linear_call(weight=torch.randn(V, H, device="meta"))
     with pytest.raises(ValueError, match="temperature is on meta"):
         logits_call(temperature=torch.ones(2, 1, device="meta"))

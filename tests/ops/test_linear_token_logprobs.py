@@ -105,7 +105,9 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_memory_is_bounded_by_the_chunk(backend):
+def test_memory_is_bounded_by_the_chunk(backend, device):
+    if device.type == "cuda":
+        pytest.skip("measured with the CUDA allocator in test_gpu.py")
     N, H, V, chunk = 512, 16, 1000, 32
     hidden = torch.randn(N, H, requires_grad=True)
     weight = torch.randn(V, H, requires_grad=True)

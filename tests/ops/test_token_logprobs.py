@@ -18,7 +18,7 @@ CASES = [  # (leading shape, V, temperature)
 ]
 
 
-def make_labels(lead, V, *, ignore_index=-100, device="cpu"):
+def make_labels(lead, V, *, ignore_index=-100, device=None):
     """Random labels with 0 and V - 1 present and one ignored position when there are >= 3."""
     labels = torch.randint(0, V, lead, device=device)
     flat = labels.view(-1)

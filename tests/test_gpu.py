@@ -1,0 +1,73 @@
+"""Checks that need a real GPU: int64 offsets past 2**31 elements, CUDA-graph capture, and the
+linear path's memory bound under the CUDA allocator. Skipped without CUDA."""
+
+import pytest
+import torch
+
+import fastppo
+from tests.oracles import assert_values_close, logprobs_oracle
+
+pytestmark = pytest.mark.gpu
+
+
+def test_logits_past_two_to_the_31_elements():
+    N, V = 16_385, 131_072  # N * V = 2**31 + V elements of bf16: 4.3 GB
+    logits = torch.empty(N, V, dtype=torch.bfloat16, device="cuda").normal_()
+    labels = torch.randint(0, V, (N,), device="cuda")
+    logits.requires_grad_()
+    logp, entropy = fastppo.token_logprobs(logits, labels, return_entropy=True)
+    tail = slice(N - 3, N)  # rows whose offsets only int64 can address
+    ref_logp, ref_entropy = logprobs_oracle(logits.detach()[tail], labels[tail])
+    assert_values_close(logp[tail], ref_logp, torch.bfloat16, logit_scale=6.0)
+    assert_values_close(entropy[tail], ref_entropy, torch.bfloat16, logit_scale=6.0)
+    logp[tail].sum().backward()
+    grad = logits.grad
+    assert torch.isfinite(grad[tail].float()).all() and (grad[tail].float().abs().sum(1) > 0).all()
+    assert (grad[: N - 3] == 0).all()
+
+
+def test_cuda_graph_capture():
+    # No op synchronises with the host, so a whole loss can be captured and replayed.
+    B, T, V = 4, 64, 1000
+    logits = torch.randn(B, T, V, device="cuda")
+    labels = torch.randint(0, V, (B, T), device="cuda")
+    old = torch.randn(B, T, device="cuda") - 5
+    adv = torch.randn(B, T, device="cuda")
+    mask = torch.rand(B, T, device="cuda") > 0.2
+
+    def step():
+        loss, stats = fastppo.ppo_loss_from_logits(logits, labels, old, adv, mask, entropy_coef=0.01)
+        advantages, _ = fastppo.gae(adv, old, mask)
+        return loss, stats["clipfrac"], advantages
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_linear_memory_bound_on_the_allocator():
+    N, H, V, chunk = 4096, 64, 32_000, 128
+    hidden = torch.randn(N, H, device="cuda", requires_grad=True)
+    weight = torch.randn(V, H, device="cuda", requires_grad=True)
+    labels = torch.randint(0, V, (N,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=chunk)
+    (logp.sum() + entropy.sum()).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    chunk_bytes, full_bytes = chunk * V * 4, N * V * 4
+    # chunk buffer + fp32 weight-gradient accumulator + the gradients themselves, nothing N x V
+    assert extra < 2 * chunk_bytes + 3 * V * H * 4 + 4 * N * H * 4 + (1 << 20)
+    assert extra * 10 < full_bytes
