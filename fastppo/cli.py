@@ -6,6 +6,7 @@ import sys
 # subcommand -> (module whose ``main(argv)`` runs it, one-line help)
 COMMANDS = {
     "demo": ("fastppo.demo", "run the log-prob ops on a tiny Llama and compare them with float64 PyTorch"),
+    "bench": ("fastppo.bench.cli", "time every op beside naive PyTorch, torch.compile and installed peers"),
 }
 
 

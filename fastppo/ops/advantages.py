@@ -44,10 +44,15 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     total, total_sq, count = stats.unbind()
     mean = total / count.clamp(min=1.0)
     var = ((total_sq - count * mean * mean) / (count - 1.0).clamp(min=1.0)).clamp(min=0.0)
-    whitened = (x.double() - mean) * torch.rsqrt(var + eps)
+    # Only the statistics need float64. The result is fp32 arithmetic, with the mean split in a
+    # high and a low fp32 part: x - high is exact for x near the mean (Sterbenz), so a large
+    # offset (x ~ 1e4 +- 1) loses nothing, and no float64 copy of x is made.
+    high = mean.float()
+    low = (mean - high.double()).float()
+    whitened = ((x.detach().float() - high) - low) * torch.rsqrt(var + eps).float()
     if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(valid, whitened, 0.0).float()
+        whitened = whitened + high + low
+    return torch.where(valid, whitened, 0.0)
 
 
 def group_advantages(scores: Tensor, group_size: int, *, estimator: str = "grpo", eps: float = 1e-6) -> Tensor:

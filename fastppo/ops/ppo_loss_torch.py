@@ -1,7 +1,8 @@
 """PyTorch twin of ``fastppo.kernels.ppo_loss``: the CPU path, with the same launcher signature.
 
-Token tensors are small next to the logits (N values, not N x V), so this twin is a plain
-vectorised pass with no chunking. See the kernel's docstring for the math.
+It walks the tokens in chunks of ``CHUNK`` (as the kernel's programs do), each chunk writing one
+row of partial sums: whole-batch temporaries of a few million tokens would be fresh pages on
+every call, and measured twice as slow on a CPU. See the kernel's docstring for the math.
 """
 
 import torch
@@ -12,9 +13,13 @@ from .kl import kl_penalty
 PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
 
 
+# Tokens per chunk: a few hundred KiB per temporary, cache-sized.
+CHUNK = 1 << 16
+
+
 def num_programs(N: int) -> int:
-    """Rows of partials this implementation writes: one (the whole batch at once)."""
-    return 1
+    """Rows of partials this implementation writes: one per chunk."""
+    return max(1, -(-N // CHUNK))
 
 
 def _kl_slope(d: torch.Tensor, kl_estimator: int) -> torch.Tensor:
@@ -29,10 +34,16 @@ def _kl_slope(d: torch.Tensor, kl_estimator: int) -> torch.Tensor:
 
 def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
                      clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials):
-    """Write ``d loss / d logprobs`` into ``grad`` and the sums of PARTIALS into ``partials[0]``."""
-    if logprobs.numel() == 0:
-        return
+    """Write ``d loss / d logprobs`` into ``grad`` and one row of PARTIALS per chunk into ``partials``."""
+    for row, start in enumerate(range(0, logprobs.numel(), CHUNK)):
+        part = slice(start, start + CHUNK)
+        _chunk_forward(*(None if x is None else x[part] for x in (
+            logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy)),
+            clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad[part], partials[row])
 
+
+def _chunk_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
+                   clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials_row):
     def safe(x):  # masked tokens may hold -inf or NaN: replace them before any arithmetic
         return torch.where(valid, x.float(), 0.0)
 
@@ -60,7 +71,7 @@ def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_log
 
     ent = safe(entropy) if entropy is not None else torch.zeros_like(pg)
     m = valid.float()
-    partials[0] = torch.stack([
+    partials_row.copy_(torch.stack([
         (weights * pg).sum(), (weights * kl).sum(), (weights * ent).sum(), (valid & clipped).sum(),
         (m * 0.5 * lr * lr).sum(), (m * ratio).sum(), (m * ratio).max(), dual_on.sum(), m.sum(),
-    ]).float()
+    ]).float())

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastppo
+from fastppo.ops import gae_torch
 from fastppo.ops.dispatch import TRITON_INSTALLED
 from tests.oracles import relative_error
 
@@ -95,6 +96,13 @@ def test_no_gradient_flows(backend):
     values = torch.randn(2, 6, requires_grad=True)
     adv, ret = fastppo.gae(torch.randn(2, 6), values, torch.ones(2, 6, dtype=torch.bool), backend=backend)
     assert not adv.requires_grad and not ret.requires_grad
+
+
+@pytest.mark.parametrize("chunk_elements", [10, 40, 100])
+def test_twin_row_chunks(monkeypatch, chunk_elements):
+    # T = 37: one row per chunk (10, 40) or two rows per chunk with a partial last chunk (100).
+    monkeypatch.setattr(gae_torch, "CHUNK_ELEMENTS", chunk_elements)
+    check_gae(torch.randn(5, 37), torch.randn(5, 37), random_mask(5, 37), 0.9, 0.8, "torch")
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")

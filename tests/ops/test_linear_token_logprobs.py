@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import fastppo
+from fastppo.bench.measure import LargestTensor
 from fastppo.ops.linear_token_logprobs import default_chunk_size
 from tests.oracles import assert_grad_close, assert_values_close, linear_logprobs_oracle
 from tests.ops.test_token_logprobs import DTYPES, make_labels
@@ -78,31 +77,6 @@ def test_per_sequence_temperature(backend, device):
                                          backend=backend)
     ref_logp, _ = linear_logprobs_oracle(hidden, weight, labels, temperature=temperature.double())
     assert_values_close(logp, ref_logp, torch.float32, logit_scale=50)
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor (in bytes) any op creates, looking inside fastppo's custom ops.
-
-    Bytes, not elements: the Triton interpreter stages each kernel argument as a byte tensor of
-    the same size, which is not a second buffer of the op's own.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "fastppo":
-            # Run the op's CPU implementation with this mode active, so its inner ops are seen too.
-            with self:
-                out = func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
 
 
 def test_memory_is_bounded_by_the_chunk(backend, device):

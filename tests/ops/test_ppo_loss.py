@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastppo
+from fastppo.ops import ppo_loss_torch
 from tests.oracles import aggregate_oracle, ppo_loss_oracle, relative_error
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -134,6 +135,11 @@ def test_any_token_shape_for_token_mean(backend):
     torch.testing.assert_close(loss_1d, loss_2d)
     with pytest.raises(ValueError, match=r"needs \(B, T\) token tensors"):
         fastppo.ppo_policy_loss(flat["logp"], flat["old"], flat["adv"], flat["mask"], agg="seq-mean-token-sum")
+
+
+def test_twin_chunk_boundaries(monkeypatch):
+    monkeypatch.setattr(ppo_loss_torch, "CHUNK", 7)  # 52 tokens: 8 chunks, the last one partial
+    check_loss(make_batch(), "torch", kl_coef=0.1, entropy_coef=0.01, dual_clip=2.0)
 
 
 def test_large_batch_spans_many_kernel_programs(backend):

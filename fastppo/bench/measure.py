@@ -1,0 +1,99 @@
+"""How the bench suite measures: time, memory and the machine's copy bandwidth.
+
+* Time on CUDA is ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs, medians
+  after warm-up); on CPU, wall-clock over repeated calls after one warm-up call.
+* Memory on CUDA is the peak the caching allocator saw above what was allocated before the call;
+  on CPU it is the largest single tensor any op created, seen through a dispatch mode that also
+  looks inside fastppo's custom ops.
+* The copy bandwidth (bytes read plus written by a large device copy, in the same run) is the
+  ceiling a memory-bound op is compared with.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+
+def time_call(call, device: torch.device, *, quick: bool = False, smoke: bool = False) -> Timing:
+    """Median, min and max milliseconds of ``call()``; ``smoke`` runs it once (a test of the suite)."""
+    if smoke:
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+        return Timing(ms, ms, ms)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        median, low, high = do_bench(call, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                     quantiles=[0.5, 0.0, 1.0])
+        return Timing(median, low, high)
+    call()  # warm-up
+    budget = 0.2 if quick else 1.0
+    times = []
+    deadline = time.perf_counter() + budget
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return Timing(times[len(times) // 2], times[0], times[-1])
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in bytes) any op creates, looking inside fastppo's custom ops.
+
+    Bytes, not elements: the Triton interpreter stages each kernel argument as a byte tensor of
+    the same size, which is not a second buffer of the op's own.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "fastppo":
+            # Run the op's CPU implementation with this mode active, so its inner ops are seen too.
+            with self:
+                out = func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def peak_memory_bytes(call, device: torch.device) -> int:
+    """CUDA: peak allocated bytes above the starting point during ``call()``; CPU: largest tensor."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        call()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with LargestTensor() as mode:
+        call()
+    return mode.largest
+
+
+def copy_bandwidth_gbps(device: torch.device, *, quick: bool = False, smoke: bool = False) -> float:
+    """GB/s of a large device copy, counting bytes read plus bytes written."""
+    nbytes = (1 << 24) if quick or smoke or device.type != "cuda" else (1 << 30)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    timing = time_call(lambda: dst.copy_(src), device, quick=quick, smoke=smoke)
+    return 2 * nbytes / (timing.median_ms * 1e-3) / 1e9

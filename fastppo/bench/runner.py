@@ -1,0 +1,135 @@
+"""Runs bench cases: every contender of a case on the same inputs, forward and forward+backward."""
+
+import datetime
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import fastppo
+
+from .advantages import gae_cases, whiten_cases
+from .logprobs import linear_logprobs_cases, logprobs_cases
+from .losses import ppo_loss_cases, ppo_loss_tokens_cases, value_loss_cases
+from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
+
+# op family -> cases(device, quick), most telling first: a time budget cuts the end of the list
+FAMILIES = {
+    "logprobs": logprobs_cases,
+    "ppo_loss": ppo_loss_cases,
+    "linear_logprobs": linear_logprobs_cases,
+    "gae": gae_cases,
+    "ppo_loss_tokens": ppo_loss_tokens_cases,
+    "value_loss": value_loss_cases,
+    "whiten": whiten_cases,
+}
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    contender: str
+    mode: str  # "fwd" or "fwd+bwd"
+    status: str  # "ok", or why there is no measurement
+    bytes: int
+    median_ms: Optional[float] = None
+    min_ms: Optional[float] = None
+    max_ms: Optional[float] = None
+    speedup: Optional[float] = None  # naive median / this median, same mode
+    gbps: Optional[float] = None
+    pct_copy: Optional[float] = None
+    memory_bytes: Optional[int] = None
+
+
+def make_call(fn, inputs: dict, mode: str, grad_inputs: tuple):
+    """A no-argument callable running one pass (``"fwd"`` or ``"fwd+bwd"``) of ``fn`` on ``inputs``."""
+    if mode == "fwd":
+        return lambda: fn(inputs)
+    leaves = [inputs[name] for name in grad_inputs]
+
+    def forward_backward():
+        out = fn(inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad(sum(o.float().sum() for o in outs), leaves)
+
+    return forward_backward
+
+
+def _measure(row: Row, call, device, *, quick, smoke, copy_gbps) -> None:
+    timing = time_call(call, device, quick=quick, smoke=smoke)
+    row.median_ms, row.min_ms, row.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
+    row.gbps = row.bytes / (timing.median_ms * 1e-3) / 1e9
+    row.pct_copy = 100.0 * row.gbps / copy_gbps
+    row.memory_bytes = peak_memory_bytes(call, device)
+
+
+def run_case(case, device, *, quick, smoke, copy_gbps, deadline) -> list:
+    """Rows for every contender and pass of ``case``; failures become rows, never exceptions."""
+    modes = [("fwd", case.bytes_fwd)] + ([("fwd+bwd", case.bytes_fwd_bwd)] if case.bytes_fwd_bwd else [])
+    inputs = None
+    rows = []
+    for mode, nbytes in modes:
+        mode_rows = []
+        for contender in case.contenders:
+            row = Row(case.op, case.label, contender.name, mode, contender.status, nbytes)
+            if contender.fn is not None and time.monotonic() > deadline:
+                row.status = "skipped: time budget"
+            elif contender.fn is not None:
+                try:
+                    inputs = inputs or case.make_inputs()
+                    _measure(row, make_call(contender.fn, inputs, mode, case.grad_inputs), device,
+                             quick=quick, smoke=smoke, copy_gbps=copy_gbps)
+                except Exception as error:  # an OOM or a broken peer is a row, not the end of the run
+                    row.status = f"error: {type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            mode_rows.append(row)
+        baseline = [r for r, c in zip(mode_rows, case.contenders) if c.baseline and r.status == "ok"]
+        for row in mode_rows:
+            if baseline and row.status == "ok":
+                row.speedup = baseline[0].median_ms / row.median_ms
+        rows += mode_rows
+    return rows
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def run_suite(ops, device: torch.device, *, quick: bool = False, smoke: bool = False,
+              time_budget_s: float = float("inf")) -> tuple:
+    """Run the families ``ops`` on ``device``; return ``(meta, rows)``."""
+    copy_gbps = copy_bandwidth_gbps(device, quick=quick, smoke=smoke)
+    deadline = time.monotonic() + time_budget_s
+    rows = []
+    for op in ops:
+        for case in FAMILIES[op](device, quick):
+            rows += run_case(case, device, quick=quick, smoke=smoke, copy_gbps=copy_gbps, deadline=deadline)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    meta = {"machine": machine(device), "device": device.type, "date": datetime.datetime.now(
+                datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": _commit(), "fastppo": fastppo.__version__, "torch": torch.__version__,
+            "triton": triton_version, "python": platform.python_version(), "quick": quick,
+            "copy_gbps": copy_gbps}
+    return meta, [asdict(r) for r in rows]
