@@ -13,8 +13,8 @@ from .kl import kl_penalty
 PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
 
 
-# Tokens per chunk: a few hundred KiB per temporary, cache-sized.
-CHUNK = 1 << 16
+# Tokens per chunk: 512 KiB per fp32 temporary, cache-sized (2**16 to 2**18 measured best).
+CHUNK = 1 << 17
 
 
 def num_programs(N: int) -> int:
