@@ -40,9 +40,12 @@ def _row_offsets(rows, T, stride_b, stride_t):
 
 @triton.jit
 def _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP: tl.constexpr):
+    # -> (BLOCK_N,) fp32: 1 / the row's temperature, or the scalar for every row
     if HAS_TEMP:
-        return 1.0 / tl.load(temp_ptr + rows, mask=row_ok, other=1.0).to(tl.float32)
-    return tl.zeros_like(rows).to(tl.float32) + inv_temp
+        scale = 1.0 / tl.load(temp_ptr + rows, mask=row_ok, other=1.0).to(tl.float32)
+    else:
+        scale = tl.zeros_like(rows).to(tl.float32) + inv_temp
+    return scale
 
 
 @triton.jit
