@@ -18,7 +18,8 @@ from .ops import (
     value_loss,
 )
 from .ops import __all__ as _ops
+from .rollout import Rollout, Sampler
 
 __version__ = "0.1.0"
 
-__all__ = [*_ops, "__version__"]
+__all__ = [*_ops, "Sampler", "Rollout", "__version__"]

@@ -1,0 +1,47 @@
+"""CUDA graphs of the lean decode step: one launch per step instead of hundreds.
+
+A graph is captured on first use for each (rows, span bucket), spans rounded up to a power of
+two so a rollout needs about log2(max_seq_len) of them. Replays read the model's parameters at
+the addresses they had at capture: optimizer steps update them in place, so the next rollout
+sees the new weights; replacing the parameter tensors themselves needs a new Sampler.
+
+Warm-up and capture write keys and values at the cache's last position. That is harmless: a
+slot past a row's length is always rewritten by the step that first reads it.
+"""
+
+import torch
+from torch import Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.max_len = decoder.cache.k[0].shape[2]
+        self.graphs = {}
+        self.pool = None
+
+    def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+        bucket = min(1 << (span - 1).bit_length(), self.max_len)
+        key = (tokens.shape[0], bucket)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, static_tokens, static_positions, logits = self.graphs[key]
+        static_tokens.copy_(tokens)
+        static_positions.copy_(positions)
+        graph.replay()
+        return logits
+
+    def _capture(self, rows: int, span: int):
+        device = self.decoder.cache.k[0].device
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        positions = torch.full((rows,), self.max_len - 1, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.decoder.decode(tokens, positions, span)  # warm-up: allocations and library handles
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.decoder.decode(tokens, positions, span)
+        self.pool = graph.pool()
+        return graph, tokens, positions, logits

@@ -1,0 +1,59 @@
+"""The sampler's KV cache: allocated once, one slot per row, filled to a per-row length.
+
+``k[layer]`` and ``v[layer]`` are ``(max_batch, kv_heads, max_len, head_dim)``. A row's prompt is
+written at positions ``0 .. L-1`` by its own prefill, and each decode step writes every row at its
+own position, so ragged prompts need no padding. Attention reads ``[:span]`` of the cache with a
+mask of each row's valid positions (and its sliding window, if the layer has one).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, num_layers: int, max_batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (max_batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def copy_row(self, src: int, dst: slice) -> None:
+        """Give rows ``dst`` the cache of row ``src`` (samples of one prompt share its prefill)."""
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def prefill_attention(self, layer: int, row: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                          window: Optional[int]) -> Tensor:
+        """Store one prompt's keys and values and attend causally. q: (1, H, L, D); k, v: (1, KVH, L, D)."""
+        L = q.shape[2]
+        self.k[layer][row, :, :L] = k[0]
+        self.v[layer][row, :, :L] = v[0]
+        mask = None
+        if window is not None and L > window:
+            pos = torch.arange(L, device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (L, L)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+    def decode_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int,
+                         scale: float, window: Optional[int]) -> Tensor:
+        """Store each row's new key and value at its position and attend over ``[:span]``.
+
+        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64 -> (B, H, 1, D).
+        """
+        B = q.shape[0]
+        rows = torch.arange(B, device=q.device)
+        self.k[layer][rows, :, positions] = k[:, :, 0]
+        self.v[layer][rows, :, positions] = v[:, :, 0]
+        keys = torch.arange(span, device=q.device)
+        mask = keys[None, :] <= positions[:, None]  # (B, span)
+        if window is not None:
+            mask &= keys[None, :] > positions[:, None] - window
+        # The cache may be stored in another dtype than the model computes in; .to is then a cast.
+        cached_k, cached_v = (c[layer][:B, :, :span].to(q.dtype) for c in (self.k, self.v))
+        return F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask[:, None, None, :],
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])

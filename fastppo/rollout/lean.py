@@ -1,0 +1,116 @@
+"""Lean decoder forwards for the common families, on the Hugging Face module's own parameters.
+
+The model's submodules (norms, projections, MLPs, rotary embedding) are called as they are, so
+the math is the model's own and its parameters are used by reference, never copied: an
+optimizer step is seen by the next rollout. Only the attention is replaced, by one that reads
+and writes the sampler's :class:`KVCache` with per-row positions. Anything else goes through
+``generic.py``.
+
+Each decoder offers ``prefill(row, ids) -> logits (V,)`` for one prompt and
+``decode(tokens (B,), positions (B,), span) -> logits (B, V)`` for one step of every row.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kv_cache import KVCache
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _windows(config) -> list:
+    """Per layer, the sliding-window length or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    uses_window = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    return [window if uses_window else None] * config.num_hidden_layers
+
+
+class _Decoder:
+    """Shared driver: subclasses run the layers given an attention function."""
+
+    def __init__(self, model, cache: KVCache, windows: list):
+        self.model, self.cache, self.windows = model, cache, windows
+
+    def prefill(self, row: int, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[0], device=ids.device).unsqueeze(0)  # (1, L)
+
+        def attend(layer, q, k, v, scale):
+            return self.cache.prefill_attention(layer, row, q, k, v, scale, self.windows[layer])
+
+        return self.forward(ids.unsqueeze(0), positions, attend)[0, -1]
+
+    def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+        def attend(layer, q, k, v, scale):
+            return self.cache.decode_attention(layer, q, k, v, positions, span, scale, self.windows[layer])
+
+        return self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1]
+
+
+class LlamaLikeDecoder(_Decoder):
+    """Llama, Mistral, Qwen2 and Qwen3: RMSNorm, rotary GQA attention (Qwen3: q/k norms), gated MLP."""
+
+    def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
+        body = self.model.model
+        x = body.embed_tokens(ids)  # (B, L, hidden)
+        cos, sin = body.rotary_emb(x, positions)  # (B, L, D) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        B, L, _ = x.shape
+        for i, layer in enumerate(body.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, L, -1, attn.head_dim).transpose(1, 2)  # (B, H, L, D)
+            k = attn.k_proj(h).view(B, L, -1, attn.head_dim).transpose(1, 2)  # (B, KVH, L, D)
+            v = attn.v_proj(h).view(B, L, -1, attn.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            o = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(B, L, -1)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(body.norm(x))  # (B, L, V)
+
+
+class GPT2Decoder(_Decoder):
+    """GPT-2: learned positions, fused qkv projection (Conv1D), LayerNorm, GELU MLP."""
+
+    def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
+        body, config = self.model.transformer, self.model.config
+        x = body.wte(ids) + body.wpe(positions)  # (B, L, hidden)
+        B, L, hidden = x.shape
+        D = hidden // config.n_head
+        for i, block in enumerate(body.h):
+            qkv = block.attn.c_attn(block.ln_1(x))  # (B, L, 3 * hidden)
+            q, k, v = (t.view(B, L, config.n_head, D).transpose(1, 2) for t in qkv.split(hidden, dim=2))
+            scale = (D**-0.5 if config.scale_attn_weights else 1.0) / (i + 1 if config.scale_attn_by_inverse_layer_idx else 1)
+            o = attend(i, q, k, v, scale).transpose(1, 2).reshape(B, L, hidden)
+            x = x + block.attn.c_proj(o)
+            x = x + block.mlp(block.ln_2(x))
+        return self.model.lm_head(body.ln_f(x))
+
+
+def lean_decoder(model, max_batch: int, max_len: int, dtype: Optional[torch.dtype]):
+    """A lean decoder with its KV cache for ``model``, or None when its family has no fast path."""
+    config = model.config
+    param = next(model.parameters())
+    dtype = dtype or param.dtype
+    if config.model_type in LLAMA_LIKE and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+        attn = model.model.layers[0].self_attn
+        cache = KVCache(config.num_hidden_layers, max_batch, config.num_key_value_heads, max_len,
+                        attn.head_dim, dtype, param.device)
+        return LlamaLikeDecoder(model, cache, _windows(config))
+    if config.model_type == "gpt2" and not getattr(config, "reorder_and_upcast_attn", False):
+        cache = KVCache(config.n_layer, max_batch, config.n_head, max_len, config.n_embd // config.n_head,
+                        dtype, param.device)
+        return GPT2Decoder(model, cache, [None] * config.n_layer)
+    return None

@@ -1,0 +1,197 @@
+"""``Sampler``: batched, KV-cached generation on the live training weights, returning a Rollout.
+
+For Llama, Mistral, Qwen2, Qwen3 and GPT-2 it runs the lean decoders of ``lean.py`` over a KV
+cache allocated once per sampler: each prompt is prefilled on its own (ragged prompts cost no
+padding), its cache row is copied to the prompt's other samples, and every decode step runs all
+rows at their own positions (on CUDA as a replayed CUDA graph). Other causal LMs go through
+``generic.py``. Both share the loop below: sample, record, stop, with one host sync every 16
+steps to end early once every row has finished. Finished rows stop changing.
+"""
+
+import contextlib
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .cuda_graphs import DecodeGraphs
+from .generic import GenericDecoder
+from .lean import lean_decoder
+from .rollout import Rollout
+from .sampling import sample_tokens
+
+SYNC_EVERY = 16  # decode steps between checks that some row is still going
+
+
+def _positive_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name} must be a positive int, got {x!r}")
+    return x
+
+
+def _token_ids(x) -> tuple:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+@contextlib.contextmanager
+def _sampling_mode(model):
+    """No autograd and no dropout while sampling; the model's training flag is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+class Sampler:
+    """Generates rollouts from ``model`` (any Hugging Face causal LM), reusing one KV cache.
+
+    Args:
+        model: an ``AutoModelForCausalLM``; its parameters are used by reference, never copied.
+        max_batch_size: the most rows (prompts x samples) one ``generate`` call may hold.
+        max_seq_len: the longest prompt plus response a row may reach.
+        dtype: the KV cache's dtype (default: the model's).
+        cuda_graphs: replay the decode step as CUDA graphs (CUDA and the lean path only).
+    """
+
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None,
+                 cuda_graphs: bool = True):
+        self.model = model
+        self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
+        self.max_seq_len = _positive_int(max_seq_len, "max_seq_len")
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.lean = lean_decoder(model, max_batch_size, max_seq_len, dtype)
+        use_graphs = cuda_graphs and self.lean is not None and self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.lean) if use_graphs else None
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether this model runs the lean decoder (else the generic one)."""
+        return self.lean is not None
+
+    def _check_prompts(self, prompts, max_new_tokens) -> list:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+            max_new_tokens = [max_new_tokens] * len(prompts)
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
+        for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+            _positive_int(new, f"max_new_tokens[{i}]")
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
+            if len(prompt) + new > self.max_seq_len:
+                raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({new}) exceeds "
+                                 f"max_seq_len={self.max_seq_len}")
+        return list(max_new_tokens)
+
+    def _default_stop_and_pad(self, stop_token_ids, pad_token_id):
+        config = self.model.config
+        generation = getattr(self.model, "generation_config", None)
+        if stop_token_ids is None:
+            stop_token_ids = getattr(generation, "eos_token_id", None) or getattr(config, "eos_token_id", None)
+        stop = _token_ids(stop_token_ids)
+        if pad_token_id is None:
+            pad_token_id = getattr(config, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = stop[0] if stop else 0
+        for t in (*stop, pad_token_id):
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop and pad token ids must be in [0, {self.vocab_size}), got {t}")
+        return stop, pad_token_id
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 stop_token_ids: Optional[Union[int, Sequence[int]]] = None, pad_token_id: Optional[int] = None,
+                 num_samples_per_prompt: int = 1, seed: Optional[int] = None) -> Rollout:
+        """Sample ``num_samples_per_prompt`` responses per prompt.
+
+        Args:
+            prompts: token-id lists, of any lengths.
+            max_new_tokens: an int, or one per prompt.
+            temperature: 0 for greedy decoding; ``top_k`` (0: off) and ``top_p`` (1: off) restrict
+                the sampled tokens, not the returned log-probs.
+            stop_token_ids: tokens that end a row (included in its response); default: the
+                model's end-of-sequence ids. ``pad_token_id``: fills ended rows (default: the
+                model's pad id, else the first stop id).
+            seed: makes the draw reproducible.
+        """
+        max_new = self._check_prompts(prompts, max_new_tokens)
+        n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
+        rows = [list(p) for p in prompts for _ in range(n)]
+        if len(rows) > self.max_batch_size:
+            raise ValueError(f"{len(prompts)} prompts x {n} samples = {len(rows)} rows exceed "
+                             f"max_batch_size={self.max_batch_size}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(self.device).manual_seed(seed)
+
+        with _sampling_mode(self.model):
+            return self._generate(rows, [m for m in max_new for _ in range(n)], n, float(temperature), top_k,
+                                  float(top_p), stop, pad, generator)
+
+    def _start(self, rows: list, n: int):
+        """Prefill; return ``(first logits (B, V), decode function)``."""
+        if self.lean is None:
+            decoder = GenericDecoder(self.model)
+            return decoder.start(rows, self.device), decoder.decode
+        logits = []
+        for first in range(0, len(rows), n):
+            last = self.lean.prefill(first, torch.tensor(rows[first], device=self.device))  # (V,)
+            if n > 1:
+                self.lean.cache.copy_row(first, slice(first + 1, first + n))
+            logits.append(last.expand(n, -1))
+        decode = self.graphs.decode if self.graphs is not None else self.lean.decode
+        return torch.cat(logits), decode
+
+    def _generate(self, rows, max_new, n, temperature, top_k, top_p, stop, pad, generator) -> Rollout:
+        device, B = self.device, len(rows)
+        prompt_lens = torch.tensor([len(r) for r in rows], device=device)
+        limits = torch.tensor(max_new, device=device)
+        steps, first_span = max(max_new), max(len(r) for r in rows)
+        tokens_out = torch.full((B, steps), pad, dtype=torch.long, device=device)
+        logprobs_out = torch.zeros(B, steps, dtype=torch.float32, device=device)
+        mask_out = torch.zeros(B, steps, dtype=torch.bool, device=device)
+        active = torch.ones(B, dtype=torch.bool, device=device)
+        stopped = torch.zeros_like(active)
+        stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
+
+        logits, decode = self._start(rows, n)
+        for step in range(steps):
+            if step > 0:
+                # Row r feeds the token sampled last step at position prompt_len + step - 1; rows
+                # that have ended keep moving (writing slots nobody reads), clamped to the cache.
+                positions = (prompt_lens + step - 1).clamp(max=self.max_seq_len - 1)
+                logits = decode(tokens, positions, min(first_span + step, self.max_seq_len))
+            tokens, logprobs = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                             generator=generator)
+            tokens = torch.where(active, tokens, pad)
+            tokens_out[:, step] = tokens
+            logprobs_out[:, step] = torch.where(active, logprobs, 0.0)
+            mask_out[:, step] = active
+            hit = active & torch.isin(tokens, stop_ids)
+            stopped |= hit
+            active &= ~hit & (limits > step + 1)
+            if step % SYNC_EVERY == SYNC_EVERY - 1 and not bool(active.any()):
+                break
+
+        lens = mask_out.sum(dim=1)
+        R = int(lens.max())
+        return Rollout(prompt_ids=rows, response_ids=tokens_out[:, :R].contiguous(),
+                       response_mask=mask_out[:, :R].contiguous(), response_lens=lens,
+                       logprobs=logprobs_out[:, :R].contiguous(),
+                       finish_reason=["stop" if s else "length" for s in stopped.tolist()])

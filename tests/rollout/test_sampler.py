@@ -1,0 +1,194 @@
+"""Sampler: greedy equals Hugging Face generate(), log-probs equal a recomputed forward, the draw
+follows softmax(logits / T), stopping and padding are exact, and the weights are the live ones."""
+
+import math
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+import fastppo
+
+V = 97
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]  # ragged
+LLAMA_LIKE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_LIKE)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA_LIKE)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA_LIKE, head_dim=8)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**LLAMA_LIKE, sliding_window=6)),  # window < sequence
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                               initializer_range=0.2, bos_token_id=V - 1, eos_token_id=V - 1)),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                         num_attention_heads=4, intermediate_size=64,
+                                                         max_position_embeddings=128, initializer_range=0.2,
+                                                         bos_token_id=None, eos_token_id=None)),
+}
+
+
+def tiny(family):
+    torch.manual_seed(0)
+    return FAMILIES[family]().eval()
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def recomputed_logprobs(model, rollout, row, temperature):
+    prompt, n = rollout.prompt_ids[row], int(rollout.response_lens[row])
+    response = rollout.response_ids[row, :n]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response.tolist()])).logits[0, len(prompt) - 1: len(prompt) - 1 + n]
+    return fastppo.token_logprobs(logits, response, temperature=temperature)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_hf_generate(family):
+    model = tiny(family)
+    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64)
+    assert sampler.fast_path == (family != "gpt_neox")
+    rollout = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=())
+    for row, prompt in enumerate(PROMPTS):
+        assert rollout.response_ids[row].tolist() == hf_greedy(model, prompt, 10), f"row {row}"
+    assert rollout.finish_reason == ["length"] * 3 and rollout.response_mask.all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox"])
+def test_logprobs_equal_a_recomputed_forward(family):
+    model = tiny(family)
+    rollout = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64).generate(
+        PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1, num_samples_per_prompt=2)
+    assert rollout.logprobs.dtype == torch.float32
+    for row in range(len(rollout.prompt_ids)):
+        n = int(rollout.response_lens[row])
+        torch.testing.assert_close(rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.7),
+                                   rtol=0, atol=1e-4)
+        assert (rollout.logprobs[row, n:] == 0).all()
+
+
+def _chi2_critical(df, z=3.09):
+    # Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_follows_softmax_over_temperature():
+    model, prompt, temperature, draws = tiny("llama"), [3, 1, 4], 0.8, 4096
+    rollout = fastppo.Sampler(model, max_batch_size=draws, max_seq_len=8).generate(
+        [prompt], max_new_tokens=1, temperature=temperature, stop_token_ids=(), num_samples_per_prompt=draws, seed=0)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
+    counts = torch.bincount(rollout.response_ids[:, 0], minlength=V).double()
+    expected = probs * draws
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi2 < _chi2_critical(len(observed) - 1), chi2
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (5, 0.3)])
+def test_top_k_and_top_p_supports(top_k, top_p):
+    model, prompt, temperature = tiny("llama"), [3, 1, 4], 1.3
+    rollout = fastppo.Sampler(model, max_batch_size=512, max_seq_len=8).generate(
+        [prompt], max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=(),
+        num_samples_per_prompt=512, seed=0)
+    with torch.no_grad():
+        z = model(torch.tensor([prompt])).logits[0, -1] / temperature
+    order = torch.argsort(z, descending=True)
+    allowed = set(order[:top_k].tolist()) if top_k else set(range(V))
+    probs = torch.softmax(z, -1)[order]
+    nucleus = int((torch.cumsum(probs, 0) - probs < top_p).sum())  # tokens whose preceding mass < p
+    allowed &= set(order[:nucleus].tolist())
+    sampled = set(rollout.response_ids[:, 0].tolist())
+    assert sampled <= allowed and len(sampled) > 1
+
+
+def test_stop_token_is_included_and_nothing_follows():
+    model = tiny("llama")
+    greedy = hf_greedy(model, PROMPTS[0], 10)
+    stop = greedy[3]
+    position = greedy.index(stop)
+    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64)
+    rollout = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=[stop], pad_token_id=0)
+    assert rollout.finish_reason[0] == "stop"
+    assert rollout.response_ids[0, : position + 1].tolist() == greedy[: position + 1]
+    assert int(rollout.response_lens[0]) == position + 1
+    assert rollout.response_mask[0, : position + 1].all() and not rollout.response_mask[0, position + 1:].any()
+    assert (rollout.response_ids[0, position + 1:] == 0).all() and (rollout.logprobs[0, position + 1:] == 0).all()
+
+
+def test_per_row_max_new_tokens():
+    rollout = fastppo.Sampler(tiny("qwen2"), max_batch_size=8, max_seq_len=64).generate(
+        PROMPTS, max_new_tokens=[2, 5, 3], temperature=1.0, stop_token_ids=(), seed=0)
+    assert rollout.response_lens.tolist() == [2, 5, 3] and rollout.response_ids.shape == (3, 5)
+    assert rollout.finish_reason == ["length"] * 3
+    assert rollout.response_mask.sum(1).tolist() == [2, 5, 3]
+
+
+def test_gpt2_with_pad_equal_to_eos():
+    model = tiny("gpt2")
+    eos = hf_greedy(model, PROMPTS[1], 6)[2]
+    model.config.eos_token_id = model.config.pad_token_id = eos
+    model.generation_config.eos_token_id = eos
+    rollout = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64).generate(
+        PROMPTS, max_new_tokens=6, temperature=0)
+    row = rollout.response_ids[1].tolist()
+    assert rollout.finish_reason[1] == "stop" and row.index(eos) == int(rollout.response_lens[1]) - 1
+    assert rollout.response_mask[1].sum() == row.index(eos) + 1  # the padding after it is not in the mask
+
+
+def test_samples_of_a_prompt_are_consecutive_and_seeds_reproduce():
+    sampler = fastppo.Sampler(tiny("llama"), max_batch_size=8, max_seq_len=64)
+    greedy = sampler.generate(PROMPTS[:2], max_new_tokens=6, temperature=0, stop_token_ids=(),
+                              num_samples_per_prompt=3)
+    assert greedy.prompt_ids == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert (greedy.response_ids[:3] == greedy.response_ids[0]).all()
+    assert (greedy.response_ids[3:] == greedy.response_ids[3]).all()
+    runs = [sampler.generate(PROMPTS, max_new_tokens=8, stop_token_ids=(), seed=s).response_ids for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_rollouts_use_the_live_weights():
+    model = tiny("llama")
+    model.train()
+    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64)
+    before = sampler.generate(PROMPTS, max_new_tokens=6, temperature=0, stop_token_ids=())
+    assert model.training  # restored after sampling
+    optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
+    model(torch.tensor([PROMPTS[1]])).logits[0, -1, before.response_ids[1, 0]].backward()
+    optimizer.step()  # pushes down the token row 1 chose first
+    after = sampler.generate(PROMPTS, max_new_tokens=6, temperature=0, stop_token_ids=())
+    assert not torch.equal(before.response_ids, after.response_ids)
+    model.eval()
+    for row in range(3):
+        torch.testing.assert_close(after.logprobs[row], recomputed_logprobs(model, after, row, 1.0), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1, V]]), r"outside the vocabulary \[0, 97\)"),
+    (dict(prompts=[[-1]]), "outside the vocabulary"),
+    (dict(max_new_tokens=60), r"exceeds max_seq_len=64"),
+    (dict(max_new_tokens=[1, 2]), "2 entries for 1 prompts"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(num_samples_per_prompt=9), "exceed max_batch_size=8"),
+    (dict(temperature=-1.0), "temperature must be"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_k=-2), "top_k must be"),
+    (dict(stop_token_ids=[V + 3]), "stop and pad token ids"),
+])
+def test_bad_input(kwargs, match):
+    sampler = fastppo.Sampler(tiny("llama"), max_batch_size=8, max_seq_len=64)
+    args = dict(prompts=[[1] * 10], max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        sampler.generate(args.pop("prompts"), **args)
