@@ -31,6 +31,7 @@ class Case:
     bytes_fwd: int
     bytes_fwd_bwd: Optional[int] = None  # None when the op has no backward
     grad_inputs: tuple = field(default_factory=tuple)  # names of the inputs to differentiate
+    items: Optional[int] = None  # work items per call (generated tokens), for a rate column
 
 
 def compiled(name: str, fn: Callable, device: torch.device) -> Contender:

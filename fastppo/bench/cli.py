@@ -24,12 +24,14 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
 
+    def write(meta, rows):
+        for path, render in ((args.json, to_json), (args.markdown, markdown)):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(render(meta, rows))
+
     meta, rows = run_suite(args.op or list(FAMILIES), torch.device(args.device), quick=args.quick,
-                           time_budget_s=args.time_budget)
-    table = markdown(meta, rows)
-    for path, text in ((args.json, to_json(meta, rows)), (args.markdown, table)):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    print(table, end="")
+                           time_budget_s=args.time_budget, on_case=write)
+    write(meta, rows)
+    print(markdown(meta, rows), end="")
     return 0

@@ -16,6 +16,7 @@ import fastppo
 from .advantages import gae_cases, whiten_cases
 from .logprobs import linear_logprobs_cases, logprobs_cases
 from .losses import ppo_loss_cases, ppo_loss_tokens_cases, value_loss_cases
+from .sampler import sampler_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 
 # op family -> cases(device, quick), most telling first: a time budget cuts the end of the list
@@ -27,6 +28,7 @@ FAMILIES = {
     "ppo_loss_tokens": ppo_loss_tokens_cases,
     "value_loss": value_loss_cases,
     "whiten": whiten_cases,
+    "sampler": sampler_cases,
 }
 
 
@@ -45,6 +47,7 @@ class Row:
     gbps: Optional[float] = None
     pct_copy: Optional[float] = None
     memory_bytes: Optional[int] = None
+    rate: Optional[float] = None  # items per second, for cases that count items
 
 
 def make_call(fn, inputs: dict, mode: str, grad_inputs: tuple):
@@ -61,10 +64,11 @@ def make_call(fn, inputs: dict, mode: str, grad_inputs: tuple):
     return forward_backward
 
 
-def _measure(row: Row, call, device, *, quick, smoke, copy_gbps) -> None:
+def _measure(row: Row, call, device, *, quick, smoke, copy_gbps, items) -> None:
     timing = time_call(call, device, quick=quick, smoke=smoke)
     row.median_ms, row.min_ms, row.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
     row.gbps = row.bytes / (timing.median_ms * 1e-3) / 1e9
+    row.rate = None if items is None else items / (timing.median_ms * 1e-3)
     row.pct_copy = 100.0 * row.gbps / copy_gbps
     row.memory_bytes = peak_memory_bytes(call, device)
 
@@ -84,7 +88,7 @@ def run_case(case, device, *, quick, smoke, copy_gbps, deadline) -> list:
                 try:
                     inputs = inputs or case.make_inputs()
                     _measure(row, make_call(contender.fn, inputs, mode, case.grad_inputs), device,
-                             quick=quick, smoke=smoke, copy_gbps=copy_gbps)
+                             quick=quick, smoke=smoke, copy_gbps=copy_gbps, items=case.items)
                 except Exception as error:  # an OOM or a broken peer is a row, not the end of the run
                     row.status = f"error: {type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
                     if device.type == "cuda":
@@ -114,14 +118,12 @@ def machine(device: torch.device) -> str:
 
 
 def run_suite(ops, device: torch.device, *, quick: bool = False, smoke: bool = False,
-              time_budget_s: float = float("inf")) -> tuple:
-    """Run the families ``ops`` on ``device``; return ``(meta, rows)``."""
-    copy_gbps = copy_bandwidth_gbps(device, quick=quick, smoke=smoke)
-    deadline = time.monotonic() + time_budget_s
-    rows = []
-    for op in ops:
-        for case in FAMILIES[op](device, quick):
-            rows += run_case(case, device, quick=quick, smoke=smoke, copy_gbps=copy_gbps, deadline=deadline)
+              time_budget_s: float = float("inf"), on_case=None) -> tuple:
+    """Run the families ``ops`` on ``device``; return ``(meta, rows)``.
+
+    ``on_case(meta, rows)``, if given, sees the rows so far after every case, so a run that is
+    killed still leaves what it measured.
+    """
     try:
         import triton
         triton_version = triton.__version__
@@ -131,5 +133,13 @@ def run_suite(ops, device: torch.device, *, quick: bool = False, smoke: bool = F
                 datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": _commit(), "fastppo": fastppo.__version__, "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(), "quick": quick,
-            "copy_gbps": copy_gbps}
-    return meta, [asdict(r) for r in rows]
+            "copy_gbps": copy_bandwidth_gbps(device, quick=quick, smoke=smoke)}
+    deadline = time.monotonic() + time_budget_s
+    rows = []
+    for op in ops:
+        for case in FAMILIES[op](device, quick):
+            rows += [asdict(r) for r in run_case(case, device, quick=quick, smoke=smoke,
+                                                 copy_gbps=meta["copy_gbps"], deadline=deadline)]
+            if on_case is not None:
+                on_case(meta, rows)
+    return meta, rows

@@ -1,0 +1,76 @@
+"""Bench cases for the sampler: rollout throughput against Hugging Face ``generate()``.
+
+The model is built from a config with random weights (nothing is downloaded): on CUDA a bf16
+model shaped like Qwen2.5-0.5B (24 layers, hidden 896, 151,936-token vocabulary); on CPU, and
+for ``--quick``, a tiny fp32 Llama (2 layers, hidden 64, 1,000 tokens), where the numbers measure
+per-step overhead more than model work. Every row gets a prompt of ``PROMPT`` tokens and samples ``NEW`` tokens
+(no stop token), so all contenders do the same work.
+
+Bytes, the fewest a rollout must move: each decode step reads every weight once and each row's
+live KV cache, so ``NEW * weight_bytes + B * sum_s (PROMPT + s) * kv_bytes_per_token``. GB/s is
+then the achieved decode bandwidth and "% copy" the share of the decode limit. The rate column is
+generated tokens per second.
+"""
+
+import torch
+
+import fastppo
+
+from .case import Case, Contender
+
+FULL = dict(batches=(1, 16, 64, 256), prompt=128, new=128)
+QUICK = dict(batches=(1, 4), prompt=16, new=16)
+
+
+def _model(device: torch.device, quick: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if quick or device.type != "cuda":
+        config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
+        return LlamaForCausalLM(config).to(device).eval()
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    return Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+
+
+def _hf_generate(model, prompt_ids, new: int, **options):
+    ids = torch.tensor(prompt_ids, device=model.device)  # (B, PROMPT): equal lengths, no padding
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=True, top_k=0, eos_token_id=None, pad_token_id=0, **options)
+
+
+def sampler_cases(device: torch.device, quick: bool) -> list:
+    sizes = QUICK if quick else FULL
+    prompt, new = sizes["prompt"], sizes["new"]
+    model = _model(device, quick)
+    cases = []
+    for B in sizes["batches"]:
+        def make(B=B):
+            sampler = fastppo.Sampler(model, max_batch_size=B, max_seq_len=prompt + new)
+            prompts = torch.randint(0, model.config.vocab_size, (B, prompt)).tolist()
+            return {"model": model, "sampler": sampler, "prompts": prompts}
+
+        contenders = [
+            Contender("fastppo", lambda x: x["sampler"].generate(
+                x["prompts"], max_new_tokens=new, temperature=1.0, stop_token_ids=(), seed=0).response_ids),
+            Contender("HF generate (dynamic cache)", lambda x: _hf_generate(x["model"], x["prompts"], new),
+                      baseline=True),
+            # Without generate()'s automatic torch.compile: compiling per batch size takes minutes.
+            Contender("HF generate (static cache, no compile)", lambda x: _hf_generate(
+                x["model"], x["prompts"], new, cache_implementation="static", disable_compile=True))
+            if device.type == "cuda" else Contender("HF generate (static cache, no compile)", status="CUDA only"),
+        ]
+        cases.append(Case("sampler", f"B={B} prompt={prompt} new={new}", make, contenders,
+                          bytes_fwd=_rollout_bytes(model, B, prompt, new), items=B * new))
+    return cases
+
+
+def _rollout_bytes(model, B: int, prompt: int, new: int) -> int:
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    return new * weights + B * sum(prompt + s for s in range(new)) * kv_per_token
