@@ -32,8 +32,8 @@ def _peer(name: str, module: str, attr: str, device: torch.device, call, *, cuda
 
 def logprobs_peers(device: torch.device) -> list:
     return [
-        _peer("trl selective_log_softmax (logp only)", "trl.trainer.utils", "selective_log_softmax", device,
-              lambda fn, x: fn(x["logits"], x["labels"]), cuda_only=False),
+        _peer("trl selective_log_softmax_and_entropy", "trl.trainer.utils", "selective_log_softmax_and_entropy",
+              device, lambda fn, x: fn(x["logits"], x["labels"]), cuda_only=False),
         _peer("liger cross_entropy (logp only)", "liger_kernel.transformers.functional", "liger_cross_entropy",
               device, lambda fn, x: fn(x["logits"], x["labels"], reduction="none"), cuda_only=True),
         _peer("flash-attn cross_entropy (logp only)", "flash_attn.ops.triton.cross_entropy", "cross_entropy_loss",
@@ -43,6 +43,9 @@ def logprobs_peers(device: torch.device) -> list:
 
 def linear_logprobs_peers(device: torch.device) -> list:
     return [
+        _peer("trl ChunkedLogProbFunction", "trl.kernels", "ChunkedLogProbFunction", device,
+              lambda fn, x: fn.apply(x["hidden"], x["weight"], None, x["labels"], 1.0, 4096, None, 1.0,
+                                     ("log_probs", "entropy"))[:2], cuda_only=False),
         _peer("liger fused_linear_cross_entropy (logp only)", "liger_kernel.transformers.functional",
               "liger_fused_linear_cross_entropy", device,
               lambda fn, x: fn(x["hidden"], x["weight"], x["labels"], reduction="none"), cuda_only=True),
