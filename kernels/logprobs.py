@@ -152,9 +152,20 @@ def _tiling(V, block_v):
     return BLOCK_N, BLOCK_V, num_warps
 
 
-def _temperature_args(temperature, inv_temperature):
-    # A per-row tensor wins; otherwise the scalar rides along as a runtime argument.
-    return (temperature, 1.0, True) if temperature is not None else (None, inv_temperature, False)
+def _launch(logits, temperature, inv_temperature, block_v):
+    """What both launchers pass besides tensors: grid, runtime scalars, compile-time switches.
+
+    None when there are no rows. A per-row temperature tensor wins over the scalar, which
+    otherwise rides along as a runtime argument.
+    """
+    B, T, V = logits.shape
+    if B * T == 0:
+        return None
+    BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
+    has_temp = temperature is not None
+    temperature_args = (temperature, 1.0) if has_temp else (None, inv_temperature)
+    switches = dict(HAS_TEMP=has_temp, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)
+    return (triton.cdiv(B * T, BLOCK_N),), temperature_args, (B * T, T, V), switches
 
 
 def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
@@ -164,18 +175,16 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
     ``labels`` is ``(N,)`` integer with N = B * T; ``temperature`` is ``(N,)`` or None, in which
     case the scalar ``inv_temperature`` (1 / temperature) applies to every row.
     """
-    B, T, V = logits.shape
-    N = B * T
-    if N == 0:
+    launch = _launch(logits, temperature, inv_temperature, block_v)
+    if launch is None:
         return
-    BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
-    temp, inv_temp, has_temp = _temperature_args(temperature, inv_temperature)
-    _logprobs_fwd_kernel[(triton.cdiv(N, BLOCK_N),)](
-        logits, logits.stride(0), logits.stride(1), logits.stride(2),
-        labels, temp, inv_temp,
+    grid, temperature_args, sizes, switches = launch
+    _logprobs_fwd_kernel[grid](
+        logits, *logits.stride(),
+        labels, *temperature_args,
         logp, entropy, lse,
-        N, T, V, ignore_index,
-        HAS_TEMP=has_temp, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
+        *sizes, ignore_index,
+        **switches,
     )
 
 
@@ -186,18 +195,15 @@ def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore
     ``grad_logp`` and ``grad_entropy`` are the upstream gradients, ``(N,)``; ``grad_entropy`` may
     be None when the entropy was not used.
     """
-    B, T, V = logits.shape
-    N = B * T
-    if N == 0:
+    launch = _launch(logits, temperature, inv_temperature, block_v)
+    if launch is None:
         return
-    BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
-    temp, inv_temp, has_temp = _temperature_args(temperature, inv_temperature)
-    _logprobs_bwd_kernel[(triton.cdiv(N, BLOCK_N),)](
-        logits, logits.stride(0), logits.stride(1), logits.stride(2),
-        grad, grad.stride(0), grad.stride(1), grad.stride(2),
-        labels, temp, inv_temp,
+    grid, temperature_args, sizes, switches = launch
+    _logprobs_bwd_kernel[grid](
+        logits, *logits.stride(),
+        grad, *grad.stride(),
+        labels, *temperature_args,
         lse, entropy, grad_logp, grad_entropy,
-        N, T, V, ignore_index,
-        HAS_TEMP=has_temp, HAS_G_ENT=grad_entropy is not None,
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
+        *sizes, ignore_index,
+        HAS_G_ENT=grad_entropy is not None, **switches,
     )
