@@ -5,6 +5,9 @@ Bytes, the fewest each must move (e = bytes per logit; token tensors are fp32, t
 * ``ppo_loss`` (from logits, with KL and entropy terms) forward: logits ``N*V*e`` and labels
   ``8N`` read, old log-probs, advantages and reference log-probs ``12N``, mask ``N``.
   Forward+backward adds the logits read again and their gradient written.
+* ``ppo_loss_hidden`` (from hidden states and the LM head): as ``linear_logprobs`` (hidden and
+  weight read, their gradients written), plus ``21N`` for the token tensors. Bound by its
+  matmuls: fastppo runs three per chunk where the unfused chain of its own ops runs four.
 * ``ppo_loss_tokens`` (from log-probs) forward: four fp32 token tensors and the mask, ``17N``;
   forward+backward adds the gradient ``4N``.
 * ``value_loss`` forward: values, old values and returns ``12N`` and the mask ``N``;
@@ -18,7 +21,8 @@ import torch
 import fastppo
 
 from .case import Case, Contender, compiled, random_tokens
-from .logprobs import QUICK_TOKENS, QUICK_VOCABS, TOKENS, VOCABS, dtype_for, naive_logprobs
+from .logprobs import (HIDDENS, QUICK_HIDDENS, QUICK_TOKENS, QUICK_VOCABS, TOKENS, VOCABS, dtype_for,
+                       naive_logprobs)
 from .peers import ppo_loss_peers
 
 # Token-level ops run on (B, T) batches the size of a rollout.
@@ -74,6 +78,44 @@ def ppo_loss_cases(device: torch.device, quick: bool) -> list:
         cases.append(Case("ppo_loss", f"N={N} V={V}", make, contenders,
                           bytes_fwd=N * V * e + 21 * N, bytes_fwd_bwd=3 * N * V * e + 21 * N,
                           grad_inputs=("logits",)))
+    return cases
+
+
+def ppo_loss_hidden_cases(device: torch.device, quick: bool) -> list:
+    dtype = dtype_for(device)
+    e = torch.finfo(dtype).bits // 8
+
+    def naive(x):
+        logp, entropy = naive_logprobs(x["hidden"] @ x["weight"].T, x["labels"])  # the full logits
+        return naive_ppo_loss(logp, x["old"], x["adv"], x["mask"], x["ref"], entropy)
+
+    def unfused(x):
+        logp, entropy = fastppo.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], return_entropy=True)
+        return fastppo.ppo_policy_loss(logp, x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"], entropy=entropy,
+                                       entropy_coef=0.01, **LOSS_OPTIONS)[0]
+
+    compiled_naive = compiled("torch.compile(naive)", naive, device)
+    shapes = (QUICK_TOKENS, QUICK_VOCABS, QUICK_HIDDENS) if quick else (TOKENS, VOCABS, HIDDENS)
+    cases = []
+    for N, V, H in itertools.product(*shapes):
+        def make(N=N, V=V, H=H):
+            x = _token_inputs((N,), device)
+            del x["logp"]
+            x.update(hidden=random_tokens(N, H, device=device, dtype=dtype, requires_grad=True),
+                     weight=(random_tokens(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
+                     labels=torch.randint(0, V, (N,), device=device))
+            return x
+        contenders = [
+            Contender("fastppo", lambda x: fastppo.ppo_loss_from_hidden(
+                x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"],
+                entropy_coef=0.01, **LOSS_OPTIONS)[0]),
+            Contender("fastppo unfused (linear_token_logprobs + ppo_policy_loss)", unfused),
+            Contender("naive", naive, baseline=True),
+            compiled_naive,
+        ]
+        operands = (N * H + V * H) * e
+        cases.append(Case("ppo_loss_hidden", f"N={N} V={V} H={H}", make, contenders, bytes_fwd=operands + 21 * N,
+                          bytes_fwd_bwd=4 * operands + 21 * N, grad_inputs=("hidden", "weight")))
     return cases
 
 

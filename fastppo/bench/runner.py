@@ -15,7 +15,7 @@ import fastppo
 
 from .advantages import gae_cases, whiten_cases
 from .logprobs import linear_logprobs_cases, logprobs_cases
-from .losses import ppo_loss_cases, ppo_loss_tokens_cases, value_loss_cases
+from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
 from .sampler import sampler_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 
@@ -23,6 +23,7 @@ from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 FAMILIES = {
     "logprobs": logprobs_cases,
     "ppo_loss": ppo_loss_cases,
+    "ppo_loss_hidden": ppo_loss_hidden_cases,
     "linear_logprobs": linear_logprobs_cases,
     "gae": gae_cases,
     "ppo_loss_tokens": ppo_loss_tokens_cases,

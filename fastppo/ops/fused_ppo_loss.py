@@ -7,8 +7,8 @@ more and writes their gradient once, with the upstream scalar folded into the pe
 gradients, not applied to an ``(N, V)`` tensor. Two reads and one write, and no fp32 ``(N, V)``
 temporary (peers read three times).
 
-``ppo_loss_from_hidden`` = ``linear_token_logprobs`` then ``ppo_policy_loss``: chunked, so the
-full logits never exist, forward or backward.
+``ppo_loss_from_hidden`` runs chunk by chunk, so the full logits never exist, and computes the
+gradients in its forward, where each token's gradient is already known (``linear_ppo_loss.py``).
 
 Masked positions (``mask`` false) get ``ignore_index`` labels, so whatever they hold (a padding
 id, -1) costs nothing and passes no gradient. The entropy is always computed (it is free in the
@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .linear_token_logprobs import linear_token_logprobs
-from .ppo_loss import ppo_policy_loss
+from .linear_ppo_loss import linear_ppo_loss
+from .linear_token_logprobs import LinearArgs
+from .ppo_loss import loss_spec, ppo_policy_loss
 from .token_logprobs import token_logprobs
 
 _IGNORE = -100
@@ -59,16 +60,23 @@ def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, a
 
 def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_logprobs: Tensor, advantages: Tensor,
                          mask: Tensor, *, bias: Optional[Tensor] = None, temperature=1.0,
-                         chunk_size: Optional[int] = None, backend: str = "auto",
-                         **loss_options) -> tuple[Tensor, dict]:
+                         chunk_size: Optional[int] = None, backend: str = "auto", ref_logprobs=None,
+                         clip_eps: float = 0.2, clip_eps_high=None, dual_clip=None, kl_coef: float = 0.0,
+                         kl_estimator: str = "k3", entropy_coef: float = 0.0, agg: str = "token-mean",
+                         num_tokens=None) -> tuple[Tensor, dict]:
     """:func:`ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
 
     ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` and ``chunk_size`` as in
-    :func:`fastppo.linear_token_logprobs`. Gradients reach ``hidden``, ``weight`` and ``bias``.
+    :func:`fastppo.linear_token_logprobs`; the loss options as in :func:`fastppo.ppo_policy_loss`.
+    Gradients reach ``hidden``, ``weight`` and ``bias``. One chunked pass computes the loss and
+    the gradients together (three matmuls per chunk; see ``linear_ppo_loss.py``).
     """
-    _check_no_entropy(loss_options, "ppo_loss_from_hidden")
     checks.check_tensor(labels, "labels")
-    logp, entropy = linear_token_logprobs(hidden, weight, _masked_labels(labels, mask), bias=bias,
-                                          temperature=temperature, ignore_index=_IGNORE, return_entropy=True,
-                                          chunk_size=chunk_size, backend=backend)
-    return ppo_policy_loss(logp, old_logprobs, advantages, mask, entropy=entropy, backend=backend, **loss_options)
+    labels = _masked_labels(labels, mask)
+    args = LinearArgs.check(hidden, weight, labels, bias, temperature, _IGNORE, chunk_size, backend)
+    spec = loss_spec(labels, "labels", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, has_entropy=True,
+                     clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens)
+    loss, stats = linear_ppo_loss(args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature,
+                                  _IGNORE, spec, args.chunk_size, args.backend)
+    return loss, spec.named(stats)

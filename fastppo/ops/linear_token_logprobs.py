@@ -14,6 +14,7 @@ kernel pass that overwrites them in place with their gradient, and two matmuls f
 and weight gradients. Weight and bias gradients accumulate in fp32 across chunks.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,7 +36,7 @@ def default_chunk_size(num_rows: int, vocab_size: int, device: torch.device) -> 
     return max(1, min(num_rows, 1 << (rows.bit_length() - 1)))
 
 
-def _matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
+def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` accumulated and returned in fp32, without upcasting half operands on CUDA."""
     if a.dtype == b.dtype == torch.float32:
         return a @ b
@@ -44,20 +45,58 @@ def _matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
-def _matmul_weight(weight: Tensor) -> Tensor:
+def matmul_weight(weight: Tensor) -> Tensor:
     # A CPU half matmul rounds its result to half, so there the weight is upcast once per call:
     # an O(V x H) copy, independent of the number of tokens.
     return weight if weight.is_cuda or weight.dtype == torch.float32 else weight.float()
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    logits = _matmul_fp32(hidden, weight.t())  # (n, H) @ (H, V) -> (n, V) fp32
+def chunk_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    logits = matmul_fp32(hidden, weight.t())  # (n, H) @ (H, V) -> (n, V) fp32
     if bias is not None:
         logits += bias
     return logits
 
 
-def _rows(x: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
+class InputGrads:
+    """Gradients of hidden, weight and bias, accumulated chunk by chunk from the logits' gradient.
+
+    Weight and bias gradients accumulate in fp32 across chunks and come out in their own dtypes;
+    a gradient that is not needed comes out as an empty tensor (custom ops return tensors).
+    """
+
+    def __init__(self, hidden: Tensor, weight: Tensor, need_hidden: bool, need_weight: bool, need_bias: bool):
+        self.hidden, self.weight = hidden, weight
+        f32 = dict(dtype=torch.float32, device=weight.device)
+        self.hidden_grad = torch.empty_like(hidden) if need_hidden else None  # (N, H)
+        self.weight_grad = torch.zeros(weight.shape, **f32) if need_weight else None  # (V, H)
+        self.bias_grad = torch.zeros(weight.shape[0], **f32) if need_bias else None  # (V,)
+
+    def add(self, r0: int, r1: int, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
+        """Fold in rows ``r0:r1``: grad_logits (n, V) fp32, their hidden (n, H), the matmul weight."""
+        if self.bias_grad is not None:
+            self.bias_grad += grad_logits.sum(0)
+        grad_logits = grad_logits.to(weight.dtype)  # half on CUDA: the matmuls take it as cuBLAS wants
+        if self.hidden_grad is not None:
+            self.hidden_grad[r0:r1] = matmul_fp32(grad_logits, weight)  # (n, V) @ (V, H)
+        if self.weight_grad is not None:
+            self.weight_grad += matmul_fp32(grad_logits.t(), hidden)  # (V, n) @ (n, H)
+
+    def results(self) -> tuple:
+        # Three distinct empty tensors: custom-op outputs may not alias each other.
+        return (self.hidden_grad if self.hidden_grad is not None else self.hidden.new_empty(0),
+                self.weight_grad.to(self.weight.dtype) if self.weight_grad is not None else self.weight.new_empty(0),
+                self.bias_grad.to(self.weight.dtype) if self.bias_grad is not None else self.weight.new_empty(0))
+
+    @staticmethod
+    def fake(hidden, weight, need_hidden, need_weight, need_bias) -> tuple:
+        return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+                torch.empty_like(weight) if need_weight else weight.new_empty(0),
+                weight.new_empty(weight.shape[0]) if need_bias else weight.new_empty(0))
+
+
+def row_slice(x: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
+    """Rows ``r0:r1`` of an optional per-row tensor."""
     return None if x is None else x[r0:r1]
 
 
@@ -69,11 +108,11 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
     N = hidden.shape[0]
     logp, entropy, lse = (torch.empty(N, dtype=torch.float32, device=hidden.device) for _ in range(3))
     kernels = implementation(backend, "logprobs")
-    matmul_weight = _matmul_weight(weight)
+    w = matmul_weight(weight)
     for r0 in range(0, N, chunk_size):
         r1 = min(N, r0 + chunk_size)
-        logits = _chunk_logits(hidden[r0:r1], matmul_weight, bias)  # (n, V) fp32
-        kernels.logprobs_forward(logits.unsqueeze(0), labels[r0:r1], _rows(temperature, r0, r1),
+        logits = chunk_logits(hidden[r0:r1], w, bias)  # (n, V) fp32
+        kernels.logprobs_forward(logits.unsqueeze(0), labels[r0:r1], row_slice(temperature, r0, r1),
                                  inv_temperature, ignore_index,
                                  logp[r0:r1], entropy[r0:r1], lse[r0:r1])
     return logp, entropy, lse
@@ -91,40 +130,23 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
               grad_entropy: Optional[Tensor], need_hidden: bool, need_weight: bool,
               need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     # -> grad_hidden (N, H), grad_weight (V, H), grad_bias (V,); each (0,) when not needed
-    N = hidden.shape[0]
-    V = weight.shape[0]
     kernels = implementation(backend, "logprobs")
-    matmul_weight = _matmul_weight(weight)
-    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-    grad_bias = torch.zeros(V, dtype=torch.float32, device=weight.device) if need_bias else None
-    for r0 in range(0, N, chunk_size):
-        r1 = min(N, r0 + chunk_size)
-        h = hidden[r0:r1]  # (n, H)
-        logits = _chunk_logits(h, matmul_weight, bias).unsqueeze(0)  # (1, n, V) fp32
-        kernels.logprobs_backward(logits, logits, labels[r0:r1], _rows(temperature, r0, r1),
+    w = matmul_weight(weight)
+    grads = InputGrads(hidden, weight, need_hidden, need_weight, need_bias)
+    for r0 in range(0, hidden.shape[0], chunk_size):
+        r1 = min(hidden.shape[0], r0 + chunk_size)
+        logits = chunk_logits(hidden[r0:r1], w, bias).unsqueeze(0)  # (1, n, V) fp32
+        kernels.logprobs_backward(logits, logits, labels[r0:r1], row_slice(temperature, r0, r1),
                                   inv_temperature, ignore_index, lse[r0:r1], entropy[r0:r1],
-                                  grad_logp[r0:r1], _rows(grad_entropy, r0, r1))
-        grad_logits = logits[0]  # (n, V) fp32, overwritten in place by the kernel
-        if need_bias:
-            grad_bias += grad_logits.sum(0)
-        # Half weights on CUDA: the matmuls take the gradient in half, as cuBLAS wants.
-        grad_logits = grad_logits.to(matmul_weight.dtype)
-        if need_hidden:
-            grad_hidden[r0:r1] = _matmul_fp32(grad_logits, matmul_weight)  # (n, V) @ (V, H)
-        if need_weight:
-            grad_weight += _matmul_fp32(grad_logits.t(), h)  # (V, n) @ (n, H)
-    return (grad_hidden,
-            grad_weight.to(weight.dtype) if need_weight else weight.new_empty(0),
-            grad_bias.to(weight.dtype) if need_bias else weight.new_empty(0))
+                                  grad_logp[r0:r1], row_slice(grad_entropy, r0, r1))
+        grads.add(r0, r1, logits[0], hidden[r0:r1], w)  # logits now hold their gradient
+    return grads.results()
 
 
 @_backward.register_fake
 def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend,
       lse, entropy, grad_logp, grad_entropy, need_hidden, need_weight, need_bias):
-    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0),
-            weight.new_empty(weight.shape[0]) if need_bias else weight.new_empty(0))
+    return InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias)
 
 
 def _setup_context(ctx, inputs, output):
@@ -167,36 +189,54 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bia
         ``logp`` ``(...)`` fp32, or ``(logp, entropy)``; differentiable with respect to
         ``hidden``, ``weight`` and ``bias`` (gradients in their own dtypes, accumulated in fp32).
     """
-    checks.check_float(hidden, "hidden")
-    checks.check_float(weight, "weight", min_dim=2)
-    H = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != H:
-        raise ValueError(f"weight must have shape (V, {H}) to match hidden of shape "
-                         f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")
-    V = weight.shape[0]
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
-    if bias is not None:
-        checks.check_float(bias, "bias")
-        if bias.shape != (V,):
-            raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
-        if bias.dtype != weight.dtype:
-            raise TypeError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}")
-    lead = hidden.shape[:-1]
-    checks.check_labels(labels, lead, "hidden")
-    checks.check_ignore_index(ignore_index)
-    checks.check_same_device(hidden.device, "hidden", weight=weight, bias=bias, labels=labels)
-    per_row_temperature, inv_temperature = checks.normalize_temperature(temperature, lead, hidden.device)
-    N = labels.numel()
-    if chunk_size is None:
-        chunk_size = default_chunk_size(N, V, hidden.device)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    backend = resolve_backend(backend, hidden.device)
-    checks.check_label_values(labels, V, ignore_index)
-
-    logp, entropy, _ = _forward(hidden.reshape(N, H), weight, bias, labels.reshape(-1),
-                                per_row_temperature, inv_temperature, ignore_index, chunk_size, backend)
+    args = LinearArgs.check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend)
+    logp, entropy, _ = _forward(args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature,
+                                ignore_index, args.chunk_size, args.backend)
     if return_entropy:
-        return logp.view(lead), entropy.view(lead)
-    return logp.view(lead)
+        return logp.view(args.lead), entropy.view(args.lead)
+    return logp.view(args.lead)
+
+
+@dataclass
+class LinearArgs:
+    """Checked, flattened inputs of an op on hidden states and an LM head (shared by the losses)."""
+
+    hidden: Tensor  # (N, H)
+    labels: Tensor  # (N,)
+    temperature: Optional[Tensor]  # (N,) fp32, or None for the scalar below
+    inv_temperature: float
+    chunk_size: int
+    backend: str
+    lead: torch.Size  # the token shape the caller gave
+
+    @staticmethod
+    def check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend) -> "LinearArgs":
+        checks.check_float(hidden, "hidden")
+        checks.check_float(weight, "weight", min_dim=2)
+        H = hidden.shape[-1]
+        if weight.dim() != 2 or weight.shape[1] != H:
+            raise ValueError(f"weight must have shape (V, {H}) to match hidden of shape "
+                             f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")
+        V = weight.shape[0]
+        if weight.dtype != hidden.dtype:
+            raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
+        if bias is not None:
+            checks.check_float(bias, "bias")
+            if bias.shape != (V,):
+                raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
+            if bias.dtype != weight.dtype:
+                raise TypeError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}")
+        lead = hidden.shape[:-1]
+        checks.check_labels(labels, lead, "hidden")
+        checks.check_ignore_index(ignore_index)
+        checks.check_same_device(hidden.device, "hidden", weight=weight, bias=bias, labels=labels)
+        per_row_temperature, inv_temperature = checks.normalize_temperature(temperature, lead, hidden.device)
+        N = labels.numel()
+        if chunk_size is None:
+            chunk_size = default_chunk_size(N, V, hidden.device)
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+        backend = resolve_backend(backend, hidden.device)
+        checks.check_label_values(labels, V, ignore_index)
+        return LinearArgs(hidden.reshape(N, H), labels.reshape(-1), per_row_temperature, inv_temperature,
+                          chunk_size, backend, lead)

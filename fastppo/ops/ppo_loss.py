@@ -10,6 +10,7 @@ Gradients flow to ``logprobs`` and ``entropy``; ``old_logprobs``, ``advantages``
 """
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,7 +23,7 @@ from .kl import KL_ESTIMATORS
 from .ppo_loss_torch import PARTIALS
 
 # The statistics vector the op returns, in order.
-_STATS = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac")
+STATS = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac")
 
 
 @torch.library.custom_op("fastppo::ppo_policy_loss", mutates_args=())
@@ -30,27 +31,32 @@ def _ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, weight
               ref_logprobs: Optional[Tensor], entropy: Optional[Tensor], clip_low: float, clip_high: float,
               dual_clip: float, kl_coef: float, kl_estimator: int, entropy_coef: float,
               backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    # token tensors: (N,) contiguous -> loss (), stats (len(_STATS),), d loss / d logprobs (N,) fp32
+    # token tensors: (N,) contiguous -> loss (), stats (len(STATS),), d loss / d logprobs (N,) fp32
     impl = implementation(backend, "ppo_loss")
     N = logprobs.numel()
     grad = torch.empty(N, dtype=torch.float32, device=logprobs.device)
     partials = torch.zeros(impl.num_programs(N), len(PARTIALS), dtype=torch.float32, device=logprobs.device)
     impl.ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
                           clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials)
+    return (*summarize(partials, kl_coef, entropy_coef), grad)
+
+
+def summarize(partials: Tensor, kl_coef: float, entropy_coef: float) -> tuple:
+    """``(loss (), stats (len(STATS),))`` from the kernels' partial sums ``(P, len(PARTIALS))``."""
     p = dict(zip(PARTIALS, partials.sum(dim=0).unbind()))
     count = p["count"].clamp(min=1.0)
     loss = p["pg"] + kl_coef * p["kl"] - entropy_coef * p["entropy"]
     stats = torch.stack([p["pg"], p["kl"], p["entropy"], p["clipped"] / count, p["half_lr_sq"] / count,
                          p["ratio"] / count, partials[:, PARTIALS.index("ratio_max")].max(),
                          p["dual_clipped"] / count])
-    return loss, stats, grad
+    return loss, stats
 
 
 @_ppo_loss.register_fake
 def _(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, clip_low, clip_high,
       dual_clip, kl_coef, kl_estimator, entropy_coef, backend):
     f32 = dict(dtype=torch.float32)
-    return (logprobs.new_empty((), **f32), logprobs.new_empty(len(_STATS), **f32),
+    return (logprobs.new_empty((), **f32), logprobs.new_empty(len(STATS), **f32),
             logprobs.new_empty(logprobs.shape[0], **f32))
 
 
@@ -75,13 +81,35 @@ def _backward(ctx, grad_loss, _grad_stats, _grad_grad):
 torch.library.register_autograd(_ppo_loss, _backward, setup_context=_setup_context)
 
 
-def _check_token_tensor(x, name: str, like: Tensor) -> None:
+@dataclass
+class LossSpec:
+    """A PPO loss's validated arguments, flattened to ``(N,)`` token tensors for the kernels."""
+
+    old_logprobs: Tensor
+    advantages: Tensor
+    weights: Tensor  # fp32 aggregation weight per token
+    valid: Tensor  # bool
+    ref_logprobs: Optional[Tensor]
+    clip_low: float
+    clip_high: float
+    dual_clip: float  # 0 when off
+    kl_coef: float
+    kl_estimator: int  # 1, 2, 3 for k1, k2, k3
+    entropy_coef: float
+    stat_names: list  # the entries of STATS this call reports
+
+    def named(self, stats: Tensor) -> dict:
+        every = dict(zip(STATS, stats.unbind()))
+        return {name: every[name] for name in self.stat_names}
+
+
+def _check_token_tensor(x, name: str, like: Tensor, like_name: str) -> None:
     checks.check_tensor(x, name)
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
     if x.shape != like.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but logprobs has {tuple(like.shape)}")
-    checks.check_same_device(like.device, "logprobs", **{name: x})
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {like_name} has {tuple(like.shape)}")
+    checks.check_same_device(like.device, like_name, **{name: x})
 
 
 def _check_number(x, name: str, *, minimum: Optional[float] = None, above: Optional[float] = None) -> float:
@@ -92,6 +120,41 @@ def _check_number(x, name: str, *, minimum: Optional[float] = None, above: Optio
     if above is not None and x <= above:
         raise ValueError(f"{name} must be > {above}, got {x!r}")
     return float(x)
+
+
+def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+              ref_logprobs: Optional[Tensor], has_entropy: bool, clip_eps: float, clip_eps_high: Optional[float],
+              dual_clip: Optional[float], kl_coef: float, kl_estimator: str, entropy_coef: float, agg: str,
+              num_tokens) -> LossSpec:
+    """Check the loss arguments against the token shape of ``like`` and flatten them."""
+    for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("ref_logprobs", ref_logprobs)):
+        if x is not None:
+            _check_token_tensor(x, name, like, like_name)
+    checks.check_tensor(mask, "mask")
+    if mask.shape != like.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but {like_name} has {tuple(like.shape)}")
+    checks.check_same_device(like.device, like_name, mask=mask)
+    clip_low = _check_number(clip_eps, "clip_eps", minimum=0.0)
+    clip_high = clip_low if clip_eps_high is None else _check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
+    dual = 0.0 if dual_clip is None else _check_number(dual_clip, "dual_clip", above=1.0)
+    kl_coef = _check_number(kl_coef, "kl_coef")
+    entropy_coef = _check_number(entropy_coef, "entropy_coef")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if kl_coef != 0 and ref_logprobs is None:
+        raise ValueError("kl_coef is nonzero but no ref_logprobs were given")
+    if entropy_coef != 0 and not has_entropy:
+        raise ValueError("entropy_coef is nonzero but no entropy was given")
+    valid = mask != 0
+    stat_names = ["pg_loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_max"]
+    stat_names += ["kl"] * (ref_logprobs is not None) + ["entropy"] * has_entropy
+    stat_names += ["dual_clipfrac"] * (dual_clip is not None)
+    return LossSpec(
+        old_logprobs=old_logprobs.detach().reshape(-1), advantages=advantages.detach().reshape(-1),
+        weights=aggregation_weights(valid, agg, num_tokens).reshape(-1), valid=valid.reshape(-1),
+        ref_logprobs=None if ref_logprobs is None else ref_logprobs.detach().reshape(-1),
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual, kl_coef=kl_coef,
+        kl_estimator=KL_ESTIMATORS.index(kl_estimator) + 1, entropy_coef=entropy_coef, stat_names=stat_names)
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -125,38 +188,15 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     checks.check_tensor(logprobs, "logprobs")
     if not logprobs.is_floating_point():
         raise TypeError(f"logprobs must be a floating tensor, got {logprobs.dtype}")
-    for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages),
-                    ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
-        if x is not None:
-            _check_token_tensor(x, name, logprobs)
-    checks.check_tensor(mask, "mask")
-    if mask.shape != logprobs.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but logprobs has {tuple(logprobs.shape)}")
-    checks.check_same_device(logprobs.device, "logprobs", mask=mask)
-    clip_low = _check_number(clip_eps, "clip_eps", minimum=0.0)
-    clip_high = clip_low if clip_eps_high is None else _check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
-    dual = 0.0 if dual_clip is None else _check_number(dual_clip, "dual_clip", above=1.0)
-    kl_coef = _check_number(kl_coef, "kl_coef")
-    entropy_coef = _check_number(entropy_coef, "entropy_coef")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if kl_coef != 0 and ref_logprobs is None:
-        raise ValueError("kl_coef is nonzero but no ref_logprobs were given")
-    if entropy_coef != 0 and entropy is None:
-        raise ValueError("entropy_coef is nonzero but no entropy was given")
-    valid = mask != 0
-    weights = aggregation_weights(valid, agg, num_tokens)
+    if entropy is not None:
+        _check_token_tensor(entropy, "entropy", logprobs, "logprobs")
+    spec = loss_spec(logprobs, "logprobs", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                     has_entropy=entropy is not None, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                     dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+                     agg=agg, num_tokens=num_tokens)
     backend = resolve_backend(backend, logprobs.device)
-
-    def flat(x):
-        return None if x is None else x.reshape(-1)
-
-    loss, stats, _ = _ppo_loss(flat(logprobs), flat(old_logprobs).detach(), flat(advantages).detach(),
-                               flat(weights), flat(valid), None if ref_logprobs is None else flat(ref_logprobs).detach(),
-                               flat(entropy), clip_low, clip_high, dual, kl_coef,
-                               KL_ESTIMATORS.index(kl_estimator) + 1, entropy_coef, backend)
-    named = dict(zip(_STATS, stats.unbind()))
-    keep = ["pg_loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_max"]
-    keep += ["kl"] * (ref_logprobs is not None) + ["entropy"] * (entropy is not None)
-    keep += ["dual_clipfrac"] * (dual_clip is not None)
-    return loss, {k: named[k] for k in keep}
+    loss, stats, _ = _ppo_loss(logprobs.reshape(-1), spec.old_logprobs, spec.advantages, spec.weights, spec.valid,
+                               spec.ref_logprobs, None if entropy is None else entropy.reshape(-1),
+                               spec.clip_low, spec.clip_high, spec.dual_clip, spec.kl_coef, spec.kl_estimator,
+                               spec.entropy_coef, backend)
+    return loss, spec.named(stats)

@@ -13,7 +13,9 @@ def loss_fn(logits, labels, hidden, weight):
     ppo, _ = fastppo.ppo_loss_from_logits(logits, labels, old, torch.ones_like(old), mask, kl_coef=0.1,
                                           ref_logprobs=old, entropy_coef=0.01)
     vf, _ = fastppo.value_loss(hlogp, old, logp.detach(), mask)
-    return (logp * 0.5 + entropy * 0.1 + hlogp - hentropy * 0.2).sum() + ppo + vf
+    hppo, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, torch.ones_like(old), mask, chunk_size=4,
+                                           entropy_coef=0.01)
+    return (logp * 0.5 + entropy * 0.1 + hlogp - hentropy * 0.2).sum() + ppo + vf + hppo
 
 
 def test_fullgraph_compile_matches_eager():

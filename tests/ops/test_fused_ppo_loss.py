@@ -95,3 +95,48 @@ def test_entropy_is_computed_not_passed():
         fastppo.ppo_loss_from_logits(hidden @ weight.T, labels, old, adv, mask, entropy=torch.zeros_like(old))
     with pytest.raises(ValueError, match="mask has shape"):
         fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask[:, :-1])
+
+
+def hidden_loss(hidden, weight, labels, old, adv, ref, mask, bias=None, **extra):
+    return fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, bias=bias, ref_logprobs=ref,
+                                        **{**OPTIONS, **extra})
+
+
+def test_from_hidden_bf16_bias_and_upstream_scale(backend):
+    hidden, weight, labels, old, adv, ref, mask = make_inputs(dtype=torch.bfloat16)
+    bias = torch.randn(weight.shape[0]).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss, _ = hidden_loss(*leaves[:2], labels, old, adv, ref, mask, bias=leaves[2], chunk_size=5, backend=backend)
+    (3.0 * loss).backward()  # the upstream gradient is folded in by the backward
+    refs = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    expected, _ = oracle(refs[0] @ refs[1].T + refs[2], labels, old, adv, ref, mask)
+    (3.0 * expected).backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-4, atol=1e-5)
+    for leaf, want in zip(leaves, refs):
+        assert leaf.grad.dtype == torch.bfloat16
+        assert relative_error(leaf.grad, want.grad) <= 1e-2
+
+
+def test_from_hidden_without_autograd_gives_the_same_loss(backend):
+    hidden, weight, labels, old, adv, ref, mask = make_inputs()
+    with_grad, stats = hidden_loss(hidden.requires_grad_(), weight, labels, old, adv, ref, mask, backend=backend)
+    with torch.no_grad():
+        without, stats_no_grad = hidden_loss(hidden, weight, labels, old, adv, ref, mask, backend=backend)
+    torch.testing.assert_close(with_grad.detach(), without)
+    for name in stats:
+        torch.testing.assert_close(stats[name], stats_no_grad[name])
+
+
+def test_from_hidden_memory_is_bounded_by_the_chunk(backend, device):
+    from fastppo.bench.measure import LargestTensor
+
+    if device.type == "cuda":
+        pytest.skip("the dispatch-mode probe runs the CPU implementation")
+    N, H, V, chunk = 512, 8, 1000, 32
+    hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    labels, old, adv = torch.randint(0, V, (N,)), -torch.rand(N) * 5, torch.randn(N)
+    with LargestTensor() as mode:
+        loss, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, torch.ones(N, dtype=torch.bool),
+                                               chunk_size=chunk, entropy_coef=0.01, backend=backend)
+        loss.backward()
+    assert mode.largest == chunk * V * 4 and mode.largest * 10 < N * V * 4

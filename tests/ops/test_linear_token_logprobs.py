@@ -107,3 +107,14 @@ def test_default_chunk_size():
     assert default_chunk_size(100_000, 151936, cpu) == 16  # 2**22 // 151936 = 27 -> 16
     assert default_chunk_size(100_000, 151936, cuda) == 256  # 2**26 // 151936 = 441 -> 256
     assert default_chunk_size(100_000, 10**9, cuda) == 1
+
+
+def test_only_hidden_needs_grad(backend, device):
+    # A frozen LM head (adapters train the body only): the weight and bias get no gradient work.
+    hidden = torch.randn(6, 8, device=device, requires_grad=True)
+    weight, bias = torch.randn(21, 8, device=device), torch.randn(21, device=device)
+    labels = make_labels((6,), 21, device=device)
+    fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, chunk_size=4, backend=backend).sum().backward()
+    ref_hidden = hidden.detach().double().requires_grad_()
+    linear_logprobs_oracle(ref_hidden, weight.double(), labels, bias.double())[0].sum().backward()
+    assert_grad_close(hidden.grad, ref_hidden.grad, torch.float32)

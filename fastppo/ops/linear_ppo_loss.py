@@ -1,0 +1,101 @@
+"""The PPO policy loss from hidden states in one chunked pass: logits never exist, 3 matmuls.
+
+The loss is a fixed weight per token times a function of that token's log-prob and entropy (see
+``aggregation.py``), so each token's gradient is known as soon as its log-prob is. Per chunk of
+rows the forward therefore does everything: one matmul into an fp32 ``(chunk, V)`` buffer, the
+log-prob kernel over it, the loss kernel over the chunk's tokens (partial sums and per-token
+gradients), the log-prob backward kernel in place, and the two matmuls for the hidden and weight
+gradients. The backward only scales those gradients by the upstream scalar.
+
+Against chaining ``linear_token_logprobs`` and ``ppo_policy_loss`` (whose backward must rebuild
+each chunk's logits, since it cannot know the loss in its forward), that is three matmuls per
+chunk instead of four. The price: the weight gradient (``V x H``) is held from the forward to
+the backward. Without autograd (``torch.no_grad()``) the gradient work is skipped.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .dispatch import implementation
+from .linear_token_logprobs import InputGrads, chunk_logits, matmul_weight, row_slice
+from .ppo_loss import STATS, summarize
+from .ppo_loss_torch import PARTIALS
+
+
+@torch.library.custom_op("fastppo::linear_ppo_loss", mutates_args=())
+def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                     temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
+                     old_logprobs: Tensor, advantages: Tensor, weights: Tensor, valid: Tensor,
+                     ref_logprobs: Optional[Tensor], clip_low: float, clip_high: float, dual_clip: float,
+                     kl_coef: float, kl_estimator: int, entropy_coef: float, chunk_size: int, backend: str,
+                     need_hidden: bool, need_weight: bool,
+                     need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # hidden (N, H), weight (V, H), token tensors (N,) -> loss (), stats, grad_hidden, grad_weight, grad_bias
+    N = hidden.shape[0]
+    logprob_kernels, loss_kernels = implementation(backend, "logprobs"), implementation(backend, "ppo_loss")
+    w = matmul_weight(weight)
+    grads = InputGrads(hidden, weight, need_hidden, need_weight, need_bias)
+    backward = need_hidden or need_weight or need_bias
+    partials = []
+    for r0 in range(0, N, chunk_size):
+        r1 = min(N, r0 + chunk_size)
+        n = r1 - r0
+        logits = chunk_logits(hidden[r0:r1], w, bias).unsqueeze(0)  # (1, n, V) fp32
+        logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        logprob_kernels.logprobs_forward(logits, labels[r0:r1], row_slice(temperature, r0, r1), inv_temperature,
+                                         ignore_index, logp, entropy, lse)
+        grad_logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        chunk_partials = torch.zeros(loss_kernels.num_programs(n), len(PARTIALS), dtype=torch.float32,
+                                     device=hidden.device)
+        loss_kernels.ppo_loss_forward(logp, old_logprobs[r0:r1], advantages[r0:r1], weights[r0:r1],
+                                      valid[r0:r1], row_slice(ref_logprobs, r0, r1), entropy, clip_low, clip_high,
+                                      dual_clip, kl_coef, kl_estimator, grad_logp, chunk_partials)
+        partials.append(chunk_partials)
+        if backward:
+            grad_entropy = -entropy_coef * weights[r0:r1] if entropy_coef != 0 else None
+            logprob_kernels.logprobs_backward(logits, logits, labels[r0:r1], row_slice(temperature, r0, r1),
+                                              inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy)
+            grads.add(r0, r1, logits[0], hidden[r0:r1], w)  # logits now hold their gradient
+    if not partials:
+        partials.append(torch.zeros(1, len(PARTIALS), dtype=torch.float32, device=hidden.device))
+    return (*summarize(torch.cat(partials), kl_coef, entropy_coef), *grads.results())
+
+
+@_linear_ppo_loss.register_fake
+def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, old_logprobs, advantages,
+      weights, valid, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_estimator, entropy_coef,
+      chunk_size, backend, need_hidden, need_weight, need_bias):
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty((), **f32), hidden.new_empty(len(STATS), **f32),
+            *InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    _, stats, grad_hidden, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(stats, grad_hidden, grad_weight, grad_bias)
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    scaled = [(grad_loss * g).to(g.dtype) if needed else None
+              for g, needed in zip((grad_hidden, grad_weight, grad_bias), ctx.needs_input_grad[:3])]
+    return (*scaled, *([None] * 20))
+
+
+torch.library.register_autograd(_linear_ppo_loss, _backward, setup_context=_setup_context)
+
+
+def linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    temperature: Optional[Tensor], inv_temperature: float, ignore_index: int, spec,
+                    chunk_size: int, backend: str) -> tuple:
+    """``(loss, stats vector)`` for flattened, validated inputs; ``spec`` is a ``LossSpec``."""
+    grad = torch.is_grad_enabled()
+    return _linear_ppo_loss(
+        hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, spec.old_logprobs,
+        spec.advantages, spec.weights, spec.valid, spec.ref_logprobs, spec.clip_low, spec.clip_high, spec.dual_clip,
+        spec.kl_coef, spec.kl_estimator, spec.entropy_coef, chunk_size, backend,
+        grad and hidden.requires_grad, grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad)[:2]
