@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ci_runs_the_readme_test_command():
     blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
     install_and_run, install_and_test = blocks[:2]
-    assert "fastppo demo" in install_and_run
+    assert "fastppo train" in install_and_run
     assert "pytest" in install_and_test
     ci_commands = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert ci_commands == [install_and_test]

@@ -1,0 +1,75 @@
+"""The models of a run: policy and tokenizer, the frozen reference, and the critic.
+
+Without ``--model`` the policy is a tiny Llama built from a config with a character tokenizer,
+both made here (no download): enough for the built-in task and the tests.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer: lowercase letters, digits, space and a few symbols."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = ["<pad>", "<eos>", "<unk>", *"abcdefghijklmnopqrstuvwxyz0123456789 +-=?."]
+    words = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    words.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_policy(tokenizer, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def load_policy(path, seed: int):
+    """``(policy, tokenizer)`` from a local Hugging Face path, or the tiny default."""
+    if path is None:
+        tokenizer = char_tokenizer()
+        return tiny_policy(tokenizer, seed), tokenizer
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--model {path!r} is not a Hugging Face model directory (no config.json)")
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere: PPO's ratio compares two passes that must see the same network."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+class Critic(nn.Module):
+    """A value model: the policy's backbone (a copy) and a scalar head on its last hidden states."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.backbone = copy.deepcopy(policy.base_model)
+        self.head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1)  # (B, L)

@@ -1,0 +1,244 @@
+"""The PPO loop: rollouts, scores, advantages, clipped updates; fastppo's own ops at every step.
+
+One iteration: sample prompts -> ``Sampler`` rollouts on the live policy -> scores -> one
+no-grad pass each for the old and reference log-probs (from hidden states with the fused linear
+ops, never full logits) and the values -> advantages (GAE over KL-shaped token rewards with a
+critic; GRPO, Dr. GRPO, RLOO or REINFORCE-with-baseline without) -> ``ppo_epochs`` passes of
+minibatch updates with ``ppo_loss_from_hidden`` and ``value_loss`` -> metrics.
+
+The details that trip trainers up are explicit here: dropout is off in every model; the
+rollout temperature is used again when log-probs are recomputed; the stop token is part of the
+response and its mask; pad and stop tokens are told apart by the mask, not by their ids; old
+log-probs are recomputed and their mismatch with the sampler's is reported; steps with a
+non-finite gradient are skipped and counted.
+"""
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, token_rewards,
+                   value_loss)
+from ..rollout import Sampler
+from . import tasks
+from .config import TrainConfig
+from .models import Critic, disable_dropout, frozen_copy, load_policy
+
+IGNORE = -100
+
+
+@dataclass
+class Batch:
+    """One rollout laid out for the updates: prompt + response per row, right-padded."""
+
+    input_ids: Tensor  # (B, L)
+    attention_mask: Tensor  # (B, L)
+    positions: Tensor  # (B, R): the position whose hidden state predicts each response token
+    response_ids: Tensor  # (B, R)
+    mask: Tensor  # (B, R) bool
+    old_logprobs: Tensor  # (B, R)
+    ref_logprobs: Optional[Tensor]
+    values: Optional[Tensor]
+    advantages: Optional[Tensor] = None
+    returns: Optional[Tensor] = None
+
+    def rows(self, index: Tensor) -> "Batch":
+        return Batch(**{k: None if v is None else v[index] for k, v in self.__dict__.items()})
+
+
+def layout(rollout, pad_id: int, device) -> tuple:
+    """``(input_ids, attention_mask, positions)`` for prompt + response rows, right-padded."""
+    lens = rollout.response_lens.tolist()
+    rows = [list(p) + rollout.response_ids[i, :n].tolist() for i, (p, n) in enumerate(zip(rollout.prompt_ids, lens))]
+    L = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row, device=device)
+        attention_mask[i, :len(row)] = 1
+    R = rollout.response_ids.shape[1]
+    prompt_lens = torch.tensor([len(p) for p in rollout.prompt_ids], device=device)
+    positions = (prompt_lens[:, None] - 1 + torch.arange(R, device=device)).clamp(max=L - 1)  # (B, R)
+    return input_ids, attention_mask, positions
+
+
+def response_hidden(model, batch: Batch) -> Tensor:
+    """Last hidden states at the positions that predict the response tokens: (B, R, H)."""
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    return hidden.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
+
+def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
+    head = model.get_output_embeddings()
+    labels = batch.response_ids.masked_fill(~batch.mask, IGNORE)
+    return linear_token_logprobs(response_hidden(model, batch), head.weight, labels, bias=head.bias,
+                                 temperature=temperature)
+
+
+class PPOTrainer:
+    def __init__(self, config: TrainConfig, policy=None, tokenizer=None, reward_fn=None, prompts=None):
+        self.config = config
+        torch.manual_seed(config.run.seed)
+        self.rng = random.Random(config.run.seed)
+        if policy is None:
+            policy, tokenizer = load_policy(config.model.model, config.run.seed)
+        self.policy, self.tokenizer = policy, tokenizer
+        disable_dropout(policy)
+        self.device = next(policy.parameters()).device
+        task_prompts, task_reward = tasks.TASKS[config.data.task] if config.data.task in tasks.TASKS else (None, None)
+        if prompts is None:
+            prompts = tasks.load_prompts(config.data.prompts) if config.data.prompts else task_prompts(seed=config.run.seed)
+        self.prompts = prompts
+        self.reward_fn = reward_fn or (tasks.load_reward(config.data.reward) if config.data.reward else task_reward)
+        if self.reward_fn is None:
+            raise ValueError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
+        self.reference = frozen_copy(policy) if config.algo.kl_coef > 0 else None
+        self.critic = Critic(policy).to(self.device) if config.uses_critic else None
+        r = config.rollout
+        longest = max(len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in prompts)
+        self.sampler = Sampler(policy, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
+                               max_seq_len=longest + r.max_new_tokens)
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr)
+        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr) if self.critic else None
+        warmup = lambda step: min(1.0, (step + 1) / max(o.warmup_iterations, 1))  # noqa: E731
+        self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+                          for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
+        self.skipped_steps = 0
+
+    # one iteration ---------------------------------------------------------------------------
+
+    def rollout(self, iteration: int):
+        r, tok = self.config.rollout, self.tokenizer
+        rows = self.rng.sample(self.prompts, min(r.prompts_per_iteration, len(self.prompts)))
+        prompt_ids = [tok(row["prompt"], add_special_tokens=False).input_ids for row in rows]
+        rollout = self.sampler.generate(prompt_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                        stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
+                                        num_samples_per_prompt=r.samples_per_prompt,
+                                        seed=self.config.run.seed * 100_003 + iteration)
+        n = r.samples_per_prompt
+        completions = [tok.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
+                                  skip_special_tokens=True) for i in range(len(rollout.prompt_ids))]
+        prompts = [row["prompt"] for row in rows for _ in range(n)]
+        fields = {k: [row.get(k) for row in rows for _ in range(n)] for k in rows[0] if k != "prompt"}
+        scores = torch.tensor(tasks.score(self.reward_fn, prompts, completions, fields), device=self.device)
+        no_stop = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
+        return rollout, scores + self.config.rollout.no_stop_penalty * no_stop, scores, no_stop
+
+    @torch.no_grad()
+    def prepare(self, rollout, scores: Tensor) -> Batch:
+        c = self.config
+        input_ids, attention_mask, positions = layout(rollout, self.tokenizer.pad_token_id, self.device)
+        mask = rollout.response_mask.to(self.device)
+        batch = Batch(input_ids, attention_mask, positions, rollout.response_ids.to(self.device), mask, None, None, None)
+        batch.old_logprobs = response_logprobs(self.policy, batch, c.rollout.temperature)
+        if self.reference is not None:
+            batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
+        if self.critic is not None:
+            batch.values = self.critic(input_ids, attention_mask).gather(1, positions) * mask
+        if c.algo.estimator == "gae":
+            ref = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs
+            rewards = token_rewards(scores, batch.old_logprobs, ref, mask, kl_coef=c.algo.kl_coef,
+                                    kl_estimator="k1")
+            advantages, batch.returns = gae(rewards, batch.values, mask, gamma=c.algo.gamma, lam=c.algo.lam)
+            batch.advantages = masked_whiten(advantages, mask)
+        else:
+            per_row = group_advantages(scores, c.rollout.samples_per_prompt, estimator=c.algo.estimator)
+            advantages = per_row.unsqueeze(1).expand_as(mask).float() * mask
+            whiten = c.algo.estimator == "reinforce_baseline"
+            batch.advantages = masked_whiten(advantages, mask) if whiten else advantages
+        return batch
+
+    def update(self, batch: Batch) -> dict:
+        c, head = self.config, self.policy.get_output_embeddings()
+        self.policy.train()
+        kl_in_loss = c.algo.estimator != "gae" and batch.ref_logprobs is not None
+        logs = []
+        B = batch.mask.shape[0]
+        for _ in range(c.algo.ppo_epochs):
+            order = torch.randperm(B, device=self.device)
+            for index in order.chunk(c.algo.minibatches):
+                mb = batch.rows(index)
+                loss, stats = ppo_loss_from_hidden(
+                    response_hidden(self.policy, mb), head.weight, mb.response_ids, mb.old_logprobs, mb.advantages,
+                    mb.mask, bias=head.bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps,
+                    entropy_coef=c.algo.entropy_coef, ref_logprobs=mb.ref_logprobs if kl_in_loss else None,
+                    kl_coef=c.algo.kl_coef if kl_in_loss else 0.0, kl_estimator=c.algo.kl_estimator)
+                if self.critic is not None:
+                    values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions)
+                    vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip)
+                    loss = loss + c.algo.vf_coef * vf
+                    stats.update(vf_stats)
+                self._step(loss)
+                logs.append({k: float(v) for k, v in stats.items()})
+        self.policy.eval()
+        return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
+
+    def _step(self, loss: Tensor) -> None:
+        optimizers = [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
+        if not torch.isfinite(norm):
+            self.skipped_steps += 1  # a non-finite gradient would poison the weights: skip the step
+            return
+        for opt in optimizers:
+            opt.step()
+
+    def iteration(self, iteration: int) -> dict:
+        start = time.perf_counter()
+        rollout, scores, raw_scores, no_stop = self.rollout(iteration)
+        rolled = time.perf_counter()
+        batch = self.prepare(rollout, scores)
+        prepared = time.perf_counter()
+        stats = self.update(batch)
+        for schedule in self.schedules:
+            schedule.step()
+        done = time.perf_counter()
+        mask = batch.mask
+        sampler_logprobs = rollout.logprobs.to(self.device)
+        tokens = int(mask.sum())
+        return {
+            "iteration": iteration, "reward_mean": float(raw_scores.mean()), "reward_std": float(raw_scores.std()),
+            "score_mean": float(scores.mean()), "response_length": float(mask.sum(1).float().mean()),
+            "stop_rate": float(1 - no_stop.float().mean()),
+            "logprob_mismatch": float(((sampler_logprobs - batch.old_logprobs).abs() * mask).sum() / max(tokens, 1)),
+            **stats, "skipped_steps": self.skipped_steps, "time_rollout": rolled - start,
+            "time_forward": prepared - rolled, "time_update": done - prepared, "tokens_per_s": tokens / (done - start),
+        }
+
+    # the run -----------------------------------------------------------------------------------
+
+    def train(self) -> list:
+        from tqdm import tqdm
+
+        out = Path(self.config.run.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.config.flat(), indent=1))
+        history = []
+        with open(out / "metrics.jsonl", "w") as log, tqdm(range(self.config.run.iterations), desc="ppo") as bar:
+            for i in bar:
+                metrics = self.iteration(i)
+                history.append(metrics)
+                log.write(json.dumps(metrics) + "\n")
+                log.flush()
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if self.config.run.save:
+            self.save(out)
+        return history
+
+    def save(self, out: Path) -> None:
+        self.policy.save_pretrained(out / "policy")
+        self.tokenizer.save_pretrained(out / "policy")
+        if self.critic is not None:
+            torch.save(self.critic.state_dict(), out / "critic.pt")
+

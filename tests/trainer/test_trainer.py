@@ -1,0 +1,148 @@
+"""The trainer end to end on the CPU: the command, learning, the estimators, config and bad input."""
+
+import json
+
+import pytest
+import torch
+
+from fastppo.cli import main as fastppo_main
+from fastppo.trainer import PPOTrainer, TrainConfig
+from fastppo.trainer.config import from_arguments
+from fastppo.trainer.tasks import vowels_reward
+
+
+def config(tmp_path, **fields):
+    return TrainConfig.from_flat({"out": str(tmp_path / "run"), "iterations": 3, **fields}).validate()
+
+
+def mean_reward(history, part):
+    return sum(h["reward_mean"] for h in part(history)) / len(part(history))
+
+
+def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    assert fastppo_main(["train", "--iterations", "3", "--out", str(out), "--estimator", "gae"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for key in ("reward_mean", "reward_std", "approx_kl", "clipfrac", "entropy", "vf_loss", "response_length",
+                "stop_rate", "logprob_mismatch", "time_rollout", "time_forward", "time_update", "tokens_per_s"):
+        assert all(key in r for r in rows), key
+    assert json.loads((out / "config.json").read_text())["estimator"] == "gae"
+    policy = AutoModelForCausalLM.from_pretrained(out / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(out / "policy")
+    assert policy.config.vocab_size == len(tokenizer) and (out / "critic.pt").is_file()
+    assert "reward" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("estimator,kl_coef", [("grpo", 0.0), ("rloo", 0.05), ("gae", 0.02)])
+def test_reward_rises_on_the_built_in_task(tmp_path, estimator, kl_coef):
+    history = PPOTrainer(config(tmp_path, estimator=estimator, kl_coef=kl_coef, iterations=30, save=False)).train()
+    first, last = mean_reward(history, lambda h: h[:5]), mean_reward(history, lambda h: h[-5:])
+    assert last > first + 0.2, (first, last)
+    assert all(h["skipped_steps"] == 0 for h in history)
+
+
+def test_recomputed_logprobs_use_the_rollout_temperature(tmp_path):
+    trainer = PPOTrainer(config(tmp_path, temperature=0.7, save=False))
+    metrics = trainer.iteration(0)
+    assert metrics["logprob_mismatch"] < 1e-4  # sampler and trainer agree token by token
+
+
+def test_stop_token_is_in_the_mask_and_never_stopping_is_penalised(tmp_path):
+    trainer = PPOTrainer(config(tmp_path, max_new_tokens=6, no_stop_penalty=-1.0, save=False))
+    eos = trainer.tokenizer.eos_token_id
+    rollout, scores, raw, no_stop = trainer.rollout(0)
+    torch.testing.assert_close(scores, raw - no_stop.float())
+    stopped = [i for i, f in enumerate(rollout.finish_reason) if f == "stop"]
+    for i in stopped:
+        n = int(rollout.response_lens[i])
+        assert rollout.response_ids[i, n - 1] == eos and rollout.response_mask[i, n - 1]
+    batch = trainer.prepare(rollout, scores)
+    assert torch.equal(batch.mask, rollout.response_mask)
+
+
+def test_dropout_is_off(tmp_path):
+    from torch import nn
+
+    from fastppo.trainer.models import char_tokenizer, tiny_policy
+
+    tokenizer = char_tokenizer()
+    policy = tiny_policy(tokenizer, seed=0)
+    policy.model.layers[0].mlp.dropout = nn.Dropout(0.3)
+    PPOTrainer(config(tmp_path, save=False), policy=policy, tokenizer=tokenizer)
+    assert all(m.p == 0 for m in policy.modules() if isinstance(m, nn.Dropout))
+
+
+def test_config_file_and_command_line(tmp_path):
+    import argparse
+
+    from fastppo.trainer.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "--samples-per-prompt" in parser.format_help() and "GRPO" in parser.format_help()
+    toml = tmp_path / "c.toml"
+    toml.write_text('lr = 0.01\nestimator = "rloo"\n')
+    cfg = from_arguments(parser.parse_args(["--config", str(toml), "--lr", "0.02", "--critic", "false"]))
+    assert cfg.optim.lr == 0.02 and cfg.algo.estimator == "rloo" and cfg.model.critic is False
+    (tmp_path / "c.json").write_text(json.dumps({"iterations": 7}))
+    assert from_arguments(parser.parse_args(["--config", str(tmp_path / "c.json")])).run.iterations == 7
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(lr=-1.0), "config field lr must be > 0"),
+    (dict(clip_eps=0.0), "config field clip_eps must be > 0"),
+    (dict(minibatches=3), "config field minibatches must be >= 1 and divide"),
+    (dict(estimator="ppo2"), "config field estimator must be one of"),
+    (dict(estimator="gae", critic=False), "config field critic must be on for estimator=gae"),
+    (dict(learning_rate=1.0), r"unknown config field\(s\): learning_rate"),
+])
+def test_bad_config_is_rejected_naming_the_field(tmp_path, fields, match):
+    with pytest.raises(ValueError, match=match):
+        config(tmp_path, **fields)
+
+
+def test_bad_prompts_file_names_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ab"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not JSON"):
+        PPOTrainer(config(tmp_path, prompts=str(path)))
+    path.write_text('{"prompt": "ab"}\n{"question": "cd"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: each line must be a JSON object with a string 'prompt'"):
+        PPOTrainer(config(tmp_path, prompts=str(path)))
+
+
+def test_user_prompts_and_reward_fields(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "target": "a"}) for p in ["ab", "cde", "fg", "hij"]))
+    seen = {}
+
+    def reward(prompts, completions, target):
+        seen["target"] = target
+        return [float(c.count(t)) for c, t in zip(completions, target)]
+
+    trainer = PPOTrainer(config(tmp_path, prompts=str(path), prompts_per_iteration=4, save=False), reward_fn=reward)
+    trainer.iteration(0)
+    assert seen["target"] == ["a"] * 16
+
+
+@pytest.mark.parametrize("reward,match", [
+    (lambda prompts, completions, **_: 1 / 0, "raised ZeroDivisionError"),
+    (lambda prompts, completions, **_: [1.0], "returned 1 scores for 32 completions"),
+    (lambda prompts, completions, **_: [float("nan")] * len(completions), "scores must be finite"),
+])
+def test_reward_faults_are_clear(tmp_path, reward, match):
+    trainer = PPOTrainer(config(tmp_path, save=False), reward_fn=reward)
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        trainer.iteration(0)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
+        PPOTrainer(config(tmp_path, model=str(tmp_path / "nowhere")))
+
+
+def test_vowels_reward():
+    assert vowels_reward([], ["aeb", "", "zz"]) == [2 / 3, 0.0, 0.0]
