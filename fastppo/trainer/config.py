@@ -20,13 +20,15 @@ def _doc(help_text: str, default=None, **kwargs):
 
 @dataclass
 class ModelConfig:
-    model: Optional[str] = _doc("local path of a Hugging Face causal LM; default: a tiny model built for the task")
+    model: Optional[str] = _doc("local path of a Hugging Face causal LM (and its tokenizer); default: the tiny "
+                                "model shipped with fastppo, which knows some of the arithmetic task")
     critic: bool = _doc("train a value model (needed by estimator=gae); default: only for gae", None)
 
 
 @dataclass
 class DataConfig:
-    task: str = _doc("built-in task (prompts and reward) when --prompts is not given", "vowels")
+    task: str = _doc("built-in task (prompts and reward) when --prompts is not given: arithmetic "
+                     "('17+25=' -> '42', reward 1 when exact) or vowels", "arithmetic")
     prompts: Optional[str] = _doc("JSONL file, one object per line with a 'prompt' field; the other fields "
                                   "are passed to the reward function")
     reward: Optional[str] = _doc("reward function 'module:function', called as f(prompts, completions, "
@@ -35,8 +37,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_iteration: int = _doc("prompts sampled per iteration", 8)
-    samples_per_prompt: int = _doc("responses sampled per prompt (the group for GRPO/RLOO)", 4)
+    prompts_per_iteration: int = _doc("prompts sampled per iteration", 16)
+    samples_per_prompt: int = _doc("responses sampled per prompt (the group for GRPO/RLOO)", 8)
     max_new_tokens: int = _doc("most tokens per response", 8)
     temperature: float = _doc("sampling temperature, also used when log-probs are recomputed", 1.0)
     no_stop_penalty: float = _doc("added to the score of a response that never produced the stop token", 0.0)
@@ -59,7 +61,7 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _doc("AdamW learning rate of the policy", 1e-3)
+    lr: float = _doc("AdamW learning rate of the policy", 5e-4)
     critic_lr: float = _doc("AdamW learning rate of the critic", 1e-3)
     warmup_iterations: int = _doc("linear learning-rate warm-up", 0)
     max_grad_norm: float = _doc("gradient clipping norm", 1.0)
@@ -67,7 +69,7 @@ class OptimConfig:
 
 @dataclass
 class RunConfig:
-    iterations: int = _doc("training iterations", 30)
+    iterations: int = _doc("training iterations", 500)
     seed: int = _doc("seed of every random draw", 0)
     out: str = _doc("run directory (metrics.jsonl, config.json, the final model)", "runs/fastppo")
     save: bool = _doc("save the policy (and critic) in Hugging Face format at the end", True)

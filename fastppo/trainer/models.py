@@ -1,10 +1,12 @@
 """The models of a run: policy and tokenizer, the frozen reference, and the critic.
 
-Without ``--model`` the policy is a tiny Llama built from a config with a character tokenizer,
-both made here (no download): enough for the built-in task and the tests.
+Without ``--model`` the policy is the tiny Llama shipped in ``default_model/`` (a character
+tokenizer, 2 layers, hidden 64; made by ``scripts/make_default_model.py``, which taught it some
+of the built-in arithmetic task). ``tiny_policy`` builds the same architecture untrained.
 """
 
 import copy
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,14 +35,14 @@ def tiny_policy(tokenizer, seed: int):
     return LlamaForCausalLM(config)
 
 
-def load_policy(path, seed: int):
-    """``(policy, tokenizer)`` from a local Hugging Face path, or the tiny default."""
-    if path is None:
-        tokenizer = char_tokenizer()
-        return tiny_policy(tokenizer, seed), tokenizer
-    from pathlib import Path
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 
+
+def load_policy(path):
+    """``(policy, tokenizer)`` from a local Hugging Face model directory, or the shipped default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = DEFAULT_MODEL if path is None else path
 
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"--model {path!r} is not a Hugging Face model directory (no config.json)")

@@ -87,7 +87,7 @@ class PPOTrainer:
         torch.manual_seed(config.run.seed)
         self.rng = random.Random(config.run.seed)
         if policy is None:
-            policy, tokenizer = load_policy(config.model.model, config.run.seed)
+            policy, tokenizer = load_policy(config.model.model)
         self.policy, self.tokenizer = policy, tokenizer
         disable_dropout(policy)
         self.device = next(policy.parameters()).device

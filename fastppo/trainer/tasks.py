@@ -29,8 +29,28 @@ def vowels_prompts(count: int = 256, seed: int = 0) -> list:
     return [{"prompt": "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 6)))} for _ in range(count)]
 
 
+def arithmetic_example(rng: random.Random) -> tuple:
+    """``("a+b=", "sum")`` for a, b in [0, 49]."""
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return f"{a}+{b}=", str(a + b)
+
+
+def arithmetic_reward(prompts, completions, **_):
+    """1 when the completion is exactly the sum (its stop token excluded), else 0."""
+    scores = []
+    for prompt, text in zip(prompts, completions):
+        a, b = prompt.rstrip("=").split("+")
+        scores.append(float(text == str(int(a) + int(b))))
+    return scores
+
+
+def arithmetic_prompts(count: int = 2048, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    return [{"prompt": arithmetic_example(rng)[0]} for _ in range(count)]
+
+
 # task name -> (prompt rows, reward function); the rows are dicts with at least 'prompt'
-TASKS = {"vowels": (vowels_prompts, vowels_reward)}
+TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "vowels": (vowels_prompts, vowels_reward)}
 
 
 def load_prompts(path: str) -> list:

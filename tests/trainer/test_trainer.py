@@ -15,6 +15,15 @@ def config(tmp_path, **fields):
     return TrainConfig.from_flat({"out": str(tmp_path / "run"), "iterations": 3, **fields}).validate()
 
 
+def untrained(tmp_path, **fields):
+    """A trainer on the vowels task from an untrained tiny model: learns in seconds."""
+    from fastppo.trainer.models import char_tokenizer, tiny_policy
+
+    tokenizer = char_tokenizer()
+    fields = {"task": "vowels", "lr": 1e-3, "prompts_per_iteration": 8, "samples_per_prompt": 4, **fields}
+    return PPOTrainer(config(tmp_path, **fields), policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
+
+
 def mean_reward(history, part):
     return sum(h["reward_mean"] for h in part(history)) / len(part(history))
 
@@ -37,11 +46,17 @@ def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("estimator,kl_coef", [("grpo", 0.0), ("rloo", 0.05), ("gae", 0.02)])
-def test_reward_rises_on_the_built_in_task(tmp_path, estimator, kl_coef):
-    history = PPOTrainer(config(tmp_path, estimator=estimator, kl_coef=kl_coef, iterations=30, save=False)).train()
+def test_reward_rises_from_an_untrained_model(tmp_path, estimator, kl_coef):
+    history = untrained(tmp_path, estimator=estimator, kl_coef=kl_coef, iterations=30, save=False).train()
     first, last = mean_reward(history, lambda h: h[:5]), mean_reward(history, lambda h: h[-5:])
     assert last > first + 0.2, (first, last)
     assert all(h["skipped_steps"] == 0 for h in history)
+
+
+def test_the_shipped_default_learns_its_arithmetic(tmp_path):
+    history = PPOTrainer(config(tmp_path, iterations=150, save=False)).train()
+    first, last = mean_reward(history, lambda h: h[:5]), mean_reward(history, lambda h: h[-5:])
+    assert 0.1 < first < 0.6 and last > first + 0.1, (first, last)
 
 
 def test_recomputed_logprobs_use_the_rollout_temperature(tmp_path):
@@ -71,7 +86,7 @@ def test_dropout_is_off(tmp_path):
     tokenizer = char_tokenizer()
     policy = tiny_policy(tokenizer, seed=0)
     policy.model.layers[0].mlp.dropout = nn.Dropout(0.3)
-    PPOTrainer(config(tmp_path, save=False), policy=policy, tokenizer=tokenizer)
+    PPOTrainer(config(tmp_path, task="vowels", save=False), policy=policy, tokenizer=tokenizer)
     assert all(m.p == 0 for m in policy.modules() if isinstance(m, nn.Dropout))
 
 
@@ -125,12 +140,12 @@ def test_user_prompts_and_reward_fields(tmp_path):
 
     trainer = PPOTrainer(config(tmp_path, prompts=str(path), prompts_per_iteration=4, save=False), reward_fn=reward)
     trainer.iteration(0)
-    assert seen["target"] == ["a"] * 16
+    assert seen["target"] == ["a"] * 32  # 4 prompts x 8 samples
 
 
 @pytest.mark.parametrize("reward,match", [
     (lambda prompts, completions, **_: 1 / 0, "raised ZeroDivisionError"),
-    (lambda prompts, completions, **_: [1.0], "returned 1 scores for 32 completions"),
+    (lambda prompts, completions, **_: [1.0], "returned 1 scores for 128 completions"),
     (lambda prompts, completions, **_: [float("nan")] * len(completions), "scores must be finite"),
 ])
 def test_reward_faults_are_clear(tmp_path, reward, match):
@@ -146,3 +161,18 @@ def test_missing_model_path(tmp_path):
 
 def test_vowels_reward():
     assert vowels_reward([], ["aeb", "", "zz"]) == [2 / 3, 0.0, 0.0]
+
+
+def test_the_default_model_script_makes_a_loadable_model(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "scripts/make_default_model.py", "--steps", "5", "--out", str(tmp_path)],
+                            cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sampled accuracy" in result.stdout
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
