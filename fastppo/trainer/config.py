@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,8 @@ class DataConfig:
                                   "are passed to the reward function")
     reward: Optional[str] = _doc("reward function 'module:function', called as f(prompts, completions, "
                                  "**fields) -> one float per completion; default: the task's")
+    reward_model: Optional[str] = _doc("local Hugging Face sequence-classification model scoring prompt + "
+                                       "completion (its first logit), instead of a reward function")
 
 
 @dataclass
@@ -51,6 +54,9 @@ class AlgoConfig:
     lam: float = _doc("GAE lambda (gae)", 0.95)
     kl_coef: float = _doc("weight of the KL to the reference model (in the reward for gae, in the loss otherwise)", 0.0)
     kl_estimator: str = _doc("k1, k2 or k3", "k3")
+    kl_target: Optional[float] = _doc("adapt kl_coef to hold this per-token KL (Ziegler et al. 2019); "
+                                      "default: a fixed kl_coef")
+    kl_horizon: int = _doc("horizon of the adaptive KL controller, in sequences", 10_000)
     clip_eps: float = _doc("PPO clip range", 0.2)
     entropy_coef: float = _doc("entropy bonus", 0.0)
     vf_coef: float = _doc("value-loss weight (gae)", 0.5)
@@ -62,6 +68,7 @@ class AlgoConfig:
 @dataclass
 class OptimConfig:
     lr: float = _doc("AdamW learning rate of the policy", 5e-4)
+    autocast: bool = _doc("bf16 autocast on CUDA (the CPU always runs fp32)", True)
     critic_lr: float = _doc("AdamW learning rate of the critic", 1e-3)
     warmup_iterations: int = _doc("linear learning-rate warm-up", 0)
     max_grad_norm: float = _doc("gradient clipping norm", 1.0)
@@ -73,6 +80,7 @@ class RunConfig:
     seed: int = _doc("seed of every random draw", 0)
     out: str = _doc("run directory (metrics.jsonl, config.json, the final model)", "runs/fastppo")
     save: bool = _doc("save the policy (and critic) in Hugging Face format at the end", True)
+    save_every: int = _doc("also save every this many iterations (0: only at the end)", 0)
 
 
 SECTIONS = (ModelConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
@@ -122,6 +130,8 @@ class TrainConfig:
             ("gamma", 0 <= a.gamma <= 1, "must be in [0, 1]"),
             ("lam", 0 <= a.lam <= 1, "must be in [0, 1]"),
             ("kl_coef", a.kl_coef >= 0, "must be >= 0"),
+            ("kl_target", a.kl_target is None or (a.kl_target > 0 and a.kl_coef > 0), "must be > 0, with kl_coef > 0"),
+            ("kl_horizon", a.kl_horizon >= 1, "must be >= 1"),
             ("clip_eps", a.clip_eps > 0, "must be > 0"),
             ("vf_clip", a.vf_clip > 0, "must be > 0"),
             ("ppo_epochs", a.ppo_epochs >= 1, "must be >= 1"),
@@ -132,6 +142,7 @@ class TrainConfig:
             ("warmup_iterations", o.warmup_iterations >= 0, "must be >= 0"),
             ("max_grad_norm", o.max_grad_norm > 0, "must be > 0"),
             ("iterations", run.iterations >= 1, "must be >= 1"),
+            ("save_every", run.save_every >= 0, "must be >= 0"),
             ("critic", a.estimator != "gae" or self.uses_critic, "must be on for estimator=gae"),
         ]
         for name, ok, requirement in rules:
@@ -154,7 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for section in SECTIONS:
         group = parser.add_argument_group(section.__name__)
         for f in dataclasses.fields(section):
-            kind = {bool: _parse_bool, int: int, float: float}.get(f.type, str)
+            base = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)  # Optional[X] -> X
+            kind = {bool: _parse_bool, int: int, float: float}.get(base, str)
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=argparse.SUPPRESS,
                                help=f"{f.metadata['help']} (default: {f.default})")
 

@@ -26,9 +26,10 @@ from torch import Tensor
 from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, token_rewards,
                    value_loss)
 from ..rollout import Sampler
-from . import tasks
+from . import plot, tasks
 from .config import TrainConfig
-from .models import Critic, disable_dropout, frozen_copy, load_policy
+from .kl_control import KLController
+from .models import Critic, RewardModel, disable_dropout, frozen_copy, load_policy
 
 IGNORE = -100
 
@@ -74,11 +75,18 @@ def response_hidden(model, batch: Batch) -> Tensor:
     return hidden.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
-def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
+def head_params(model, like: Tensor) -> tuple:
+    """The LM head's weight and bias in the dtype of the hidden states (bf16 under autocast)."""
     head = model.get_output_embeddings()
+    bias = None if head.bias is None else head.bias.to(like.dtype)
+    return head.weight.to(like.dtype), bias
+
+
+def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
+    hidden = response_hidden(model, batch)
+    weight, bias = head_params(model, hidden)
     labels = batch.response_ids.masked_fill(~batch.mask, IGNORE)
-    return linear_token_logprobs(response_hidden(model, batch), head.weight, labels, bias=head.bias,
-                                 temperature=temperature)
+    return linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature)
 
 
 class PPOTrainer:
@@ -95,10 +103,13 @@ class PPOTrainer:
         if prompts is None:
             prompts = tasks.load_prompts(config.data.prompts) if config.data.prompts else task_prompts(seed=config.run.seed)
         self.prompts = prompts
+        if reward_fn is None and config.data.reward_model:
+            reward_fn = RewardModel(config.data.reward_model, self.device)
         self.reward_fn = reward_fn or (tasks.load_reward(config.data.reward) if config.data.reward else task_reward)
         if self.reward_fn is None:
             raise ValueError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
         self.reference = frozen_copy(policy) if config.algo.kl_coef > 0 else None
+        self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
         self.critic = Critic(policy).to(self.device) if config.uses_critic else None
         r = config.rollout
         longest = max(len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in prompts)
@@ -137,14 +148,15 @@ class PPOTrainer:
         input_ids, attention_mask, positions = layout(rollout, self.tokenizer.pad_token_id, self.device)
         mask = rollout.response_mask.to(self.device)
         batch = Batch(input_ids, attention_mask, positions, rollout.response_ids.to(self.device), mask, None, None, None)
-        batch.old_logprobs = response_logprobs(self.policy, batch, c.rollout.temperature)
-        if self.reference is not None:
-            batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
-        if self.critic is not None:
-            batch.values = self.critic(input_ids, attention_mask).gather(1, positions) * mask
+        with self.autocast():
+            batch.old_logprobs = response_logprobs(self.policy, batch, c.rollout.temperature)
+            if self.reference is not None:
+                batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
+            if self.critic is not None:
+                batch.values = self.critic(input_ids, attention_mask).gather(1, positions).float() * mask
         if c.algo.estimator == "gae":
             ref = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs
-            rewards = token_rewards(scores, batch.old_logprobs, ref, mask, kl_coef=c.algo.kl_coef,
+            rewards = token_rewards(scores, batch.old_logprobs, ref, mask, kl_coef=self.kl.coef,
                                     kl_estimator="k1")
             advantages, batch.returns = gae(rewards, batch.values, mask, gamma=c.algo.gamma, lam=c.algo.lam)
             batch.advantages = masked_whiten(advantages, mask)
@@ -155,8 +167,13 @@ class PPOTrainer:
             batch.advantages = masked_whiten(advantages, mask) if whiten else advantages
         return batch
 
+    def autocast(self):
+        """bf16 autocast on CUDA when configured; fp32 (a no-op context) elsewhere."""
+        enabled = self.config.optim.autocast and self.device.type == "cuda"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
     def update(self, batch: Batch) -> dict:
-        c, head = self.config, self.policy.get_output_embeddings()
+        c = self.config
         self.policy.train()
         kl_in_loss = c.algo.estimator != "gae" and batch.ref_logprobs is not None
         logs = []
@@ -165,13 +182,17 @@ class PPOTrainer:
             order = torch.randperm(B, device=self.device)
             for index in order.chunk(c.algo.minibatches):
                 mb = batch.rows(index)
+                with self.autocast():
+                    hidden = response_hidden(self.policy, mb)
+                weight, bias = head_params(self.policy, hidden)
                 loss, stats = ppo_loss_from_hidden(
-                    response_hidden(self.policy, mb), head.weight, mb.response_ids, mb.old_logprobs, mb.advantages,
-                    mb.mask, bias=head.bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps,
+                    hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages,
+                    mb.mask, bias=bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps,
                     entropy_coef=c.algo.entropy_coef, ref_logprobs=mb.ref_logprobs if kl_in_loss else None,
-                    kl_coef=c.algo.kl_coef if kl_in_loss else 0.0, kl_estimator=c.algo.kl_estimator)
+                    kl_coef=self.kl.coef if kl_in_loss else 0.0, kl_estimator=c.algo.kl_estimator)
                 if self.critic is not None:
-                    values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions)
+                    with self.autocast():
+                        values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions).float()
                     vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip)
                     loss = loss + c.algo.vf_coef * vf
                     stats.update(vf_stats)
@@ -199,7 +220,13 @@ class PPOTrainer:
         rolled = time.perf_counter()
         batch = self.prepare(rollout, scores)
         prepared = time.perf_counter()
+        kl_coef = self.kl.coef  # the coefficient this iteration used
+        if batch.ref_logprobs is not None:
+            rollout_kl = float(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum() / batch.mask.sum().clamp(min=1))
         stats = self.update(batch)
+        if batch.ref_logprobs is not None:
+            self.kl.update(rollout_kl, batch.mask.shape[0])
+            stats.update(rollout_kl=rollout_kl, kl_coef=kl_coef)
         for schedule in self.schedules:
             schedule.step()
         done = time.perf_counter()
@@ -232,11 +259,17 @@ class PPOTrainer:
                 log.flush()
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
+                every = self.config.run.save_every
+                if every and (i + 1) % every == 0 and i + 1 < self.config.run.iterations:
+                    self.save(out / f"checkpoint-{i + 1}")
         if self.config.run.save:
             self.save(out)
+        if plot.available():
+            plot.plot_run(out)
         return history
 
     def save(self, out: Path) -> None:
+        """The policy (and tokenizer) in Hugging Face format under ``out/policy``, the critic beside it."""
         self.policy.save_pretrained(out / "policy")
         self.tokenizer.save_pretrained(out / "policy")
         if self.critic is not None:

@@ -176,3 +176,58 @@ def test_the_default_model_script_makes_a_loadable_model(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "sampled accuracy" in result.stdout
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
+
+
+def test_adaptive_kl_controller():
+    from fastppo.trainer.kl_control import KLController
+
+    fixed = KLController(0.1)
+    fixed.update(5.0, 100)
+    assert fixed.coef == 0.1
+    adaptive = KLController(0.1, target=0.05, horizon=1000)
+    adaptive.update(1.0, 100)  # far above target: the error is clipped to +0.2
+    assert adaptive.coef == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
+    adaptive.update(0.0, 100)  # below target
+    assert adaptive.coef < 0.1 * 1.02
+
+
+def test_kl_in_the_loss_with_an_adaptive_coefficient(tmp_path):
+    trainer = untrained(tmp_path, kl_coef=0.1, kl_target=0.01, kl_horizon=100, iterations=4, save=False)
+    history = trainer.train()
+    coefs = [h["kl_coef"] for h in history]
+    assert coefs[0] == 0.1 and len(set(coefs)) > 1 and all("rollout_kl" in h and "kl" in h for h in history)
+
+
+def test_reward_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from fastppo.trainer.models import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    scorer.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    trainer = untrained(tmp_path, reward_model=str(tmp_path / "rm"), save=False)
+    metrics = trainer.iteration(0)
+    assert metrics["reward_std"] > 0 and torch.isfinite(torch.tensor(metrics["reward_mean"]))
+    with pytest.raises(ValueError, match="--reward-model .* is not a Hugging Face model directory"):
+        untrained(tmp_path, reward_model=str(tmp_path / "nothing"))
+
+
+def test_periodic_checkpoints(tmp_path):
+    untrained(tmp_path, iterations=4, save_every=2).train()
+    assert (tmp_path / "run" / "checkpoint-2" / "policy" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "policy" / "model.safetensors").is_file()
+    assert not (tmp_path / "run" / "checkpoint-4").exists()  # the last one is the final save
+
+
+def test_plot_of_a_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    untrained(tmp_path, iterations=2, save=False).train()
+    png = tmp_path / "run" / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written at the end of the run
+    assert fastppo_main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 1000

@@ -1,0 +1,48 @@
+"""``fastppo plot RUN_DIR``: a PNG of a run's curves (reward, KL, entropy, response length).
+
+Uses matplotlib when it is installed (``pip install 'fastppo[plot]'``); the trainer writes
+``plot.png`` at the end of a run when it can.
+"""
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+PANELS = (("reward_mean", "mean reward"), ("approx_kl", "approx. KL to the rollout policy"),
+          ("entropy", "entropy"), ("response_length", "response length"))
+
+
+def available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plot_run(run_dir: Path, out: Path = None) -> Path:
+    """Write the curves of ``run_dir/metrics.jsonl`` to ``out`` (default ``run_dir/plot.png``)."""
+    if not available():
+        raise ImportError("fastppo plot needs matplotlib: pip install 'fastppo[plot]'")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    figure, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
+    for axis, (key, title) in zip(axes, PANELS):
+        axis.plot([r["iteration"] for r in rows if key in r], [r[key] for r in rows if key in r])
+        axis.set_title(title)
+        axis.set_xlabel("iteration")
+    figure.tight_layout()
+    out = Path(out) if out is not None else Path(run_dir) / "plot.png"
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastppo plot", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/plot.png)")
+    args = parser.parse_args(argv)
+    print(plot_run(args.run_dir, args.out))
+    return 0
