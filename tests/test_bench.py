@@ -23,15 +23,16 @@ def test_every_contender_gets_a_row(op):
     passes = 2 if cases[0].bytes_fwd_bwd else 1
     assert len(rows) == sum(len(c.contenders) for c in cases) * passes
     statuses = {r["contender"]: r["status"] for r in rows}
-    baseline = next(c.name for c in cases[0].contenders if c.baseline)
-    assert statuses["fastppo"] == "ok" and statuses[baseline] == "ok"
+    baseline = next((c.name for c in cases[0].contenders if c.baseline), None)
+    assert all(status == "ok" for name, status in statuses.items() if not name.startswith(("torch.compile", "HF generate (static", "liger", "flash-attn", "trl")))
+    assert baseline is None or statuses[baseline] == "ok"
     for row in rows:
         assert row["bytes"] > 0
         assert row["status"] == "ok" or row["median_ms"] is None  # unavailable rows say why, with no numbers
         assert not row["status"].startswith("error"), row
         if row["status"] == "ok":
             assert math.isfinite(row["gbps"]) and row["gbps"] > 0
-            assert math.isfinite(row["speedup"]) and row["speedup"] > 0
+            assert baseline is None or (math.isfinite(row["speedup"]) and row["speedup"] > 0)
             assert row["memory_bytes"] > 0
     assert meta["copy_gbps"] > 0 and meta["device"] == device.type
 

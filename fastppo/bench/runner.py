@@ -17,6 +17,7 @@ from .advantages import gae_cases, whiten_cases
 from .logprobs import linear_logprobs_cases, logprobs_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
 from .sampler import sampler_cases
+from .trainer import trainer_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 
 # op family -> cases(device, quick), most telling first: a time budget cuts the end of the list
@@ -30,6 +31,7 @@ FAMILIES = {
     "value_loss": value_loss_cases,
     "whiten": whiten_cases,
     "sampler": sampler_cases,
+    "trainer": trainer_cases,
 }
 
 

@@ -78,6 +78,7 @@ class OptimConfig:
 class RunConfig:
     iterations: int = _doc("training iterations", 500)
     seed: int = _doc("seed of every random draw", 0)
+    device: str = _doc("where to train: auto (CUDA when available), cuda, cuda:N or cpu", "auto")
     out: str = _doc("run directory (metrics.jsonl, config.json, the final model)", "runs/fastppo")
     save: bool = _doc("save the policy (and critic) in Hugging Face format at the end", True)
     save_every: int = _doc("also save every this many iterations (0: only at the end)", 0)

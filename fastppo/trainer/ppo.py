@@ -96,6 +96,8 @@ class PPOTrainer:
         self.rng = random.Random(config.run.seed)
         if policy is None:
             policy, tokenizer = load_policy(config.model.model)
+            device = config.run.device
+            policy.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.policy, self.tokenizer = policy, tokenizer
         disable_dropout(policy)
         self.device = next(policy.parameters()).device
