@@ -74,12 +74,18 @@ def assert_values_close(actual, expected, dtype, logit_scale=0.0):
     torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=0, equal_nan=True)
 
 
-def assert_grad_close(actual, expected, dtype):
-    """Gradient in its tensor's dtype, within the policy's relative error of the oracle's."""
+def assert_grad_close(actual, expected, dtype, atol=0.0):
+    """Gradient in its tensor's dtype, within the policy's relative error of the oracle's.
+
+    ``atol`` adds an absolute allowance on the error's norm: with huge logits fp32 cannot resolve
+    ``log p + H`` in the entropy's gradient better than ~4e-7 x the largest |logit| per unit of
+    upstream entropy gradient (the same floor as for the values).
+    """
     assert actual.dtype == dtype
     assert torch.isfinite(actual).all(), "gradient has NaN or inf"
-    err = relative_error(actual, expected)
-    assert err <= GRAD_RTOL[dtype], f"relative gradient error {err:.3g} > {GRAD_RTOL[dtype]}"
+    error = (actual.double() - expected.double()).norm().item()
+    bound = GRAD_RTOL[dtype] * expected.double().norm().item() + atol
+    assert error <= bound, f"gradient error {error:.3g} > {bound:.3g} (relative {relative_error(actual, expected):.3g})"
 
 
 def aggregate_oracle(x, mask, agg, num_tokens=None):

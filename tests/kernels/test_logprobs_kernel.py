@@ -5,6 +5,8 @@ exercise the online-softmax loop across many blocks, a partial last block, and t
 rows with a partial last tile, and they check the in-place mode the linear path relies on.
 """
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,9 +14,13 @@ from hypothesis import strategies as st
 
 from fastppo.ops import logprobs_torch
 from fastppo.ops.dispatch import TRITON_INSTALLED
-from tests.oracles import assert_grad_close, assert_values_close, logprobs_grad_oracle, logprobs_oracle
+from tests.oracles import (LOGIT_SCALE_ATOL, assert_grad_close, assert_values_close, logprobs_grad_oracle,
+                           logprobs_oracle)
 
 pytestmark = pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+
+# CI checks a fixed set of examples; FASTPPO_HYPOTHESIS_EXAMPLES=N explores N fresh ones instead.
+EXPLORE = os.environ.get("FASTPPO_HYPOTHESIS_EXAMPLES")
 
 
 def run_kernels(logits, labels, inv_temperature, block_v, *, in_place=False):
@@ -31,10 +37,11 @@ def run_kernels(logits, labels, inv_temperature, block_v, *, in_place=False):
     return out[0], out[1], grad.view(N, -1), g_logp, g_entropy
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=int(EXPLORE or 25), deadline=None, derandomize=EXPLORE is None)
 @given(N=st.integers(1, 70), V=st.integers(1, 300), block_v=st.sampled_from([16, 32, 128]),
        temperature=st.floats(0.25, 4.0), scale=st.floats(0.1, 30.0), data=st.data())
 def test_kernels_match_oracle(N, V, block_v, temperature, scale, data):
+    torch.manual_seed(data.draw(st.integers(0, 2**31 - 1)))  # the example fixes the tensors too
     logits = torch.randn(N, V) * scale
     labels = torch.tensor(data.draw(st.lists(st.sampled_from([-100, 0, V - 1, V // 2]), min_size=N, max_size=N)))
     logp, entropy, grad, g_logp, g_entropy = run_kernels(logits, labels, 1.0 / temperature, block_v)
@@ -44,7 +51,8 @@ def test_kernels_match_oracle(N, V, block_v, temperature, scale, data):
     assert_values_close(entropy, ref_entropy, torch.float32, logit_scale)
     ref_grad = logprobs_grad_oracle(logits, labels, g_logp, g_entropy, temperature)
     if ref_grad.norm() > 0:
-        assert_grad_close(grad, ref_grad, torch.float32)
+        floor = LOGIT_SCALE_ATOL * logit_scale * g_entropy.double().norm().item()
+        assert_grad_close(grad, ref_grad, torch.float32, atol=floor)
     else:
         assert (grad == 0).all()
 
