@@ -63,6 +63,8 @@ class AlgoConfig:
     vf_clip: float = _doc("value clip range (gae)", 0.2)
     ppo_epochs: int = _doc("passes over each rollout batch", 1)
     minibatches: int = _doc("minibatches per pass; must divide the rows of a rollout", 1)
+    grad_accumulation: int = _doc("minibatches per optimizer step, normalised by their total token count; "
+                                  "must divide minibatches", 1)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class OptimConfig:
     autocast: bool = _doc("bf16 autocast on CUDA (the CPU always runs fp32)", True)
     critic_lr: float = _doc("AdamW learning rate of the critic", 1e-3)
     warmup_iterations: int = _doc("linear learning-rate warm-up", 0)
+    lr_schedule: str = _doc("after the warm-up: constant or cosine (to 0 at the last iteration)", "constant")
     max_grad_norm: float = _doc("gradient clipping norm", 1.0)
 
 
@@ -136,6 +139,9 @@ class TrainConfig:
             ("clip_eps", a.clip_eps > 0, "must be > 0"),
             ("vf_clip", a.vf_clip > 0, "must be > 0"),
             ("ppo_epochs", a.ppo_epochs >= 1, "must be >= 1"),
+            ("grad_accumulation", a.grad_accumulation >= 1 and a.minibatches % a.grad_accumulation == 0,
+             "must be >= 1 and divide minibatches"),
+            ("lr_schedule", o.lr_schedule in ("constant", "cosine"), "must be constant or cosine"),
             ("minibatches", a.minibatches >= 1 and (r.prompts_per_iteration * r.samples_per_prompt) % a.minibatches == 0,
              "must be >= 1 and divide prompts_per_iteration x samples_per_prompt"),
             ("lr", o.lr > 0, "must be > 0"),

@@ -76,6 +76,27 @@ class Critic(nn.Module):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden).squeeze(-1)  # (B, L)
 
+    HEAD_FILE = "value_head.safetensors"
+
+    def save_pretrained(self, path) -> None:
+        """The backbone in Hugging Face format, the scalar head beside it in safetensors."""
+        from safetensors.torch import save_file
+
+        self.backbone.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(Path(path) / self.HEAD_FILE))
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Critic":
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        critic = cls.__new__(cls)
+        nn.Module.__init__(critic)
+        critic.backbone = AutoModel.from_pretrained(path)
+        critic.head = nn.Linear(critic.backbone.config.hidden_size, 1)
+        critic.head.load_state_dict(load_file(str(Path(path) / cls.HEAD_FILE)))
+        return critic
+
 
 class RewardModel:
     """A local Hugging Face sequence-classification model as a reward function: the first logit of

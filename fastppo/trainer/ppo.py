@@ -14,6 +14,7 @@ non-finite gradient are skipped and counted.
 """
 
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -89,6 +90,15 @@ def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
     return linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature)
 
 
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over valid tokens: how much the critic explains."""
+    valid = mask.bool()
+    returns, residual = returns[valid].double(), (returns - values)[valid].double()
+    if returns.numel() < 2 or returns.var() == 0:
+        return float("nan")
+    return float(1 - residual.var() / returns.var())
+
+
 class PPOTrainer:
     def __init__(self, config: TrainConfig, policy=None, tokenizer=None, reward_fn=None, prompts=None):
         self.config = config
@@ -120,8 +130,7 @@ class PPOTrainer:
         o = config.optim
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr)
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr) if self.critic else None
-        warmup = lambda step: min(1.0, (step + 1) / max(o.warmup_iterations, 1))  # noqa: E731
-        self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+        self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_factor)
                           for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
         self.skipped_steps = 0
 
@@ -169,6 +178,16 @@ class PPOTrainer:
             batch.advantages = masked_whiten(advantages, mask) if whiten else advantages
         return batch
 
+    def _lr_factor(self, iteration: int) -> float:
+        """Linear warm-up, then constant or cosine decay to 0 at the last iteration."""
+        o, total = self.config.optim, self.config.run.iterations
+        if iteration < o.warmup_iterations:
+            return (iteration + 1) / o.warmup_iterations
+        if o.lr_schedule == "constant":
+            return 1.0
+        progress = (iteration - o.warmup_iterations) / max(total - o.warmup_iterations, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
     def autocast(self):
         """bf16 autocast on CUDA when configured; fp32 (a no-op context) elsewhere."""
         enabled = self.config.optim.autocast and self.device.type == "cuda"
@@ -181,39 +200,52 @@ class PPOTrainer:
         logs = []
         B = batch.mask.shape[0]
         for _ in range(c.algo.ppo_epochs):
-            order = torch.randperm(B, device=self.device)
-            for index in order.chunk(c.algo.minibatches):
-                mb = batch.rows(index)
-                with self.autocast():
-                    hidden = response_hidden(self.policy, mb)
-                weight, bias = head_params(self.policy, hidden)
-                loss, stats = ppo_loss_from_hidden(
-                    hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages,
-                    mb.mask, bias=bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps,
-                    entropy_coef=c.algo.entropy_coef, ref_logprobs=mb.ref_logprobs if kl_in_loss else None,
-                    kl_coef=self.kl.coef if kl_in_loss else 0.0, kl_estimator=c.algo.kl_estimator)
-                if self.critic is not None:
-                    with self.autocast():
-                        values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions).float()
-                    vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip)
-                    loss = loss + c.algo.vf_coef * vf
-                    stats.update(vf_stats)
-                self._step(loss)
-                logs.append({k: float(v) for k, v in stats.items()})
+            minibatches = torch.randperm(B, device=self.device).chunk(c.algo.minibatches)
+            for first in range(0, len(minibatches), c.algo.grad_accumulation):
+                group = [batch.rows(index) for index in minibatches[first:first + c.algo.grad_accumulation]]
+                tokens = sum(mb.mask.sum() for mb in group)  # each loss is a token mean over the whole step
+                self._zero_grad()
+                for mb in group:
+                    loss, stats = self._loss(mb, kl_in_loss, tokens)
+                    loss.backward()
+                    logs.append({k: float(v) for k, v in stats.items()})
+                self._step()
         self.policy.eval()
         return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
 
-    def _step(self, loss: Tensor) -> None:
-        optimizers = [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
-        for opt in optimizers:
+    def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor) -> tuple:
+        c = self.config
+        with self.autocast():
+            hidden = response_hidden(self.policy, mb)
+        weight, bias = head_params(self.policy, hidden)
+        loss, stats = ppo_loss_from_hidden(
+            hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages, mb.mask, bias=bias,
+            temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps, entropy_coef=c.algo.entropy_coef,
+            ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
+            kl_estimator=c.algo.kl_estimator, num_tokens=tokens)
+        if self.critic is not None:
+            with self.autocast():
+                values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions).float()
+            vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip,
+                                      num_tokens=tokens)
+            loss = loss + c.algo.vf_coef * vf
+            stats.update(vf_stats)
+        return loss, stats
+
+    def _optimizers(self) -> list:
+        return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+
+    def _zero_grad(self) -> None:
+        for opt in self._optimizers():
             opt.zero_grad(set_to_none=True)
-        loss.backward()
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+
+    def _step(self) -> None:
+        params = [p for opt in self._optimizers() for group in opt.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
         if not torch.isfinite(norm):
             self.skipped_steps += 1  # a non-finite gradient would poison the weights: skip the step
             return
-        for opt in optimizers:
+        for opt in self._optimizers():
             opt.step()
 
     def iteration(self, iteration: int) -> dict:
@@ -229,6 +261,8 @@ class PPOTrainer:
         if batch.ref_logprobs is not None:
             self.kl.update(rollout_kl, batch.mask.shape[0])
             stats.update(rollout_kl=rollout_kl, kl_coef=kl_coef)
+        if batch.values is not None:
+            stats["explained_variance"] = explained_variance(batch.values, batch.returns, batch.mask)
         for schedule in self.schedules:
             schedule.step()
         done = time.perf_counter()
@@ -275,5 +309,5 @@ class PPOTrainer:
         self.policy.save_pretrained(out / "policy")
         self.tokenizer.save_pretrained(out / "policy")
         if self.critic is not None:
-            torch.save(self.critic.state_dict(), out / "critic.pt")
+            self.critic.save_pretrained(out / "critic")
 

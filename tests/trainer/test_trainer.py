@@ -41,7 +41,13 @@ def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["estimator"] == "gae"
     policy = AutoModelForCausalLM.from_pretrained(out / "policy")
     tokenizer = AutoTokenizer.from_pretrained(out / "policy")
-    assert policy.config.vocab_size == len(tokenizer) and (out / "critic.pt").is_file()
+    assert policy.config.vocab_size == len(tokenizer)
+    from fastppo.trainer.models import Critic
+
+    critic = Critic.from_pretrained(out / "critic")
+    ids = torch.tensor([[3, 4, 5]], device=critic.head.weight.device)
+    assert critic(ids, torch.ones_like(ids)).shape == (1, 3)
+    assert "explained_variance" in rows[-1]
     assert "reward" in capsys.readouterr().out
 
 
@@ -231,3 +237,35 @@ def test_plot_of_a_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written at the end of the run
     assert fastppo_main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").stat().st_size > 1000
+
+
+def test_gradient_accumulation_is_normalised_by_the_global_token_count(tmp_path):
+    """Two minibatches accumulated into one step give the gradient of the whole batch."""
+    results = []
+    for minibatches, accumulation in ((1, 1), (2, 2)):
+        trainer = untrained(tmp_path, minibatches=minibatches, grad_accumulation=accumulation, save=False)
+        rollout, scores, _, _ = trainer.rollout(0)
+        steps = []
+        trainer._step = lambda: steps.append([p.grad.clone() for p in trainer.policy.parameters()])
+        trainer.update(trainer.prepare(rollout, scores))
+        assert len(steps) == 1
+        results.append(steps[0])
+    for whole, accumulated in zip(*results):
+        torch.testing.assert_close(accumulated, whole, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+def test_non_finite_gradients_skip_the_step(tmp_path):
+    trainer = untrained(tmp_path, save=False)
+    head = trainer.policy.get_output_embeddings().weight
+    before = head.detach().clone()
+    hook = head.register_hook(lambda grad: grad * float("nan"))
+    metrics = trainer.iteration(0)
+    hook.remove()
+    assert metrics["skipped_steps"] == 1 and torch.equal(head.detach(), before)
+
+
+def test_cosine_schedule(tmp_path):
+    trainer = untrained(tmp_path, lr_schedule="cosine", warmup_iterations=2, iterations=10, save=False)
+    factors = [trainer._lr_factor(i) for i in range(10)]
+    assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] < 0.1 and factors == sorted(factors[:2]) + sorted(factors[2:], reverse=True)
