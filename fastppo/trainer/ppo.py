@@ -90,6 +90,17 @@ def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
     return linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature)
 
 
+def _tensorboard(out: Path):
+    """A TensorBoard writer under ``out/tensorboard`` when tensorboard is installed, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(out / "tensorboard"))
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over valid tokens: how much the critic explains."""
     valid = mask.bool()
@@ -287,17 +298,23 @@ class PPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(self.config.flat(), indent=1))
         history = []
+        board = _tensorboard(out)
         with open(out / "metrics.jsonl", "w") as log, tqdm(range(self.config.run.iterations), desc="ppo") as bar:
             for i in bar:
                 metrics = self.iteration(i)
                 history.append(metrics)
                 log.write(json.dumps(metrics) + "\n")
                 log.flush()
+                if board is not None:
+                    for key, value in metrics.items():
+                        board.add_scalar(key, value, i)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 every = self.config.run.save_every
                 if every and (i + 1) % every == 0 and i + 1 < self.config.run.iterations:
                     self.save(out / f"checkpoint-{i + 1}")
+        if board is not None:
+            board.close()
         if self.config.run.save:
             self.save(out)
         if plot.available():

@@ -230,9 +230,11 @@ def test_periodic_checkpoints(tmp_path):
     assert not (tmp_path / "run" / "checkpoint-4").exists()  # the last one is the final save
 
 
-def test_plot_of_a_run(tmp_path):
+def test_plot_and_tensorboard_of_a_run(tmp_path):
     pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard")
     untrained(tmp_path, iterations=2, save=False).train()
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     png = tmp_path / "run" / "plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written at the end of the run
     assert fastppo_main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "again.png")]) == 0
