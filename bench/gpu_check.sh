@@ -24,12 +24,12 @@ $python -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$out/
 } 2>&1 | tee "$out/gpu.txt"
 
 echo "== tests (compiled kernels) =="
-timeout 220 $python -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -n 25
+timeout 240 $python -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
 
 echo "== bench (full shapes) =="
 # shellcheck disable=SC2086  (the arguments are meant to split)
-timeout 250 $python -m fastppo bench ${GPU_CHECK_BENCH_ARGS:---device cuda --time-budget 200} \
+timeout 200 $python -m fastppo bench ${GPU_CHECK_BENCH_ARGS:---device cuda --time-budget 160} \
   --json "$out/results.json" --markdown "$out/results.md" >"$out/bench.log" 2>&1
 bench_rc=$?
 if [ $bench_rc -eq 0 ]; then rm -f "$out/bench.log"; else tail -n 30 "$out/bench.log"; fi
