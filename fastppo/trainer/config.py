@@ -24,6 +24,8 @@ class ModelConfig:
     model: Optional[str] = _doc("local path of a Hugging Face causal LM (and its tokenizer); default: the tiny "
                                 "model shipped with fastppo, which knows some of the arithmetic task")
     critic: bool = _doc("train a value model (needed by estimator=gae); default: only for gae", None)
+    critic_init: str = _doc("where the value model starts: policy (its backbone, a zero head) or "
+                            "reward_model (the --reward-model's backbone and scoring row)", "policy")
 
 
 @dataclass
@@ -151,6 +153,9 @@ class TrainConfig:
             ("iterations", run.iterations >= 1, "must be >= 1"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
             ("critic", a.estimator != "gae" or self.uses_critic, "must be on for estimator=gae"),
+            ("critic_init", self.model.critic_init in ("policy", "reward_model"), "must be policy or reward_model"),
+            ("critic_init", self.model.critic_init != "reward_model" or self.data.reward_model,
+             "reward_model needs --reward-model"),
         ]
         for name, ok, requirement in rules:
             if not ok:

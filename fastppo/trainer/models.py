@@ -63,14 +63,37 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 
 class Critic(nn.Module):
-    """A value model: the policy's backbone (a copy) and a scalar head on its last hidden states."""
+    """A value model: a transformer backbone and a scalar head on its last hidden states."""
 
-    def __init__(self, policy):
+    def __init__(self, backbone: nn.Module, head: nn.Linear):
         super().__init__()
-        self.backbone = copy.deepcopy(policy.base_model)
-        self.head = nn.Linear(policy.config.hidden_size, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        self.backbone, self.head = backbone, head
+
+    @classmethod
+    def from_policy(cls, policy) -> "Critic":
+        """The policy's backbone (a copy) with a zero-initialised head."""
+        head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return cls(copy.deepcopy(policy.base_model), head)
+
+    @classmethod
+    def from_reward_model(cls, path, policy) -> "Critic":
+        """A reward model's backbone and its scoring row as the head (it must share the policy's vocabulary)."""
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(path)
+        if model.config.vocab_size != policy.config.vocab_size:
+            raise ValueError(f"critic_init=reward_model needs the policy's vocabulary: the reward model has "
+                             f"{model.config.vocab_size} tokens, the policy {policy.config.vocab_size}")
+        score = getattr(model, "score", None)  # the scoring layer of HF's *ForSequenceClassification
+        if not isinstance(score, nn.Linear):
+            raise ValueError(f"critic_init=reward_model: {path} has no linear 'score' layer to start the value head from")
+        head = nn.Linear(model.config.hidden_size, 1)
+        with torch.no_grad():
+            head.weight.copy_(score.weight[:1])
+            head.bias.copy_(score.bias[:1] if score.bias is not None else torch.zeros(1))
+        return cls(model.base_model, head)
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -90,12 +113,10 @@ class Critic(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoModel
 
-        critic = cls.__new__(cls)
-        nn.Module.__init__(critic)
-        critic.backbone = AutoModel.from_pretrained(path)
-        critic.head = nn.Linear(critic.backbone.config.hidden_size, 1)
-        critic.head.load_state_dict(load_file(str(Path(path) / cls.HEAD_FILE)))
-        return critic
+        backbone = AutoModel.from_pretrained(path)
+        head = nn.Linear(backbone.config.hidden_size, 1)
+        head.load_state_dict(load_file(str(Path(path) / cls.HEAD_FILE)))
+        return cls(backbone, head)
 
 
 class RewardModel:

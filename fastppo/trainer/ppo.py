@@ -133,7 +133,11 @@ class PPOTrainer:
             raise ValueError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
         self.reference = frozen_copy(policy) if config.algo.kl_coef > 0 else None
         self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
-        self.critic = Critic(policy).to(self.device) if config.uses_critic else None
+        self.critic = None
+        if config.uses_critic:
+            from_rm = config.model.critic_init == "reward_model"
+            critic = Critic.from_reward_model(config.data.reward_model, policy) if from_rm else Critic.from_policy(policy)
+            self.critic = critic.to(self.device)
         r = config.rollout
         longest = max(len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in prompts)
         self.sampler = Sampler(policy, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,

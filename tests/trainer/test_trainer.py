@@ -119,6 +119,7 @@ def test_config_file_and_command_line(tmp_path):
     (dict(estimator="ppo2"), "config field estimator must be one of"),
     (dict(estimator="gae", critic=False), "config field critic must be on for estimator=gae"),
     (dict(learning_rate=1.0), r"unknown config field\(s\): learning_rate"),
+    (dict(critic_init="reward_model"), "config field critic_init reward_model needs --reward-model"),
 ])
 def test_bad_config_is_rejected_naming_the_field(tmp_path, fields, match):
     with pytest.raises(ValueError, match=match):
@@ -219,6 +220,13 @@ def test_reward_model(tmp_path):
     trainer = untrained(tmp_path, reward_model=str(tmp_path / "rm"), save=False)
     metrics = trainer.iteration(0)
     assert metrics["reward_std"] > 0 and torch.isfinite(torch.tensor(metrics["reward_mean"]))
+    # a critic that starts from the reward model: its values at first are the reward model's scores
+    trainer = untrained(tmp_path, reward_model=str(tmp_path / "rm"), estimator="gae", critic_init="reward_model",
+                        save=False)
+    ids = torch.tensor([[5, 6, 7]], device=trainer.device)
+    expected = scorer.to(trainer.device)(input_ids=ids).logits[0, 0]
+    torch.testing.assert_close(trainer.critic(ids, torch.ones_like(ids))[0, -1], expected, rtol=1e-4, atol=1e-5)
+    trainer.iteration(0)
     with pytest.raises(ValueError, match="--reward-model .* is not a Hugging Face model directory"):
         untrained(tmp_path, reward_model=str(tmp_path / "nothing"))
 
