@@ -1,4 +1,4 @@
-"""``fastppo plot RUN_DIR``: a PNG of a run's curves (reward, KL, entropy, response length).
+"""``fastppo plot RUN_DIR``: a PNG of a run's curves (reward, entropy, response length, KL or stop rate).
 
 Uses matplotlib when it is installed (``pip install 'fastppo[plot]'``); the trainer writes
 ``plot.png`` at the end of a run when it can.
@@ -9,8 +9,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-PANELS = (("reward_mean", "mean reward"), ("approx_kl", "approx. KL to the rollout policy"),
-          ("entropy", "entropy"), ("response_length", "response length"))
+PANELS = (("reward_mean", "mean reward"), ("entropy", "entropy"), ("response_length", "response length"))
+LAST_PANEL = (("rollout_kl", "KL to the reference"), ("stop_rate", "stop rate"))  # the first the run logged
 
 
 def available() -> bool:
@@ -27,8 +27,9 @@ def plot_run(run_dir: Path, out: Path = None) -> Path:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
-    figure, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
-    for axis, (key, title) in zip(axes, PANELS):
+    panels = PANELS + tuple(p for p in LAST_PANEL if rows and p[0] in rows[-1])[:1]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for axis, (key, title) in zip(axes, panels):
         axis.plot([r["iteration"] for r in rows if key in r], [r[key] for r in rows if key in r])
         axis.set_title(title)
         axis.set_xlabel("iteration")
