@@ -126,8 +126,12 @@ class TrainConfig:
         return self.model.critic if self.model.critic is not None else self.algo.estimator == "gae"
 
     def validate(self) -> "TrainConfig":
+        from .tasks import TASKS
+
         r, a, o, run = self.rollout, self.algo, self.optim, self.run
         rules = [
+            ("task", self.data.task in TASKS or (self.data.prompts and (self.data.reward or self.data.reward_model)),
+             f"must be one of {tuple(TASKS)} unless --prompts and a reward are given"),
             ("prompts_per_iteration", r.prompts_per_iteration >= 1, "must be >= 1"),
             ("samples_per_prompt", r.samples_per_prompt >= 1, "must be >= 1"),
             ("max_new_tokens", r.max_new_tokens >= 1, "must be >= 1"),

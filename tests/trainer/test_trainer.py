@@ -120,6 +120,7 @@ def test_config_file_and_command_line(tmp_path):
     (dict(estimator="gae", critic=False), "config field critic must be on for estimator=gae"),
     (dict(learning_rate=1.0), r"unknown config field\(s\): learning_rate"),
     (dict(critic_init="reward_model"), "config field critic_init reward_model needs --reward-model"),
+    (dict(task="chess"), "config field task must be one of"),
 ])
 def test_bad_config_is_rejected_naming_the_field(tmp_path, fields, match):
     with pytest.raises(ValueError, match=match):
