@@ -87,6 +87,7 @@ class RunConfig:
     out: str = _doc("run directory (metrics.jsonl, config.json, the final model)", "runs/fastppo")
     save: bool = _doc("save the policy (and critic) in Hugging Face format at the end", True)
     save_every: int = _doc("also save every this many iterations (0: only at the end)", 0)
+    keep_checkpoints: int = _doc("numbered checkpoints to keep, newest first (0: all)", 2)
 
 
 SECTIONS = (ModelConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
@@ -156,6 +157,7 @@ class TrainConfig:
             ("max_grad_norm", o.max_grad_norm > 0, "must be > 0"),
             ("iterations", run.iterations >= 1, "must be >= 1"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
+            ("keep_checkpoints", run.keep_checkpoints >= 0, "must be >= 0"),
             ("critic", a.estimator != "gae" or self.uses_critic, "must be on for estimator=gae"),
             ("critic_init", self.model.critic_init in ("policy", "reward_model"), "must be policy or reward_model"),
             ("critic_init", self.model.critic_init != "reward_model" or self.data.reward_model,

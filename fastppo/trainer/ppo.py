@@ -28,6 +28,7 @@ from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, 
                    value_loss)
 from ..rollout import Sampler
 from . import plot, tasks
+from .checkpoint import prune_checkpoints, save_atomically
 from .config import TrainConfig
 from .kl_control import KLController
 from .models import Critic, RewardModel, disable_dropout, frozen_copy, load_policy
@@ -316,19 +317,24 @@ class PPOTrainer:
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 every = self.config.run.save_every
                 if every and (i + 1) % every == 0 and i + 1 < self.config.run.iterations:
-                    self.save(out / f"checkpoint-{i + 1}")
+                    save_atomically(out / f"checkpoint-{i + 1}", self.save)
+                    prune_checkpoints(out, self.config.run.keep_checkpoints)
         if board is not None:
             board.close()
         if self.config.run.save:
-            self.save(out)
+            self.save(out)  # each part atomically
         if plot.available():
             plot.plot_run(out)
         return history
 
     def save(self, out: Path) -> None:
-        """The policy (and tokenizer) in Hugging Face format under ``out/policy``, the critic beside it."""
-        self.policy.save_pretrained(out / "policy")
-        self.tokenizer.save_pretrained(out / "policy")
+        """The policy (and tokenizer) in Hugging Face format under ``out/policy``, the critic beside it;
+        each written atomically."""
+        def policy(directory):
+            self.policy.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+
+        save_atomically(Path(out) / "policy", policy)
         if self.critic is not None:
-            self.critic.save_pretrained(out / "critic")
+            save_atomically(Path(out) / "critic", self.critic.save_pretrained)
 

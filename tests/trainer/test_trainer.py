@@ -280,3 +280,25 @@ def test_cosine_schedule(tmp_path):
     trainer = untrained(tmp_path, lr_schedule="cosine", warmup_iterations=2, iterations=10, save=False)
     factors = [trainer._lr_factor(i) for i in range(10)]
     assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] < 0.1 and factors == sorted(factors[:2]) + sorted(factors[2:], reverse=True)
+
+
+def test_saves_are_atomic_and_old_checkpoints_pruned(tmp_path):
+    from fastppo.trainer.checkpoint import save_atomically
+
+    trainer = untrained(tmp_path, iterations=6, save_every=2, keep_checkpoints=1)
+    trainer.train()
+    run = tmp_path / "run"
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-4"]  # 2 pruned, 6 is the final
+    assert not list(run.glob(".*tmp*")) and not list(run.glob(".*old*"))
+
+    def crash(directory):
+        trainer.save(directory)
+        raise KeyboardInterrupt  # a crash in the middle of a save
+
+    before = sorted(p.relative_to(run) for p in (run / "checkpoint-4").rglob("*"))
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically(run / "checkpoint-4", crash)
+    assert sorted(p.relative_to(run) for p in (run / "checkpoint-4").rglob("*")) == before  # intact
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically(run / "checkpoint-8", crash)
+    assert not (run / "checkpoint-8").exists() and not list(run.glob(".*tmp*"))
