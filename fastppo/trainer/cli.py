@@ -1,4 +1,5 @@
-"""``fastppo train``: every config field is an option; ``--config FILE`` sets many at once."""
+"""``fastppo train``: every config field is an option; ``--config FILE`` sets many at once;
+``--resume RUN_DIR`` continues a run exactly."""
 
 import argparse
 
@@ -8,9 +9,16 @@ from .ppo import PPOTrainer
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastppo train", description=__doc__.splitlines()[0])
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     add_arguments(parser)
-    config = from_arguments(parser.parse_args(argv))
-    history = PPOTrainer(config).train()
+    args = parser.parse_args(argv)
+    if args.resume:
+        overrides = {k: v for k, v in vars(args).items() if k not in ("resume", "config")}
+        trainer, start = PPOTrainer.resume(args.resume, overrides)
+        config, history = trainer.config, trainer.train(start)
+    else:
+        config = from_arguments(args)
+        history = PPOTrainer(config).train()
     first = sum(h["reward_mean"] for h in history[:5]) / len(history[:5])
     last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])
     print(f"mean reward: first 5 iterations {first:.3f}, last 5 {last:.3f} ({len(history)} iterations); "

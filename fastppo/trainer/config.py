@@ -195,5 +195,5 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "config", None) is not None:
         text = args.config.read_text()
         values = tomllib.loads(text) if args.config.suffix == ".toml" else json.loads(text)
-    values.update({k: v for k, v in vars(args).items() if k != "config"})
+    values.update({k: v for k, v in vars(args).items() if k not in ("config", "resume")})
     return TrainConfig.from_flat(values).validate()

@@ -13,10 +13,14 @@ log-probs are recomputed and their mismatch with the sampler's is reported; step
 non-finite gradient are skipped and counted.
 """
 
+import contextlib
 import json
 import math
 import random
+import signal
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -296,15 +300,23 @@ class PPOTrainer:
 
     # the run -----------------------------------------------------------------------------------
 
-    def train(self) -> list:
+    def train(self, start: int = 0) -> list:
+        """Iterations ``start`` .. ``iterations - 1``; SIGINT or SIGTERM ends the current iteration,
+        writes a checkpoint and raises :class:`TrainingInterrupted` saying how to resume."""
         from tqdm import tqdm
 
         out = Path(self.config.run.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(self.config.flat(), indent=1))
-        history = []
+        metrics_path = out / "metrics.jsonl"
+        if start:  # drop rows past the checkpoint, from a run that went on after it
+            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        history, stop = [], []
         board = _tensorboard(out)
-        with open(out / "metrics.jsonl", "w") as log, tqdm(range(self.config.run.iterations), desc="ppo") as bar:
+        with _stop_on_signals(stop), open(metrics_path, "a") as log, \
+                tqdm(range(start, self.config.run.iterations), desc="ppo", initial=start,
+                     total=self.config.run.iterations) as bar:
             for i in bar:
                 metrics = self.iteration(i)
                 history.append(metrics)
@@ -315,10 +327,13 @@ class PPOTrainer:
                         board.add_scalar(key, value, i)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
-                every = self.config.run.save_every
-                if every and (i + 1) % every == 0 and i + 1 < self.config.run.iterations:
-                    save_atomically(out / f"checkpoint-{i + 1}", self.save)
+                every, done = self.config.run.save_every, i + 1
+                if stop or done == self.config.run.iterations or (every and done % every == 0):
+                    save_atomically(out / f"checkpoint-{done}", lambda d, done=done: self.save_checkpoint(d, done))
                     prune_checkpoints(out, self.config.run.keep_checkpoints)
+                if stop:
+                    raise TrainingInterrupted(f"stopped by {stop[0]} after iteration {i}; checkpoint-{done} is saved; "
+                                              f"resume with: fastppo train --resume {out}")
         if board is not None:
             board.close()
         if self.config.run.save:
@@ -338,3 +353,88 @@ class PPOTrainer:
         if self.critic is not None:
             save_atomically(Path(out) / "critic", self.critic.save_pretrained)
 
+    # checkpoints and resume ------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path, next_iteration: int) -> None:
+        """Models plus everything the next iteration depends on, so a resumed run is the same run."""
+        self.save(directory)
+        cuda = self.device.type == "cuda"
+        torch.save({
+            "iteration": next_iteration, "optimizer": self.optimizer.state_dict(),
+            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
+            "schedules": [s.state_dict() for s in self.schedules], "kl_coef": self.kl.coef,
+            "skipped_steps": self.skipped_steps, "python_rng": self.rng.getstate(),
+            "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None,
+        }, Path(directory) / STATE_FILE)
+
+    def load_checkpoint(self, directory: Path) -> int:
+        """Load a checkpoint written by :meth:`save_checkpoint`; return the iteration to continue at."""
+        from transformers import AutoModelForCausalLM
+
+        state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+        saved = AutoModelForCausalLM.from_pretrained(Path(directory) / "policy")
+        self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer and sampler keep their tensors
+        if self.critic is not None:
+            self.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for schedule, schedule_state in zip(self.schedules, state["schedules"]):
+            schedule.load_state_dict(schedule_state)
+        self.kl.coef, self.skipped_steps = state["kl_coef"], state["skipped_steps"]
+        self.rng.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        return state["iteration"]
+
+    @classmethod
+    def resume(cls, run_dir, overrides: dict = None) -> tuple:
+        """``(trainer, next iteration)`` from the newest complete checkpoint of ``run_dir``.
+
+        The saved config is used; ``overrides`` may change only :data:`RESUMABLE` fields. A
+        checkpoint that does not load (a missing or truncated file) is skipped with a warning.
+        """
+        run_dir = Path(run_dir)
+        config_path = run_dir / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"--resume {run_dir}: no config.json, not a fastppo run directory")
+        saved = json.loads(config_path.read_text())
+        overrides = {k: v for k, v in (overrides or {}).items() if k != "resume"}
+        changed = sorted(k for k, v in overrides.items() if saved.get(k) != v and k not in RESUMABLE)
+        if changed:
+            raise ValueError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
+                             f"only {', '.join(sorted(RESUMABLE))} may change")
+        trainer = cls(TrainConfig.from_flat({**saved, **overrides}).validate())
+        checkpoints = sorted((int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*")
+                             if p.is_dir() and p.name.split("-")[1].isdigit())
+        for _, path in reversed(checkpoints):
+            try:
+                return trainer, trainer.load_checkpoint(path)
+            except Exception as error:  # never load a partial checkpoint silently: fall back to an older one
+                warnings.warn(f"skipping {path}: it does not load ({type(error).__name__}: {error})")
+        raise ValueError(f"--resume {run_dir}: no complete checkpoint to resume from")
+
+
+STATE_FILE = "trainer_state.pt"
+# Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
+RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
+
+
+class TrainingInterrupted(SystemExit):
+    """Raised after a SIGINT or SIGTERM once the current iteration is checkpointed; exits non-zero."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: list):
+    """While active, SIGINT and SIGTERM append their name to ``stop`` instead of killing the run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda number, _frame: stop.append(signal.Signals(number).name))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -236,7 +236,7 @@ def test_periodic_checkpoints(tmp_path):
     untrained(tmp_path, iterations=4, save_every=2).train()
     assert (tmp_path / "run" / "checkpoint-2" / "policy" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "policy" / "model.safetensors").is_file()
-    assert not (tmp_path / "run" / "checkpoint-4").exists()  # the last one is the final save
+    assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.pt").is_file()  # the end is a checkpoint too
 
 
 def test_plot_and_tensorboard_of_a_run(tmp_path):
@@ -288,17 +288,78 @@ def test_saves_are_atomic_and_old_checkpoints_pruned(tmp_path):
     trainer = untrained(tmp_path, iterations=6, save_every=2, keep_checkpoints=1)
     trainer.train()
     run = tmp_path / "run"
-    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-4"]  # 2 pruned, 6 is the final
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-6"]  # 2 and 4 pruned
     assert not list(run.glob(".*tmp*")) and not list(run.glob(".*old*"))
 
     def crash(directory):
         trainer.save(directory)
         raise KeyboardInterrupt  # a crash in the middle of a save
 
-    before = sorted(p.relative_to(run) for p in (run / "checkpoint-4").rglob("*"))
+    before = sorted(p.relative_to(run) for p in (run / "checkpoint-6").rglob("*"))
     with pytest.raises(KeyboardInterrupt):
-        save_atomically(run / "checkpoint-4", crash)
-    assert sorted(p.relative_to(run) for p in (run / "checkpoint-4").rglob("*")) == before  # intact
+        save_atomically(run / "checkpoint-6", crash)
+    assert sorted(p.relative_to(run) for p in (run / "checkpoint-6").rglob("*")) == before  # intact
     with pytest.raises(KeyboardInterrupt):
         save_atomically(run / "checkpoint-8", crash)
     assert not (run / "checkpoint-8").exists() and not list(run.glob(".*tmp*"))
+
+
+TIMES = ("time_rollout", "time_forward", "time_update", "tokens_per_s")
+
+
+def untimed(rows):
+    return [{k: v for k, v in row.items() if k not in TIMES} for row in rows]
+
+
+@pytest.mark.parametrize("estimator,kl_coef", [("grpo", 0.05), ("gae", 0.02)])
+def test_resume_is_exact(tmp_path, estimator, kl_coef):
+    """2 iterations + resume + 2 iterations == 4 iterations straight: the same metrics, bitwise weights."""
+    # the run's own model: a resumed trainer rebuilds its reference from the config, as a run does
+    fields = dict(estimator=estimator, kl_coef=kl_coef, kl_target=0.01, minibatches=2, ppo_epochs=2,
+                  prompts_per_iteration=4, samples_per_prompt=4)
+    straight = PPOTrainer(config(tmp_path / "a", iterations=4, **fields))
+    straight.train()
+    PPOTrainer(config(tmp_path / "b", iterations=2, **fields)).train()
+    resumed, start = PPOTrainer.resume(tmp_path / "b" / "run", {"iterations": 4})
+    assert start == 2
+    resumed.train(start)
+    rows = [[json.loads(line) for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
+            for d in ("a", "b")]
+    assert untimed(rows[0]) == untimed(rows[1])
+    for a, b in zip(straight.policy.state_dict().values(), resumed.policy.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_resume_refuses_changed_math_and_skips_a_broken_checkpoint(tmp_path):
+    untrained(tmp_path, iterations=4, save_every=2).train()
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match="cannot resume .* with changed lr, temperature; only"):
+        PPOTrainer.resume(run, {"lr": 0.5, "temperature": 0.5, "iterations": 6})
+    (run / "checkpoint-4" / "policy" / "model.safetensors").write_bytes(b"truncated")
+    with pytest.warns(UserWarning, match="skipping .*checkpoint-4"):
+        _, start = PPOTrainer.resume(run, {"iterations": 6})
+    assert start == 2
+    (run / "checkpoint-2" / "trainer_state.pt").unlink()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no complete checkpoint"):
+        PPOTrainer.resume(run, {})
+
+
+def test_a_signal_checkpoints_and_says_how_to_resume(tmp_path):
+    import os
+    import signal
+
+    from fastppo.trainer.ppo import TrainingInterrupted
+
+    trainer = untrained(tmp_path, iterations=10)
+    real = trainer.iteration
+
+    def interrupted(i):
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-iteration; the iteration still finishes
+        return real(i)
+
+    trainer.iteration = interrupted
+    with pytest.raises(TrainingInterrupted, match=r"stopped by SIGTERM after iteration 1.*--resume"):
+        trainer.train()
+    assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.pt").is_file()
+    assert PPOTrainer.resume(tmp_path / "run")[1] == 2
