@@ -15,12 +15,12 @@ def main(argv=None) -> int:
     if args.resume:
         overrides = {k: v for k, v in vars(args).items() if k not in ("resume", "config")}
         trainer, start = PPOTrainer.resume(args.resume, overrides)
-        config, history = trainer.config, trainer.train(start)
     else:
-        config = from_arguments(args)
-        history = PPOTrainer(config).train()
-    first = sum(h["reward_mean"] for h in history[:5]) / len(history[:5])
-    last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])
-    print(f"mean reward: first 5 iterations {first:.3f}, last 5 {last:.3f} ({len(history)} iterations); "
-          f"metrics in {config.run.out}/metrics.jsonl")
+        trainer, start = PPOTrainer(from_arguments(args)), 0
+    history = trainer.train(start)
+    if trainer.ranks.main and history:
+        first = sum(h["reward_mean"] for h in history[:5]) / len(history[:5])
+        last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])
+        print(f"mean reward: first 5 iterations {first:.3f}, last 5 {last:.3f} ({len(history)} iterations); "
+              f"metrics in {trainer.config.run.out}/metrics.jsonl")
     return 0

@@ -34,6 +34,7 @@ from ..rollout import Sampler
 from . import plot, tasks
 from .checkpoint import prune_checkpoints, save_atomically
 from .config import TrainConfig
+from .distributed import Ranks
 from .kl_control import KLController
 from .models import Critic, RewardModel, disable_dropout, frozen_copy, load_policy
 
@@ -120,10 +121,14 @@ class PPOTrainer:
         self.config = config
         torch.manual_seed(config.run.seed)
         self.rng = random.Random(config.run.seed)
+        device = config.run.device
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.ranks = Ranks(torch.device(device).type)
+        if self.ranks.world > 1 and torch.device(device).type == "cuda":
+            device = f"cuda:{self.ranks.local_rank}"
         if policy is None:
             policy, tokenizer = load_policy(config.model.model)
-            device = config.run.device
-            policy.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+            policy.to(device)
         self.policy, self.tokenizer = policy, tokenizer
         disable_dropout(policy)
         self.device = next(policy.parameters()).device
@@ -158,12 +163,14 @@ class PPOTrainer:
 
     def rollout(self, iteration: int):
         r, tok = self.config.rollout, self.tokenizer
-        rows = self.rng.sample(self.prompts, min(r.prompts_per_iteration, len(self.prompts)))
+        # Every rank draws the same global sample and rolls out its own shard of it.
+        world, rank, per_rank = self.ranks.world, self.ranks.rank, r.prompts_per_iteration
+        rows = self.rng.sample(self.prompts, min(per_rank * world, len(self.prompts)))[rank * per_rank:(rank + 1) * per_rank]
         prompt_ids = [tok(row["prompt"], add_special_tokens=False).input_ids for row in rows]
         rollout = self.sampler.generate(prompt_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                         stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
                                         num_samples_per_prompt=r.samples_per_prompt,
-                                        seed=self.config.run.seed * 100_003 + iteration)
+                                        seed=(self.config.run.seed * 100_003 + iteration) * world + rank)
         n = r.samples_per_prompt
         completions = [tok.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
                                   skip_special_tokens=True) for i in range(len(rollout.prompt_ids))]
@@ -190,12 +197,12 @@ class PPOTrainer:
             rewards = token_rewards(scores, batch.old_logprobs, ref, mask, kl_coef=self.kl.coef,
                                     kl_estimator="k1")
             advantages, batch.returns = gae(rewards, batch.values, mask, gamma=c.algo.gamma, lam=c.algo.lam)
-            batch.advantages = masked_whiten(advantages, mask)
+            batch.advantages = masked_whiten(advantages, mask, group=self.ranks.group)
         else:
             per_row = group_advantages(scores, c.rollout.samples_per_prompt, estimator=c.algo.estimator)
             advantages = per_row.unsqueeze(1).expand_as(mask).float() * mask
             whiten = c.algo.estimator == "reinforce_baseline"
-            batch.advantages = masked_whiten(advantages, mask) if whiten else advantages
+            batch.advantages = masked_whiten(advantages, mask, group=self.ranks.group) if whiten else advantages
         return batch
 
     def _lr_factor(self, iteration: int) -> float:
@@ -223,12 +230,14 @@ class PPOTrainer:
             minibatches = torch.randperm(B, device=self.device).chunk(c.algo.minibatches)
             for first in range(0, len(minibatches), c.algo.grad_accumulation):
                 group = [batch.rows(index) for index in minibatches[first:first + c.algo.grad_accumulation]]
-                tokens = sum(mb.mask.sum() for mb in group)  # each loss is a token mean over the whole step
+                # each loss is a token mean over the whole step's tokens, on every rank
+                tokens = self.ranks.sum(sum(mb.mask.sum() for mb in group))
                 self._zero_grad()
                 for mb in group:
                     loss, stats = self._loss(mb, kl_in_loss, tokens)
                     loss.backward()
                     logs.append({k: float(v) for k, v in stats.items()})
+                self.ranks.sum_gradients(p for opt in self._optimizers() for g in opt.param_groups for p in g["params"])
                 self._step()
         self.policy.eval()
         return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
@@ -276,10 +285,11 @@ class PPOTrainer:
         prepared = time.perf_counter()
         kl_coef = self.kl.coef  # the coefficient this iteration used
         if batch.ref_logprobs is not None:
-            rollout_kl = float(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum() / batch.mask.sum().clamp(min=1))
+            kl_sum = self.ranks.sum(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum())
+            rollout_kl = float(kl_sum / self.ranks.sum(batch.mask.sum()).clamp(min=1))
         stats = self.update(batch)
         if batch.ref_logprobs is not None:
-            self.kl.update(rollout_kl, batch.mask.shape[0])
+            self.kl.update(rollout_kl, batch.mask.shape[0] * self.ranks.world)
             stats.update(rollout_kl=rollout_kl, kl_coef=kl_coef)
         if batch.values is not None:
             stats["explained_variance"] = explained_variance(batch.values, batch.returns, batch.mask)
@@ -289,58 +299,73 @@ class PPOTrainer:
         mask = batch.mask
         sampler_logprobs = rollout.logprobs.to(self.device)
         tokens = int(mask.sum())
-        return {
+        return self.ranks.mean_of({
             "iteration": iteration, "reward_mean": float(raw_scores.mean()), "reward_std": float(raw_scores.std()),
             "score_mean": float(scores.mean()), "response_length": float(mask.sum(1).float().mean()),
             "stop_rate": float(1 - no_stop.float().mean()),
             "logprob_mismatch": float(((sampler_logprobs - batch.old_logprobs).abs() * mask).sum() / max(tokens, 1)),
             **stats, "skipped_steps": self.skipped_steps, "time_rollout": rolled - start,
-            "time_forward": prepared - rolled, "time_update": done - prepared, "tokens_per_s": tokens / (done - start),
-        }
+            "time_forward": prepared - rolled, "time_update": done - prepared,
+            "tokens_per_s": tokens * self.ranks.world / (done - start),
+        })
 
     # the run -----------------------------------------------------------------------------------
 
     def train(self, start: int = 0) -> list:
         """Iterations ``start`` .. ``iterations - 1``; SIGINT or SIGTERM ends the current iteration,
-        writes a checkpoint and raises :class:`TrainingInterrupted` saying how to resume."""
+        writes a checkpoint and raises :class:`TrainingInterrupted` saying how to resume. With
+        several ranks, rank 0 alone writes."""
         from tqdm import tqdm
 
-        out = Path(self.config.run.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(self.config.flat(), indent=1))
-        metrics_path = out / "metrics.jsonl"
-        if start:  # drop rows past the checkpoint, from a run that went on after it
-            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
+        out, main = Path(self.config.run.out), self.ranks.main
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(self.config.flat(), indent=1))
+            metrics_path = out / "metrics.jsonl"
+            if start:  # drop rows past the checkpoint, from a run that went on after it
+                kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start]
+                metrics_path.write_text("".join(line + "\n" for line in kept))
         history, stop = [], []
-        board = _tensorboard(out)
-        with _stop_on_signals(stop), open(metrics_path, "a") as log, \
-                tqdm(range(start, self.config.run.iterations), desc="ppo", initial=start,
-                     total=self.config.run.iterations) as bar:
+        board = _tensorboard(out) if main else None
+        log = open(out / "metrics.jsonl", "a") if main else contextlib.nullcontext()
+        with _stop_on_signals(stop), log, tqdm(range(start, self.config.run.iterations), desc="ppo", initial=start,
+                                               total=self.config.run.iterations, disable=not main) as bar:
             for i in bar:
                 metrics = self.iteration(i)
                 history.append(metrics)
-                log.write(json.dumps(metrics) + "\n")
-                log.flush()
+                if main:
+                    log.write(json.dumps(metrics) + "\n")
+                    log.flush()
                 if board is not None:
                     for key, value in metrics.items():
                         board.add_scalar(key, value, i)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 every, done = self.config.run.save_every, i + 1
-                if stop or done == self.config.run.iterations or (every and done % every == 0):
-                    save_atomically(out / f"checkpoint-{done}", lambda d, done=done: self.save_checkpoint(d, done))
-                    prune_checkpoints(out, self.config.run.keep_checkpoints)
-                if stop:
-                    raise TrainingInterrupted(f"stopped by {stop[0]} after iteration {i}; checkpoint-{done} is saved; "
+                signalled = torch.tensor(float(bool(stop)), device=self.ranks.device())
+                stopping = bool(self.ranks.sum(signalled))  # any rank signalled: all stop together
+                if stopping or done == self.config.run.iterations or (every and done % every == 0):
+                    self.checkpoint(out, done)
+                if stopping:
+                    raise TrainingInterrupted(f"stopped by {stop[0] if stop else 'a signal to another rank'} after "
+                                              f"iteration {i}; checkpoint-{done} is saved; "
                                               f"resume with: fastppo train --resume {out}")
         if board is not None:
             board.close()
-        if self.config.run.save:
+        if main and self.config.run.save:
             self.save(out)  # each part atomically
-        if plot.available():
+        if main and plot.available():
             plot.plot_run(out)
+        self.ranks.barrier()
         return history
+
+    def checkpoint(self, out: Path, done: int) -> None:
+        """``out/checkpoint-{done}`` from rank 0, with every rank's random states."""
+        rng = self.ranks.gather(self._rng_state())
+        if self.ranks.main:
+            save_atomically(out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng))
+            prune_checkpoints(out, self.config.run.keep_checkpoints)
+        self.ranks.barrier()
 
     def save(self, out: Path) -> None:
         """The policy (and tokenizer) in Hugging Face format under ``out/policy``, the critic beside it;
@@ -355,16 +380,20 @@ class PPOTrainer:
 
     # checkpoints and resume ------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: Path, next_iteration: int) -> None:
-        """Models plus everything the next iteration depends on, so a resumed run is the same run."""
-        self.save(directory)
+    def _rng_state(self) -> dict:
         cuda = self.device.type == "cuda"
+        return {"python": self.rng.getstate(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(self.device) if cuda else None}
+
+    def save_checkpoint(self, directory: Path, next_iteration: int, rng: list = None) -> None:
+        """Models plus everything the next iteration depends on, so a resumed run is the same run.
+        ``rng`` holds every rank's random states (default: this process's)."""
+        self.save(directory)
         torch.save({
             "iteration": next_iteration, "optimizer": self.optimizer.state_dict(),
             "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
             "schedules": [s.state_dict() for s in self.schedules], "kl_coef": self.kl.coef,
-            "skipped_steps": self.skipped_steps, "python_rng": self.rng.getstate(),
-            "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None,
+            "skipped_steps": self.skipped_steps, "rng": rng or [self._rng_state()],
         }, Path(directory) / STATE_FILE)
 
     def load_checkpoint(self, directory: Path) -> int:
@@ -381,10 +410,14 @@ class PPOTrainer:
         for schedule, schedule_state in zip(self.schedules, state["schedules"]):
             schedule.load_state_dict(schedule_state)
         self.kl.coef, self.skipped_steps = state["kl_coef"], state["skipped_steps"]
-        self.rng.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        if len(state["rng"]) != self.ranks.world:
+            raise WorldSizeMismatch(f"{directory} was written by {len(state['rng'])} rank(s); resume with as many, "
+                             f"not {self.ranks.world}")
+        rng = state["rng"][self.ranks.rank]
+        self.rng.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
         return state["iteration"]
 
     @classmethod
@@ -410,6 +443,8 @@ class PPOTrainer:
         for _, path in reversed(checkpoints):
             try:
                 return trainer, trainer.load_checkpoint(path)
+            except WorldSizeMismatch:
+                raise
             except Exception as error:  # never load a partial checkpoint silently: fall back to an older one
                 warnings.warn(f"skipping {path}: it does not load ({type(error).__name__}: {error})")
         raise ValueError(f"--resume {run_dir}: no complete checkpoint to resume from")
@@ -418,6 +453,10 @@ class PPOTrainer:
 STATE_FILE = "trainer_state.pt"
 # Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
 RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
+
+
+class WorldSizeMismatch(ValueError):
+    """A checkpoint written by another number of ranks: refused, not skipped."""
 
 
 class TrainingInterrupted(SystemExit):

@@ -1,0 +1,75 @@
+"""Data parallelism over ``torch.distributed``, as ``torchrun`` launches it.
+
+``torchrun --nproc_per_node=K -m fastppo train ...`` starts K ranks (gloo on CPU, NCCL on
+CUDA). Each rank rolls out its own shard of the iteration's prompts; what must be global is made
+so here: token counts (the loss of every rank is a token mean over all ranks' tokens, so summed
+gradients are the whole batch's), whitening statistics, the KL fed to the adaptive controller,
+and the logged metrics. Rank 0 alone writes logs and checkpoints. A single process is the
+world-size-1 case of the same code.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class Ranks:
+    def __init__(self, device_type: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        self.group = dist.group.WORLD if self.world > 1 else None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        """The sum over ranks (a new tensor; the input is left as it was)."""
+        total = tensor.detach().clone()
+        if self.world > 1:
+            dist.all_reduce(total, group=self.group)
+        return total
+
+    def mean_of(self, metrics: dict) -> dict:
+        """Each float metric averaged over ranks."""
+        if self.world == 1:
+            return metrics
+        keys = [k for k, v in metrics.items() if isinstance(v, float)]
+        values = self.sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device()))
+        return {**metrics, **{k: float(v) / self.world for k, v in zip(keys, values)}}
+
+    def sum_gradients(self, parameters) -> None:
+        """All-reduce the gradients (summed), bucketed into one flat tensor per dtype."""
+        if self.world == 1:
+            return
+        grads = [p.grad for p in parameters if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            bucket = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def device(self) -> torch.device:
+        if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
