@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy
 import torch
 from torch import Tensor, nn
 
@@ -413,9 +414,10 @@ class PPOTrainer:
     # checkpoints and resume ------------------------------------------------------------------
 
     def _rng_state(self) -> dict:
+        """The trainer's prompt order, and the global generators a reward function may draw from."""
         cuda = self.device.type == "cuda"
-        return {"python": self.rng.getstate(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state(self.device) if cuda else None}
+        return {"python": self.rng.getstate(), "python_global": random.getstate(), "numpy": numpy.random.get_state(),
+                "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(self.device) if cuda else None}
 
     def save_checkpoint(self, directory: Path, next_iteration: int, rng: list = None) -> None:
         """Models plus everything the next iteration depends on, so a resumed run is the same run.
@@ -447,6 +449,8 @@ class PPOTrainer:
                              f"not {self.ranks.world}")
         rng = state["rng"][self.ranks.rank]
         self.rng.setstate(rng["python"])
+        random.setstate(rng["python_global"])
+        numpy.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)

@@ -363,3 +363,58 @@ def test_a_signal_checkpoints_and_says_how_to_resume(tmp_path):
         trainer.train()
     assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.pt").is_file()
     assert PPOTrainer.resume(tmp_path / "run")[1] == 2
+
+
+def test_a_checkpoint_restores_the_global_generators_a_reward_may_use(tmp_path):
+    import random
+
+    import numpy
+
+    trainer = untrained(tmp_path, save=False)
+    trainer.save_checkpoint(tmp_path / "ckpt", next_iteration=0)
+    expected = (random.random(), numpy.random.rand(), torch.rand(()))
+    random.random(), numpy.random.rand(), torch.rand(())  # the run moves on
+    trainer.load_checkpoint(tmp_path / "ckpt")
+    assert (random.random(), numpy.random.rand(), torch.rand(())) == expected
+
+
+def test_a_reward_crash_leaves_the_last_checkpoint_resumable(tmp_path):
+    from fastppo.trainer.tasks import vowels_reward
+
+    def flaky(prompts, completions, **fields):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ConnectionError("reward server went away")
+        return vowels_reward(prompts, completions, **fields)
+
+    calls = []
+    trainer = untrained(tmp_path, iterations=4, save_every=1)
+    trainer.reward_fn = flaky
+    with pytest.raises(RuntimeError, match="raised ConnectionError"):
+        trainer.train()
+    run = tmp_path / "run"
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-1", "checkpoint-2"]
+    assert PPOTrainer.resume(run)[1] == 2
+
+
+def test_ctrl_c_on_the_command_checkpoints_and_exits_non_zero(tmp_path):
+    """The real command in a subprocess, interrupted by SIGINT once it is training."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "fastppo", "train", "--iterations", "100000", "--save-every", "100000",
+               "--device", "cpu", "--out", str(run)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "--resume" in out + err
+    (checkpoint,) = run.glob("checkpoint-*")
+    assert PPOTrainer.resume(run)[1] == int(checkpoint.name.split("-")[1]) >= 2
