@@ -151,6 +151,10 @@ class PPOTrainer:
         device = config.run.device
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.ranks = Ranks(torch.device(device).type)
+        if not self.ranks.main:  # rank 0's loading and saving progress bars are enough
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
         if self.ranks.world > 1 and torch.device(device).type == "cuda":
             device = f"cuda:{self.ranks.local_rank}"
         if policy is None:

@@ -39,11 +39,8 @@ def _worker(rank, port, out_dir, fields):
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, estimator):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     fields = {**FIELDS, "estimator": estimator, "kl_coef": 0.02}
-    mp.spawn(_worker, args=(port, str(tmp_path), {**fields, "prompts_per_iteration": 2}), nprocs=2, join=True)
+    _spawn(_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = one_update(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
                                                "device": "cpu"}).validate())
@@ -67,10 +64,14 @@ def _train_worker(rank, port, out_dir, fields, resume_to):
     torch.distributed.destroy_process_group()
 
 
-def _spawn(target, *args):
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _spawn(target, *args):
+    port = free_port()
     mp.spawn(target, args=(port, *args), nprocs=2, join=True)
 
 
@@ -87,3 +88,25 @@ def test_two_rank_resume_is_exact(tmp_path):
 
     weights = [load_file(str(tmp_path / d / "run" / "policy" / "model.safetensors")) for d in ("straight", "split")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_end_to_end(tmp_path, nodes):
+    """The real launcher: two ranks on one node, or two one-rank "nodes" meeting through torchrun's
+    c10d rendezvous (as on a cluster, with both nodes on this machine)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={2 // nodes}"]
+    launch += (["--standalone"] if nodes == 1 else
+               ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=test"])
+    train = ["-m", "fastppo", "train", "--iterations", "3", "--device", "cpu", "--out", str(run)]
+    processes = [subprocess.Popen(launch + train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(nodes)]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0] * nodes, outputs
+    assert sum(out.count("mean reward: first 5 iterations") for out in outputs) == 1  # rank 0 alone reports
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    state = torch.load(run / "checkpoint-3" / "trainer_state.pt", weights_only=False)
+    assert len(state["rng"]) == 2  # both ranks' random states

@@ -335,6 +335,8 @@ def test_resume_refuses_changed_math_and_skips_a_broken_checkpoint(tmp_path):
     run = tmp_path / "run"
     with pytest.raises(ValueError, match="cannot resume .* with changed lr, temperature; only"):
         PPOTrainer.resume(run, {"lr": 0.5, "temperature": 0.5, "iterations": 6})
+    (run / ".checkpoint-6.tmp-123" / "policy").mkdir(parents=True)  # a save a crash cut short
+    assert PPOTrainer.resume(run, {"iterations": 6})[1] == 4
     (run / "checkpoint-4" / "policy" / "model.safetensors").write_bytes(b"truncated")
     with pytest.warns(UserWarning, match="skipping .*checkpoint-4"):
         _, start = PPOTrainer.resume(run, {"iterations": 6})
