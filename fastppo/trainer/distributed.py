@@ -51,7 +51,9 @@ class Ranks:
             return module
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        # A causal LM's buffers (rotary frequencies, position ids) are constants: no broadcast per forward.
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                       broadcast_buffers=False)
 
     def no_sync(self, modules, last: bool):
         """Skip DDP's gradient all-reduce unless this is the last backward before a step."""

@@ -6,18 +6,40 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
+from fastppo.rollout import Rollout
 from fastppo.trainer import PPOTrainer, TrainConfig
 
 FIELDS = dict(task="vowels", samples_per_prompt=4, minibatches=1, ppo_epochs=1, iterations=1, save=False)
+
+
+def prompt_by_prompt(generate):
+    """``generate`` made greedy and run one prompt at a time, so a prompt's rows are the same however
+    prompts are split across ranks (a batched decode may round differently at another batch size)."""
+    def rollout(prompts, **options):
+        parts = [generate([prompt], **{**options, "temperature": 0.0}) for prompt in prompts]
+        width = max(part.response_ids.shape[1] for part in parts)
+
+        def stack(field, fill):  # (rows, width): each part right-padded to the widest response
+            return torch.cat([F.pad(getattr(part, field), (0, width - getattr(part, field).shape[1]), value=fill)
+                              for part in parts])
+
+        return Rollout(prompt_ids=[ids for part in parts for ids in part.prompt_ids],
+                       response_ids=stack("response_ids", options["pad_token_id"]),
+                       response_mask=stack("response_mask", False),
+                       response_lens=torch.cat([part.response_lens for part in parts]),
+                       logprobs=stack("logprobs", 0.0),
+                       finish_reason=[reason for part in parts for reason in part.finish_reason])
+
+    return rollout
 
 
 def one_update(config: TrainConfig) -> dict:
     """Run one iteration with greedy rollouts (identical however rows are split) and return the
     gradient of its single optimizer step and its metrics."""
     trainer = PPOTrainer(config)
-    generate = trainer.sampler.generate
-    trainer.sampler.generate = lambda *a, **k: generate(*a, **{**k, "temperature": 0.0})
+    trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)
     grads = []
     step = trainer._step
     trainer._step = lambda: (grads.append([p.grad.clone() for p in trainer.policy.parameters()]), step())
