@@ -4,12 +4,10 @@
 CUDA). Each rank rolls out its own shard of the iteration's prompts; what must be global is made
 so here: token counts (the loss of every rank is a token mean over all ranks' tokens, so summed
 gradients are the whole batch's), whitening statistics, the KL fed to the adaptive controller,
-and the logged metrics. Gradients are synchronised by ``DistributedDataParallel`` around the
-forwards the updates differentiate. Rank 0 alone writes logs and checkpoints. A single process
-is the world-size-1 case of the same code.
+and the logged metrics. Rank 0 alone writes logs and checkpoints. A single process is the
+world-size-1 case of the same code.
 """
 
-import contextlib
 import os
 
 import torch
@@ -45,23 +43,19 @@ class Ranks:
         values = self.sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device()))
         return {**metrics, **{k: float(v) / self.world for k, v in zip(keys, values)}}
 
-    def wrap(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """``module`` in ``DistributedDataParallel`` with several ranks, as it is with one."""
+    def sum_gradients(self, parameters) -> None:
+        """All-reduce the gradients (summed), bucketed into one flat tensor per dtype."""
         if self.world == 1:
-            return module
-        from torch.nn.parallel import DistributedDataParallel
-
-        # A causal LM's buffers (rotary frequencies, position ids) are constants: no broadcast per forward.
-        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                       broadcast_buffers=False)
-
-    def no_sync(self, modules, last: bool):
-        """Skip DDP's gradient all-reduce unless this is the last backward before a step."""
-        stack = contextlib.ExitStack()
-        if self.world > 1 and not last:
-            for module in modules:
-                stack.enter_context(module.no_sync())
-        return stack
+            return
+        grads = [p.grad for p in parameters if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            bucket = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order."""

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, token_rewards,
                    value_loss)
@@ -79,34 +79,8 @@ def layout(rollout, pad_id: int, device) -> tuple:
 
 def response_hidden(model, batch: Batch) -> Tensor:
     """Last hidden states at the positions that predict the response tokens: (B, R, H)."""
-    return ResponseHidden(model)(batch.input_ids, batch.attention_mask, batch.positions)
-
-
-class ResponseHidden(nn.Module):
-    """The policy's differentiated forward: hidden states at the response positions (B, R, H).
-
-    A module of its own so ``DistributedDataParallel`` can wrap it; the LM head (a parameter of
-    the policy, so of this module too) is applied after it by the fused loss.
-    """
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-        hidden = self.policy.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-
-
-class ResponseValues(nn.Module):
-    """The critic's differentiated forward: values at the response positions (B, R)."""
-
-    def __init__(self, critic):
-        super().__init__()
-        self.critic = critic
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-        return self.critic(input_ids, attention_mask).gather(1, positions)
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    return hidden.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
 def head_params(model, like: Tensor) -> tuple:
@@ -179,9 +153,6 @@ class PPOTrainer:
             from_rm = config.model.critic_init == "reward_model"
             critic = Critic.from_reward_model(config.data.reward_model, policy) if from_rm else Critic.from_policy(policy)
             self.critic = critic.to(self.device)
-        # What the updates differentiate, wrapped in DistributedDataParallel under torchrun.
-        self.policy_forward = self.ranks.wrap(ResponseHidden(policy), self.device)
-        self.critic_forward = self.ranks.wrap(ResponseValues(self.critic), self.device) if self.critic else None
         r = config.rollout
         longest = max(len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in prompts)
         self.sampler = Sampler(policy, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
@@ -267,14 +238,11 @@ class PPOTrainer:
                 # each loss is a token mean over the whole step's tokens, on every rank
                 tokens = self.ranks.sum(sum(mb.mask.sum() for mb in group))
                 self._zero_grad()
-                for i, mb in enumerate(group):
-                    # DDP all-reduces on the step's last backward only, and averages: the losses are
-                    # token means over every rank's tokens already, so the sum is what is wanted.
-                    modules = [m for m in (self.policy_forward, self.critic_forward) if m is not None]
-                    with self.ranks.no_sync(modules, last=i == len(group) - 1):
-                        loss, stats = self._loss(mb, kl_in_loss, tokens)
-                        (loss * self.ranks.world).backward()
+                for mb in group:
+                    loss, stats = self._loss(mb, kl_in_loss, tokens)
+                    loss.backward()
                     logs.append({k: float(v) for k, v in stats.items()})
+                self.ranks.sum_gradients(p for opt in self._optimizers() for g in opt.param_groups for p in g["params"])
                 self._step()
         self.policy.eval()
         return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
@@ -282,7 +250,7 @@ class PPOTrainer:
     def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor) -> tuple:
         c = self.config
         with self.autocast():
-            hidden = self.policy_forward(mb.input_ids, mb.attention_mask, mb.positions)
+            hidden = response_hidden(self.policy, mb)
         weight, bias = head_params(self.policy, hidden)
         loss, stats = ppo_loss_from_hidden(
             hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages, mb.mask, bias=bias,
@@ -291,7 +259,7 @@ class PPOTrainer:
             kl_estimator=c.algo.kl_estimator, num_tokens=tokens)
         if self.critic is not None:
             with self.autocast():
-                values = self.critic_forward(mb.input_ids, mb.attention_mask, mb.positions).float()
+                values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions).float()
             vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip,
                                       num_tokens=tokens)
             loss = loss + c.algo.vf_coef * vf
