@@ -83,6 +83,11 @@ def response_hidden(model, batch: Batch) -> Tensor:
     return hidden.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
+def response_values(critic, batch: Batch) -> Tensor:
+    """The critic's values at the positions that predict the response tokens: (B, R) fp32."""
+    return critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float()
+
+
 def head_params(model, like: Tensor) -> tuple:
     """The LM head's weight and bias in the dtype of the hidden states (bf16 under autocast)."""
     head = model.get_output_embeddings()
@@ -196,7 +201,7 @@ class PPOTrainer:
             if self.reference is not None:
                 batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
             if self.critic is not None:
-                batch.values = self.critic(input_ids, attention_mask).gather(1, positions).float() * mask
+                batch.values = response_values(self.critic, batch) * mask
         if c.algo.estimator == "gae":
             ref = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs
             rewards = token_rewards(scores, batch.old_logprobs, ref, mask, kl_coef=self.kl.coef,
@@ -259,7 +264,7 @@ class PPOTrainer:
             kl_estimator=c.algo.kl_estimator, num_tokens=tokens)
         if self.critic is not None:
             with self.autocast():
-                values = self.critic(mb.input_ids, mb.attention_mask).gather(1, mb.positions).float()
+                values = response_values(self.critic, mb)
             vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip,
                                       num_tokens=tokens)
             loss = loss + c.algo.vf_coef * vf
