@@ -13,6 +13,7 @@ from .ops import (
     ppo_loss_from_hidden,
     ppo_loss_from_logits,
     ppo_policy_loss,
+    sample_tokens,
     token_logprobs,
     token_rewards,
     value_loss,

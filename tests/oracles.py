@@ -143,3 +143,28 @@ def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.
     stats["ratio_mean"] = torch.where(mask, ratio, 0.0).sum().detach() / count
     stats["ratio_max"] = torch.where(mask, ratio, 0.0).max().detach() if mask.any() else torch.tensor(0.0)
     return loss, stats
+
+
+def philox_uniform(seed: int, offsets) -> "np.ndarray":
+    """The fp32 uniforms Triton's ``tl.rand(seed, offsets)`` gives for int64 ``offsets``, in NumPy.
+
+    Philox-4x32 with 10 rounds (Salmon et al., SC'11), as Triton keys it: counter (offset low and
+    high words, 0, 0), key (seed low and high words); the first output word becomes a float by
+    folding negative int32 values (``~x``) and scaling by just under 2**-31.
+    """
+    import numpy as np
+
+    mask = np.uint64(0xFFFFFFFF)
+    offsets = np.asarray(offsets, dtype=np.int64).astype(np.uint64)
+    c0, c1 = offsets & mask, offsets >> np.uint64(32)
+    c2 = c3 = np.zeros_like(c0)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        product_b, product_a = round_b * c2, round_a * c0  # exact: both factors < 2**32
+        c0, c2 = (product_b >> np.uint64(32)) ^ c1 ^ k0, (product_a >> np.uint64(32)) ^ c3 ^ k1
+        c1, c3 = product_b & mask, product_a & mask
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    x = c0.astype(np.uint32).view(np.int32)
+    x = np.where(x < 0, ~x, x)
+    return x.astype(np.float32) * np.float32(4.6566127342e-10)

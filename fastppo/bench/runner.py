@@ -16,7 +16,7 @@ import fastppo
 from .advantages import gae_cases, whiten_cases
 from .logprobs import linear_logprobs_cases, logprobs_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
-from .sampler import sampler_cases
+from .sampler import sampler_cases, sampling_cases
 from .trainer import trainer_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 
@@ -27,6 +27,7 @@ FAMILIES = {
     "ppo_loss": ppo_loss_cases,
     "gae": gae_cases,
     "sampler": sampler_cases,
+    "sampling": sampling_cases,
     "trainer": trainer_cases,
     "ppo_loss_tokens": ppo_loss_tokens_cases,
     "value_loss": value_loss_cases,

@@ -1,4 +1,6 @@
-"""Bench cases for the sampler: rollout throughput against Hugging Face ``generate()``.
+"""Bench cases for the rollout step: the sampler against ``generate()``, and the token draw alone.
+
+``sampler``: rollout throughput against Hugging Face ``generate()``.
 
 The model is built from a config with random weights (nothing is downloaded): on CUDA a bf16
 model shaped like Qwen2.5-0.5B (24 layers, hidden 896, 151,936-token vocabulary); on CPU, and
@@ -10,16 +12,24 @@ Bytes, the fewest a rollout must move: each decode step reads every weight once 
 live KV cache, so ``NEW * weight_bytes + B * sum_s (PROMPT + s) * kv_bytes_per_token``. GB/s is
 then the achieved decode bandwidth and "% copy" the share of the decode limit. The rate column is
 generated tokens per second.
+
+``sampling``: ``sample_tokens`` (one draw and log-prob per row from ``(B, V)`` logits) against the
+naive way, an fp32 softmax, ``torch.multinomial`` and a log-softmax gather (what ``generate()``
+does per step, plus the log-prob PPO needs). Bytes: the logits read once, ``B*V*e``, and the
+token and log-prob written.
 """
 
 import torch
 
 import fastppo
 
-from .case import Case, Contender
+from .case import Case, Contender, compiled, random_tokens
+from .logprobs import dtype_for
 
 FULL = dict(batches=(1, 16, 64, 256), prompt=128, new=128)
 QUICK = dict(batches=(1, 4), prompt=16, new=16)
+DRAW_ROWS, DRAW_VOCABS = (1, 64, 256), (32000, 151936)
+QUICK_DRAW_ROWS, QUICK_DRAW_VOCABS = (64,), (1000,)
 
 
 def _model(device: torch.device, quick: bool):
@@ -74,3 +84,29 @@ def _rollout_bytes(model, B: int, prompt: int, new: int) -> int:
     head_dim = config.hidden_size // config.num_attention_heads
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
     return new * weights + B * sum(prompt + s for s in range(new)) * kv_per_token
+
+
+def naive_sample(logits, temperature: float = 1.0):
+    """A draw with its log-prob the way a PyTorch loop writes it: fp32 copies and a multinomial."""
+    z = logits.float() / temperature  # (B, V)
+    tokens = torch.multinomial(torch.softmax(z, dim=-1), 1)  # (B, 1)
+    return tokens.squeeze(1), torch.log_softmax(z, dim=-1).gather(1, tokens).squeeze(1)
+
+
+def sampling_cases(device: torch.device, quick: bool) -> list:
+    dtype = dtype_for(device)
+    e = torch.finfo(dtype).bits // 8
+    compiled_naive = compiled("torch.compile(naive)", lambda x: naive_sample(x["logits"]), device)
+    cases = []
+    shapes = (QUICK_DRAW_ROWS, QUICK_DRAW_VOCABS) if quick else (DRAW_ROWS, DRAW_VOCABS)
+    for B, V in ((B, V) for B in shapes[0] for V in shapes[1]):
+        def make(B=B, V=V):
+            return {"logits": random_tokens(B, V, device=device, dtype=dtype)}
+
+        contenders = [
+            Contender("fastppo", lambda x: fastppo.sample_tokens(x["logits"], temperature=1.0, seed=7)),
+            Contender("naive", lambda x: naive_sample(x["logits"]), baseline=True),
+            compiled_naive,
+        ]
+        cases.append(Case("sampling", f"B={B} V={V}", make, contenders, bytes_fwd=B * V * e + 12 * B, items=B))
+    return cases

@@ -9,16 +9,15 @@ steps to end early once every row has finished. Finished rows stop changing.
 """
 
 import contextlib
-import math
 from typing import Optional, Sequence, Union
 
 import torch
 
+from ..ops.sampling import check_sampling_options, sample_tokens
 from .cuda_graphs import DecodeGraphs
 from .generic import GenericDecoder
 from .lean import lean_decoder
 from .rollout import Rollout
-from .sampling import sample_tokens
 
 SYNC_EVERY = 16  # decode steps between checks that some row is still going
 
@@ -121,7 +120,7 @@ class Sampler:
             stop_token_ids: tokens that end a row (included in its response); default: the
                 model's end-of-sequence ids. ``pad_token_id``: fills ended rows (default: the
                 model's pad id, else the first stop id).
-            seed: makes the draw reproducible.
+            seed: makes the draw reproducible (on the same device).
         """
         max_new = self._check_prompts(prompts, max_new_tokens)
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
@@ -129,20 +128,16 @@ class Sampler:
         if len(rows) > self.max_batch_size:
             raise ValueError(f"{len(prompts)} prompts x {n} samples = {len(rows)} rows exceed "
                              f"max_batch_size={self.max_batch_size}")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        check_sampling_options(temperature, top_k, top_p)
         stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(self.device).manual_seed(seed)
+        # One seed per step, drawn on the CPU (no device sync): from a generator seeded with
+        # ``seed``, else from torch's global one, so a seeded trainer run reproduces either way.
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        step_seeds = torch.randint(1 << 62, (max(max_new),), generator=generator).tolist()
 
         with _sampling_mode(self.model):
             return self._generate(rows, [m for m in max_new for _ in range(n)], n, float(temperature), top_k,
-                                  float(top_p), stop, pad, generator)
+                                  float(top_p), stop, pad, step_seeds)
 
     def _start(self, rows: list, n: int):
         """Prefill; return ``(first logits (B, V), decode function)``."""
@@ -158,7 +153,7 @@ class Sampler:
         decode = self.graphs.decode if self.graphs is not None else self.lean.decode
         return torch.cat(logits), decode
 
-    def _generate(self, rows, max_new, n, temperature, top_k, top_p, stop, pad, generator) -> Rollout:
+    def _generate(self, rows, max_new, n, temperature, top_k, top_p, stop, pad, step_seeds) -> Rollout:
         device, B = self.device, len(rows)
         prompt_lens = torch.tensor([len(r) for r in rows], device=device)
         limits = torch.tensor(max_new, device=device)
@@ -178,7 +173,7 @@ class Sampler:
                 positions = (prompt_lens + step - 1).clamp(max=self.max_seq_len - 1)
                 logits = decode(tokens, positions, min(first_span + step, self.max_seq_len))
             tokens, logprobs = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                             generator=generator)
+                                             seed=step_seeds[step])
             tokens = torch.where(active, tokens, pad)
             tokens_out[:, step] = tokens
             logprobs_out[:, step] = torch.where(active, logprobs, 0.0)

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fastppo.kernels import gae, logprobs, ppo_loss  # noqa: E402
+from fastppo.kernels import gae, logprobs, ppo_loss, sampling  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ALIGNED = [["tt.divisibility", 16]]  # what Triton infers for 16-aligned pointers and strides
@@ -74,8 +74,21 @@ def ppo_loss_kernels():
                                                      "KL_ESTIMATOR": estimator, "BLOCK": 1024}, 4)
 
 
+def sampling_kernels():
+    types = {"stride_b": "i64", "tokens_ptr": "*i64", "logp_ptr": "*fp32", "inv_temp": "fp32", "seed": "i64",
+             "B": "i32", "V": "i32"}
+    for V, dtype, greedy in itertools.product((1, 1000, 151936), ("bf16", "fp32"), (False, True)):
+        BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
+        tiles = {"stride_v": 1, "GREEDY": greedy, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
+        ptx = build(sampling._sample_kernel, {**types, "logits_ptr": f"*{dtype}"}, tiles, warps,
+                    aligned=("logits_ptr", "stride_b", "V"))
+        if V >= 1000:
+            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "sampling logits loads are not vectorised"
+
+
 if __name__ == "__main__":
     logprob_kernels()
     gae_kernels()
     ppo_loss_kernels()
+    sampling_kernels()
     sys.exit(0)
