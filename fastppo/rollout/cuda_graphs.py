@@ -5,8 +5,10 @@ two so a rollout needs about log2(max_seq_len) of them. Replays read the model's
 the addresses they had at capture: optimizer steps update them in place, so the next rollout
 sees the new weights; replacing the parameter tensors themselves needs a new Sampler.
 
-Warm-up and capture write keys and values at the cache's last position. That is harmless: a
-slot past a row's length is always rewritten by the step that first reads it.
+Warm-up and capture write keys and values at the bucket's last position, ``bucket - 1``. That is
+harmless: every row is at or before that position when a graph is first needed (its span falls
+in the bucket), and a slot at or past a row's position is always rewritten by the step that
+first reads it.
 """
 
 import torch
@@ -16,7 +18,7 @@ from torch import Tensor
 class DecodeGraphs:
     def __init__(self, decoder):
         self.decoder = decoder
-        self.max_len = decoder.cache.k[0].shape[2]
+        self.max_len = decoder.cache.max_len
         self.graphs = {}
         self.pool = None
 
@@ -34,7 +36,7 @@ class DecodeGraphs:
     def _capture(self, rows: int, span: int):
         device = self.decoder.cache.k[0].device
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        positions = torch.full((rows,), self.max_len - 1, dtype=torch.long, device=device)
+        positions = torch.full((rows,), span - 1, dtype=torch.long, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

@@ -1,12 +1,17 @@
 """The sampler's KV cache: allocated once, one slot per row, filled to a per-row length.
 
-``k[layer]`` and ``v[layer]`` are ``(max_batch, kv_heads, max_len, head_dim)``. A row's prompt is
-written at positions ``0 .. L-1`` by its own prefill, and each decode step writes every row at its
-own position, so ragged prompts need no padding. Attention reads ``[:span]`` of the cache with a
-mask of each row's valid positions (and its sliding window, if the layer has one).
+``k[layer]`` and ``v[layer]`` are ``(max_batch, max_len, kv_heads, head_dim)``, token-major: the
+layout ``flash_attn_with_kvcache`` reads, and one in which a decode step's write of a row's new
+key is a single contiguous ``kv_heads * head_dim`` run. A row's prompt is written at positions
+``0 .. L-1`` by its own prefill, and each decode step writes every row at its own position, so
+ragged prompts need no padding.
+
+Decode attention over a row's valid prefix (and its sliding window, if the layer has one) is
+either flash-attn's kernel, which appends and attends in one launch, or PyTorch SDPA over
+``[:span]`` with a mask, reading the cache through a transposed view (no copy).
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +20,15 @@ from torch import Tensor
 
 class KVCache:
     def __init__(self, num_layers: int, max_batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (max_batch, kv_heads, max_len, head_dim)
+                 dtype: torch.dtype, device: torch.device, flash_decode: Optional[Callable] = None):
+        shape = (max_batch, max_len, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.flash_decode = flash_decode  # flash_attn_with_kvcache, or None for SDPA
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
 
     def copy_row(self, src: int, dst: slice) -> None:
         """Give rows ``dst`` the cache of row ``src`` (samples of one prompt share its prefill)."""
@@ -30,8 +40,8 @@ class KVCache:
                           window: Optional[int]) -> Tensor:
         """Store one prompt's keys and values and attend causally. q: (1, H, L, D); k, v: (1, KVH, L, D)."""
         L = q.shape[2]
-        self.k[layer][row, :, :L] = k[0]
-        self.v[layer][row, :, :L] = v[0]
+        self.k[layer][row, :L] = k[0].transpose(0, 1)
+        self.v[layer][row, :L] = v[0].transpose(0, 1)
         mask = None
         if window is not None and L > window:
             pos = torch.arange(L, device=q.device)
@@ -41,19 +51,32 @@ class KVCache:
 
     def decode_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int,
                          scale: float, window: Optional[int]) -> Tensor:
-        """Store each row's new key and value at its position and attend over ``[:span]``.
+        """Store each row's new key and value at its position and attend over its keys so far.
 
-        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64 -> (B, H, 1, D).
+        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span -> (B, H, 1, D).
         """
+        if self.flash_decode is not None:
+            return self._flash_attention(layer, q, k, v, positions, span, scale, window)
         B = q.shape[0]
         rows = torch.arange(B, device=q.device)
-        self.k[layer][rows, :, positions] = k[:, :, 0]
-        self.v[layer][rows, :, positions] = v[:, :, 0]
+        self.k[layer][rows, positions] = k[:, :, 0]
+        self.v[layer][rows, positions] = v[:, :, 0]
         keys = torch.arange(span, device=q.device)
         mask = keys[None, :] <= positions[:, None]  # (B, span)
         if window is not None:
             mask &= keys[None, :] > positions[:, None] - window
         # The cache may be stored in another dtype than the model computes in; .to is then a cast.
-        cached_k, cached_v = (c[layer][:B, :, :span].to(q.dtype) for c in (self.k, self.v))
+        cached_k, cached_v = (c[layer][:B, :span].transpose(1, 2).to(q.dtype) for c in (self.k, self.v))
         return F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask[:, None, None, :],
                                               scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def _flash_attention(self, layer, q, k, v, positions, span, scale, window) -> Tensor:
+        B = q.shape[0]
+        # A row's position is its number of cached tokens: the new key goes there, and the query
+        # (the last of the row) sees keys [position - (window - 1), position], as HF's window does.
+        out = self.flash_decode(
+            q.transpose(1, 2), self.k[layer][:B, :span], self.v[layer][:B, :span],
+            k=k.transpose(1, 2), v=v.transpose(1, 2), cache_seqlens=positions.to(torch.int32),
+            softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+        )  # (B, 1, H, D)
+        return out.transpose(1, 2)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .flash import flash_decode
 from .kv_cache import KVCache
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -99,18 +100,24 @@ class GPT2Decoder(_Decoder):
         return self.model.lm_head(body.ln_f(x))
 
 
-def lean_decoder(model, max_batch: int, max_len: int, dtype: Optional[torch.dtype]):
-    """A lean decoder with its KV cache for ``model``, or None when its family has no fast path."""
+def lean_decoder(model, max_batch: int, max_len: int, dtype: Optional[torch.dtype], attention: str):
+    """A lean decoder with its KV cache for ``model``, or None when its family has no fast path.
+
+    ``attention`` picks the decode attention (see ``flash.py``).
+    """
     config = model.config
     param = next(model.parameters())
     dtype = dtype or param.dtype
+
+    def cache(num_layers, kv_heads, head_dim):
+        kernel = flash_decode(attention, param.device, param.dtype, dtype, head_dim)
+        return KVCache(num_layers, max_batch, kv_heads, max_len, head_dim, dtype, param.device, kernel)
+
     if config.model_type in LLAMA_LIKE and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
-        attn = model.model.layers[0].self_attn
-        cache = KVCache(config.num_hidden_layers, max_batch, config.num_key_value_heads, max_len,
-                        attn.head_dim, dtype, param.device)
-        return LlamaLikeDecoder(model, cache, _windows(config))
+        head_dim = model.model.layers[0].self_attn.head_dim
+        return LlamaLikeDecoder(model, cache(config.num_hidden_layers, config.num_key_value_heads, head_dim),
+                                _windows(config))
     if config.model_type == "gpt2" and not getattr(config, "reorder_and_upcast_attn", False):
-        cache = KVCache(config.n_layer, max_batch, config.n_head, max_len, config.n_embd // config.n_head,
-                        dtype, param.device)
-        return GPT2Decoder(model, cache, [None] * config.n_layer)
+        return GPT2Decoder(model, cache(config.n_layer, config.n_head, config.n_embd // config.n_head),
+                           [None] * config.n_layer)
     return None

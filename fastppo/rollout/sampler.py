@@ -3,9 +3,11 @@
 For Llama, Mistral, Qwen2, Qwen3 and GPT-2 it runs the lean decoders of ``lean.py`` over a KV
 cache allocated once per sampler: each prompt is prefilled on its own (ragged prompts cost no
 padding), its cache row is copied to the prompt's other samples, and every decode step runs all
-rows at their own positions (on CUDA as a replayed CUDA graph). Other causal LMs go through
-``generic.py``. Both share the loop below: sample, record, stop, with one host sync every 16
-steps to end early once every row has finished. Finished rows stop changing.
+rows at their own positions (on CUDA as a replayed CUDA graph), attending with flash-attn's
+``flash_attn_with_kvcache`` where it can run, else SDPA (``flash.py``). Other causal LMs go
+through ``generic.py``. Both share the loop below: draw with ``sample_tokens`` (one fused kernel
+on CUDA), record, stop, with one host sync every 16 steps to end early once every row has
+finished. Finished rows stop changing.
 """
 
 import contextlib
@@ -15,6 +17,7 @@ import torch
 
 from ..ops.sampling import check_sampling_options, sample_tokens
 from .cuda_graphs import DecodeGraphs
+from .flash import ATTENTIONS
 from .generic import GenericDecoder
 from .lean import lean_decoder
 from .rollout import Rollout
@@ -55,16 +58,25 @@ class Sampler:
         max_seq_len: the longest prompt plus response a row may reach.
         dtype: the KV cache's dtype (default: the model's).
         cuda_graphs: replay the decode step as CUDA graphs (CUDA and the lean path only).
+        attention: the lean path's decode attention: ``"flash"`` (flash-attn's
+            ``flash_attn_with_kvcache``), ``"sdpa"`` (PyTorch), or ``"auto"``: flash where it can
+            run (flash-attn installed, CUDA, a float16/bfloat16 model and cache), else SDPA.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, attention: str = "auto"):
         self.model = model
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
         self.max_seq_len = _positive_int(max_seq_len, "max_seq_len")
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.lean = lean_decoder(model, max_batch_size, max_seq_len, dtype)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.lean = lean_decoder(model, max_batch_size, max_seq_len, dtype, attention)
+        if self.lean is None and attention != "auto":
+            raise ValueError(f"attention={attention!r} applies to the lean decoders (Llama, Mistral, Qwen2, Qwen3, "
+                             f"GPT-2); a {model.config.model_type!r} model runs its own attention, chosen with "
+                             "attn_implementation when it is loaded")
         use_graphs = cuda_graphs and self.lean is not None and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self.lean) if use_graphs else None
 
@@ -72,6 +84,13 @@ class Sampler:
     def fast_path(self) -> bool:
         """Whether this model runs the lean decoder (else the generic one)."""
         return self.lean is not None
+
+    @property
+    def attention(self) -> str:
+        """The decode attention in use: ``"flash"``, ``"sdpa"``, or ``"model"`` (the generic path's own)."""
+        if self.lean is None:
+            return "model"
+        return "flash" if self.lean.cache.flash_decode is not None else "sdpa"
 
     def _check_prompts(self, prompts, max_new_tokens) -> list:
         if not isinstance(prompts, (list, tuple)) or not prompts:

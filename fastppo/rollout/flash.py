@@ -1,0 +1,55 @@
+"""Choosing the decode attention: flash-attn's ``flash_attn_with_kvcache`` where it can run, else SDPA.
+
+``flash_attn_with_kvcache`` appends each row's new key and value at its own length and attends
+over the row's valid prefix in one kernel, reading only the live part of the cache, where PyTorch
+SDPA reads the whole ``[:span]`` window with a mask. It needs the flash-attn package, CUDA, a
+float16 or bfloat16 model with a KV cache of the same dtype, and a head size up to 256 that is a
+multiple of 8. ``attention="auto"`` takes it when all of that holds; ``"flash"`` insists and
+says which condition failed; ``"sdpa"`` never takes it. Prefill always runs SDPA, which on CUDA
+already dispatches causal attention to a flash kernel of its own.
+"""
+
+import importlib.util
+from typing import Callable, Optional
+
+import torch
+
+ATTENTIONS = ("auto", "flash", "sdpa")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _load_flash() -> Callable:
+    from flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache
+
+
+def _why_not_flash(device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype,
+                   head_dim: int) -> Optional[str]:
+    """None when flash-attn's decode can serve this model, else the reason it cannot."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed"
+    if device.type != "cuda":
+        return f"flash-attn runs on CUDA only, and the model is on {device}"
+    if model_dtype not in FLASH_DTYPES or cache_dtype != model_dtype:
+        return (f"flash-attn needs a float16 or bfloat16 model and a KV cache of the same dtype, got "
+                f"a {model_dtype} model and a {cache_dtype} cache")
+    if head_dim > 256 or head_dim % 8:
+        return f"flash-attn needs a head size up to 256 and a multiple of 8, got {head_dim}"
+    return None
+
+
+def flash_decode(attention: str, device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype,
+                 head_dim: int) -> Optional[Callable]:
+    """``flash_attn_with_kvcache`` if ``attention`` (one of ``ATTENTIONS``) picks it, else None (SDPA)."""
+    if attention == "sdpa":
+        return None
+    reason = _why_not_flash(device, model_dtype, cache_dtype, head_dim)
+    if reason is None:
+        try:
+            return _load_flash()
+        except (ImportError, OSError) as error:  # installed, but built for another torch or CUDA
+            reason = f"flash_attn failed to import ({error})"
+    if attention == "flash":
+        raise ValueError(f"attention='flash' cannot be used: {reason}")
+    return None
