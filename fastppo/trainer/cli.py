@@ -17,7 +17,10 @@ def main(argv=None) -> int:
         trainer, start = PPOTrainer.resume(args.resume, overrides)
     else:
         trainer, start = PPOTrainer(from_arguments(args)), 0
-    history = trainer.train(start)
+    try:
+        history = trainer.train(start)
+    finally:
+        trainer.ranks.close()
     if trainer.ranks.main and history:
         first = sum(h["reward_mean"] for h in history[:5]) / len(history[:5])
         last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])

@@ -20,7 +20,15 @@ class Ranks:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if self.world > 1 and not dist.is_initialized():
+        self.owns_group = self.world > 1 and not dist.is_initialized()
+        if self.owns_group:
+            # torch._dynamo, when first imported after the process group exists (transformers
+            # imports it while loading a model), keeps a reference to the group that
+            # destroy_process_group cannot drop: the group's gloo threads then outlive it, and a
+            # rank could abort at exit ("terminate called without an active exception").
+            # Imported first, it holds nothing.
+            import torch._dynamo  # noqa: F401
+
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
         self.group = dist.group.WORLD if self.world > 1 else None
 
@@ -73,3 +81,10 @@ class Ranks:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        """Destroy the process group if these ranks created it."""
+        if self.owns_group and dist.is_initialized():
+            self.group = None
+            dist.destroy_process_group()
+            self.owns_group = False

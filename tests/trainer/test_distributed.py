@@ -1,6 +1,7 @@
 """Data parallelism: two gloo ranks on the CPU make the same update as one rank on all the prompts."""
 
 import json
+import os
 import socket
 
 import pytest
@@ -48,8 +49,6 @@ def one_update(config: TrainConfig) -> dict:
 
 
 def _worker(rank, port, out_dir, fields):
-    import os
-
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_default_device("cpu")
@@ -73,8 +72,6 @@ def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, estimato
 
 
 def _train_worker(rank, port, out_dir, fields, resume_to):
-    import os
-
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_default_device("cpu")
@@ -84,6 +81,28 @@ def _train_worker(rank, port, out_dir, fields, resume_to):
     else:
         PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate()).train()
     torch.distributed.destroy_process_group()
+
+
+def _close_worker(rank, port, out_dir, fields):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_default_device("cpu")
+    trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
+    trainer.ranks.close()
+    threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"initialized": torch.distributed.is_initialized(), "threads": threads}, f)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads of a Linux process")
+def test_closing_the_ranks_ends_the_process_group_threads(tmp_path):
+    """Loading a model imports torch._dynamo, which, imported after the process group exists, kept
+    the group (and its gloo threads) alive past destroy_process_group; close() must end them."""
+    _spawn(_close_worker, str(tmp_path), {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2})
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert not seen["initialized"]
+        assert not [name for name in seen["threads"] if "gloo" in name], seen["threads"]
 
 
 def free_port() -> int:
