@@ -20,6 +20,8 @@ $python -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$out/
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $python -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda)"
+  $python -c "import importlib.metadata as m; print('flash-attn', m.version('flash-attn'))" 2>/dev/null \
+    || echo "flash-attn not installed (the sampler decodes with SDPA; its flash tests skip)"
   git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
 } 2>&1 | tee "$out/gpu.txt"
 
