@@ -10,9 +10,13 @@ fp32 values. Here each row is read once, in blocks of the vocabulary, carrying
 
 where ``g = -log(-log(u))`` is Gumbel noise: ``argmax(z + g)`` is an exact draw from
 ``softmax(z)`` (the Gumbel-max trick), with no normalisation and no second pass. The log-prob is
-``z_i - (m + log s)``. ``u`` comes from Triton's counter-based Philox generator keyed by ``seed``
-at the element's flat index ``row * V + col`` (int64), so a draw depends only on the seed and the
-logits, never on the tiling. Greedy mode skips the noise (log-prob then at the given scale).
+``z_i - (m + log s)``. Greedy mode skips the noise (log-prob then at the given scale).
+
+The uniforms come from Triton's counter-based Philox-4x32 generator keyed by ``seed``. One Philox
+evaluation (ten rounds of multiplies) yields four numbers, and generating them, not reading the
+logits, is what bounds this kernel on a GPU, so all four are used: column ``c`` of row ``r`` takes
+output ``c % 4`` of counter ``r * ceil(V / 4) + c // 4`` (int64). A draw thus depends on the seed
+and the logits only, never on the tiling.
 
 Ties go to the lowest column, as ``torch.argmax`` does. Rows are on grid axis 0, all offsets are
 int64, and the seed is a runtime value that is never specialised, so a new seed per step
@@ -57,7 +61,10 @@ def _sample_kernel(
         if GREEDY:
             score = z
         else:
-            u = tl.rand(seed, rows[:, None] * V + cols[None, :])
+            counters = rows[:, None] * tl.cdiv(V, 4) + v0 // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
+            u0, u1, u2, u3 = tl.rand4x(seed, counters)  # (BLOCK_N, BLOCK_V // 4) each
+            # Interleave so that column 4k + j takes output j of counter k.
+            u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_N, BLOCK_V))
             score = z - tl.log(-tl.log(tl.maximum(u, _SMALLEST_UNIFORM)))
         score = tl.where(ok, score, float("-inf"))
         block_best = tl.max(score, axis=1)  # (BLOCK_N,)
@@ -73,16 +80,21 @@ def _sample_kernel(
     tl.store(logp_ptr + rows, best_z - lse, mask=row_ok)
 
 
+def _sample_tiling(V, block_v):
+    """(BLOCK_N, BLOCK_V, num_warps): the log-prob kernels' tiling, with blocks of 4 columns or more."""
+    return _tiling(max(V, 4), block_v)
+
+
 def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, block_v=None):
     """Fill ``tokens`` (int64) and ``logprobs`` (fp32), both ``(B,)``, from ``logits`` ``(B, V)``.
 
     ``inv_temperature`` scales the logits; ``greedy`` takes the argmax instead of a draw;
-    ``seed`` (an int in ``[0, 2**63)``) keys the draw.
+    ``seed`` (an int in ``[0, 2**63)``) keys the draw. ``block_v`` (tests) must be a multiple of 4.
     """
     B, V = logits.shape
     if B == 0:
         return
-    BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
+    BLOCK_N, BLOCK_V, num_warps = _sample_tiling(V, block_v)
     _sample_kernel[(triton.cdiv(B, BLOCK_N),)](
         logits, *logits.stride(),
         tokens, logprobs,

@@ -145,12 +145,13 @@ def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.
     return loss, stats
 
 
-def philox_uniform(seed: int, offsets) -> "np.ndarray":
-    """The fp32 uniforms Triton's ``tl.rand(seed, offsets)`` gives for int64 ``offsets``, in NumPy.
+def philox_uniform4(seed: int, offsets) -> "np.ndarray":
+    """The fp32 uniforms Triton's ``tl.rand4x(seed, offsets)`` gives for int64 ``offsets``, in NumPy,
+    stacked on a new last axis of 4.
 
     Philox-4x32 with 10 rounds (Salmon et al., SC'11), as Triton keys it: counter (offset low and
-    high words, 0, 0), key (seed low and high words); the first output word becomes a float by
-    folding negative int32 values (``~x``) and scaling by just under 2**-31.
+    high words, 0, 0), key (seed low and high words); each output word becomes a float by folding
+    negative int32 values (``~x``) and scaling by just under 2**-31.
     """
     import numpy as np
 
@@ -165,6 +166,6 @@ def philox_uniform(seed: int, offsets) -> "np.ndarray":
         c0, c2 = (product_b >> np.uint64(32)) ^ c1 ^ k0, (product_a >> np.uint64(32)) ^ c3 ^ k1
         c1, c3 = product_b & mask, product_a & mask
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
-    x = c0.astype(np.uint32).view(np.int32)
+    x = np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32).view(np.int32)
     x = np.where(x < 0, ~x, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)

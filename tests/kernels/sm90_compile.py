@@ -78,7 +78,7 @@ def sampling_kernels():
     types = {"stride_b": "i64", "tokens_ptr": "*i64", "logp_ptr": "*fp32", "inv_temp": "fp32", "seed": "i64",
              "B": "i32", "V": "i32"}
     for V, dtype, greedy in itertools.product((1, 1000, 151936), ("bf16", "fp32"), (False, True)):
-        BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
+        BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
         tiles = {"stride_v": 1, "GREEDY": greedy, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
         ptx = build(sampling._sample_kernel, {**types, "logits_ptr": f"*{dtype}"}, tiles, warps,
                     aligned=("logits_ptr", "stride_b", "V"))

@@ -10,7 +10,7 @@ import torch
 
 import fastppo
 from fastppo.kernels.sampling import sample_forward
-from tests.oracles import philox_uniform
+from tests.oracles import philox_uniform4
 
 
 def gumbel_oracle(logits, temperature, seed):
@@ -19,7 +19,8 @@ def gumbel_oracle(logits, temperature, seed):
     are not compared)."""
     B, V = logits.shape
     z = logits.double().cpu() / temperature  # (B, V)
-    u = philox_uniform(seed, np.arange(B * V, dtype=np.int64)).reshape(B, V)
+    per_row = -(-V // 4)  # column c of row r: output c % 4 of counter r * ceil(V / 4) + c // 4
+    u = philox_uniform4(seed, np.arange(B * per_row, dtype=np.int64)).reshape(B, per_row * 4)[:, :V]
     u = torch.from_numpy(np.maximum(u, np.float32(2.0 ** -32))).double()
     score = z - torch.log(-torch.log(u))
     tokens = score.argmax(dim=1)
@@ -49,6 +50,14 @@ def test_kernel_draw_is_the_oracle_draw(device, B, V, block_v, seed):
     assert clear.sum() >= B - 1  # a near-tie is rare: the comparison below must cover nearly all rows
     assert torch.equal(tokens[clear], ref_tokens[clear])
     torch.testing.assert_close(logprobs.double()[clear], ref_logprobs[clear], rtol=0, atol=2e-5)
+
+
+def test_kernel_draw_does_not_depend_on_the_tiling(device):
+    logits = torch.randn(9, 203, device=device)
+    draws = [run_kernel(logits, 1.0, 42, block_v) for block_v in (4, 16, 64, 256)]
+    for tokens, logprobs in draws[1:]:
+        assert torch.equal(tokens, draws[0][0])
+        torch.testing.assert_close(logprobs, draws[0][1], rtol=0, atol=1e-6)
 
 
 def test_kernel_draw_in_bf16_and_from_a_strided_view(device):
