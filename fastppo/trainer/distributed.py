@@ -24,13 +24,22 @@ class Ranks:
         if self.owns_group:
             # torch._dynamo, when first imported after the process group exists (transformers
             # imports it while loading a model), keeps a reference to the group that
-            # destroy_process_group cannot drop: the group's gloo threads then outlive it, and a
-            # rank could abort at exit ("terminate called without an active exception").
-            # Imported first, it holds nothing.
+            # destroy_process_group cannot drop (see ``group`` for what that costs). Imported
+            # first, it holds nothing.
             import torch._dynamo  # noqa: F401
 
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        self.group = dist.group.WORLD if self.world > 1 else None
+
+    @property
+    def group(self):
+        """The world's process group, or None for one process.
+
+        Looked up at each use, never kept: a reference held here would keep the group and its
+        threads alive past destroy_process_group, to interpreter shutdown, where a gloo thread
+        freeing its last all-reduce needs the GIL and aborts the process ("terminate called
+        without an active exception").
+        """
+        return dist.group.WORLD if self.world > 1 else None
 
     @property
     def main(self) -> bool:
@@ -85,6 +94,5 @@ class Ranks:
     def close(self) -> None:
         """Destroy the process group if these ranks created it."""
         if self.owns_group and dist.is_initialized():
-            self.group = None
             dist.destroy_process_group()
             self.owns_group = False
