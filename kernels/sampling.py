@@ -13,10 +13,10 @@ where ``g = -log(-log(u))`` is Gumbel noise: ``argmax(z + g)`` is an exact draw 
 ``z_i - (m + log s)``. Greedy mode skips the noise (log-prob then at the given scale).
 
 The uniforms come from Triton's counter-based Philox-4x32 generator keyed by ``seed``. One Philox
-evaluation (ten rounds of multiplies) yields four numbers, and generating them, not reading the
-logits, is what bounds this kernel on a GPU, so all four are used: column ``c`` of row ``r`` takes
-output ``c % 4`` of counter ``r * ceil(V / 4) + c // 4`` (int64). A draw thus depends on the seed
-and the logits only, never on the tiling.
+evaluation (ten rounds of 32-bit multiplies) is more arithmetic than everything else the kernel
+does for a logit, and it yields four numbers, so all four are used: column ``c`` of row ``r``
+takes output ``c % 4`` of counter ``r * ceil(V / 4) + c // 4`` (int64). A draw thus depends on
+the seed and the logits only, never on the tiling.
 
 Ties go to the lowest column, as ``torch.argmax`` does. Rows are on grid axis 0, all offsets are
 int64, and the seed is a runtime value that is never specialised, so a new seed per step
