@@ -19,6 +19,8 @@ does per step, plus the log-prob PPO needs). Bytes: the logits read once, ``B*V*
 token and log-prob written.
 """
 
+import itertools
+
 import torch
 
 import fastppo
@@ -99,7 +101,7 @@ def sampling_cases(device: torch.device, quick: bool) -> list:
     compiled_naive = compiled("torch.compile(naive)", lambda x: naive_sample(x["logits"]), device)
     cases = []
     shapes = (QUICK_DRAW_ROWS, QUICK_DRAW_VOCABS) if quick else (DRAW_ROWS, DRAW_VOCABS)
-    for B, V in ((B, V) for B in shapes[0] for V in shapes[1]):
+    for B, V in itertools.product(*shapes):
         def make(B=B, V=V):
             return {"logits": random_tokens(B, V, device=device, dtype=dtype)}
 
