@@ -49,11 +49,23 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
+    def decode_masks(self, positions: Tensor, span: int, windows: set) -> dict:
+        """For one decode step, each window's (None: full attention) key mask ``(B, span)`` bool.
+
+        Built once per step and shared by the layers; empty for flash-attn, which needs none.
+        """
+        if self.flash_decode is not None:
+            return {}
+        keys = torch.arange(span, device=positions.device)
+        causal = keys[None, :] <= positions[:, None]  # (B, span)
+        return {w: causal if w is None else causal & (keys[None, :] > positions[:, None] - w) for w in windows}
+
     def decode_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int,
-                         scale: float, window: Optional[int]) -> Tensor:
+                         scale: float, window: Optional[int], masks: dict) -> Tensor:
         """Store each row's new key and value at its position and attend over its keys so far.
 
-        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span -> (B, H, 1, D).
+        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span; ``masks`` from
+        :meth:`decode_masks` -> (B, H, 1, D).
         """
         if self.flash_decode is not None:
             return self._flash_attention(layer, q, k, v, positions, span, scale, window)
@@ -61,13 +73,9 @@ class KVCache:
         rows = torch.arange(B, device=q.device)
         self.k[layer][rows, positions] = k[:, :, 0]
         self.v[layer][rows, positions] = v[:, :, 0]
-        keys = torch.arange(span, device=q.device)
-        mask = keys[None, :] <= positions[:, None]  # (B, span)
-        if window is not None:
-            mask &= keys[None, :] > positions[:, None] - window
         # The cache may be stored in another dtype than the model computes in; .to is then a cast.
         cached_k, cached_v = (c[layer][:B, :span].transpose(1, 2).to(q.dtype) for c in (self.k, self.v))
-        return F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=mask[:, None, None, :],
+        return F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=masks[window][:, None, None, :],
                                               scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def _flash_attention(self, layer, q, k, v, positions, span, scale, window) -> Tensor:

@@ -51,8 +51,10 @@ class _Decoder:
         return self.forward(ids.unsqueeze(0), positions, attend)[0, -1]
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+        masks = self.cache.decode_masks(positions, span, set(self.windows))
+
         def attend(layer, q, k, v, scale):
-            return self.cache.decode_attention(layer, q, k, v, positions, span, scale, self.windows[layer])
+            return self.cache.decode_attention(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
 
         return self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1]
 
