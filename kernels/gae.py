@@ -47,13 +47,16 @@ def _gae_kernel(
     next_adv = tl.zeros((BLOCK_B,), tl.float32)  # A at the first valid position right of the block
     for start in range(0, T, BLOCK_T):
         t = (T - start - 1 - j).to(tl.int64)[None, :]  # (1, BLOCK_T) positions, decreasing
-        ok = row_ok & (t >= 0)
-        ok_next = row_ok & (t + 1 < T)
+        ok = row_ok & (t >= 0)  # the last block runs past the row's start: those lanes read nothing
+        ok_next = ok & (t + 1 < T)
         m = (tl.load(mask_ptr + rows[:, None] * smb + t * smt, mask=ok, other=0) != 0).to(tl.float32)
-        r = tl.load(rewards_ptr + rows[:, None] * srb + t * srt, mask=ok, other=0.0).to(tl.float32)
-        v = tl.load(values_ptr + rows[:, None] * svb + t * svt, mask=ok, other=0.0).to(tl.float32)
+        # Masked positions may hold NaN or inf: select, never multiply by m (0 * NaN is NaN).
+        r = tl.where(m != 0, tl.load(rewards_ptr + rows[:, None] * srb + t * srt, mask=ok, other=0.0), 0.0)
+        v = tl.where(m != 0, tl.load(values_ptr + rows[:, None] * svb + t * svt, mask=ok, other=0.0), 0.0)
+        r, v = r.to(tl.float32), v.to(tl.float32)
         m1 = (tl.load(mask_ptr + rows[:, None] * smb + (t + 1) * smt, mask=ok_next, other=0) != 0).to(tl.float32)
-        v1 = tl.load(values_ptr + rows[:, None] * svb + (t + 1) * svt, mask=ok_next, other=0.0).to(tl.float32)
+        v1 = tl.load(values_ptr + rows[:, None] * svb + (t + 1) * svt, mask=ok_next, other=0.0)
+        v1 = tl.where(m1 != 0, v1, 0.0).to(tl.float32)
 
         a, b = tl.associative_scan((1.0 - m1, m1 * v1), axis=1, combine_fn=_compose)
         v_next = a * next_value[:, None] + b  # (BLOCK_B, BLOCK_T)

@@ -134,7 +134,8 @@ def _logprobs_bwd_kernel(
         dz = tl.where(cols[None, :] == labels[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
         if HAS_G_ENT:
             dz -= g_ent[:, None] * tl.where(z == float("-inf"), 0.0, p * (log_p + entropy[:, None]))
-        dz = dz * scale[:, None]
+        # Exactly 0 in an ignored row, whatever its logits hold (0 * NaN would be NaN).
+        dz = tl.where(ignored[:, None], 0.0, dz * scale[:, None])
         tl.store(grad_ptr + gbase[:, None] + cols[None, :].to(tl.int64) * gstride_v,
                  dz.to(grad_ptr.dtype.element_ty), mask=ok)
 

@@ -15,7 +15,8 @@ the loss and the statistics need. Summing the partials is a tiny deterministic r
 atomics, so results are bitwise reproducible.
 
 Masked tokens may hold anything (padding log-probs of -inf, say): every input is replaced by a
-harmless value before use, so they contribute exactly 0 and never a NaN.
+harmless value before use, so they contribute exactly 0 and never a NaN. A NaN at a valid token
+stays NaN through every clamp (``propagate_nan``), so it shows in the loss.
 """
 
 import triton
@@ -23,6 +24,13 @@ import triton.language as tl
 
 # The columns of the per-program partials, in the order the kernel stores them.
 PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
+
+
+@triton.jit
+def _clamp20(x):
+    # clamp to [-20, 20] keeping NaN: the hardware min/max would turn a NaN into a bound
+    return tl.minimum(tl.maximum(x, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
+                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -43,7 +51,7 @@ def _ppo_loss_fwd_kernel(
     w = tl.where(valid, tl.load(weight_ptr + offs, mask=valid, other=0.0), 0.0)
 
     raw = logp - old
-    lr = tl.minimum(tl.maximum(raw, -20.0), 20.0)
+    lr = _clamp20(raw)
     ratio = tl.exp(lr)
     pg1 = -adv * ratio
     pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
@@ -70,7 +78,7 @@ def _ppo_loss_fwd_kernel(
             kl = 0.5 * d * d
             dkl = d
         else:
-            dc = tl.minimum(tl.maximum(d, -20.0), 20.0)
+            dc = _clamp20(d)
             kl = tl.exp(-dc) + dc - 1.0
             dkl = tl.where((d < -20.0) | (d > 20.0), 0.0, 1.0 - tl.exp(-dc))
         grad += kl_coef * dkl
@@ -86,7 +94,8 @@ def _ppo_loss_fwd_kernel(
     tl.store(row + 3, tl.sum((valid & clipped).to(tl.float32)))
     tl.store(row + 4, tl.sum(m * 0.5 * lr * lr))
     tl.store(row + 5, tl.sum(m * ratio))
-    tl.store(row + 6, tl.max(m * ratio))
+    ratio_max = tl.max(m * ratio)  # a max reduction drops NaN: put it back
+    tl.store(row + 6, tl.where(tl.sum((ratio != ratio).to(tl.int32)) > 0, float("nan"), ratio_max))
     tl.store(row + 7, dual_clipped)
     tl.store(row + 8, tl.sum(m))
 

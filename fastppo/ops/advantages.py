@@ -4,6 +4,7 @@ These are a handful of reductions each, memory-light and already one or two kern
 so they are plain PyTorch (no Triton) and never synchronise with the device.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -15,14 +16,6 @@ from .kl import kl_penalty
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 
 
-def _check_mask(mask, x: Tensor, x_name: str) -> Tensor:
-    checks.check_tensor(mask, "mask")
-    if mask.shape != x.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but {x_name} has {tuple(x.shape)}")
-    checks.check_same_device(x.device, x_name, mask=mask)
-    return mask != 0
-
-
 def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
                   group: Optional["torch.distributed.ProcessGroup"] = None) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the valid entries; 0 at masked entries.
@@ -31,13 +24,15 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     ``torch.distributed`` process group as ``group`` they are global across its ranks (one
     all-reduce of the sum, the sum of squares and the count, accumulated in float64).
     ``shift_mean=False`` adds the mean back (PPO whitens rewards that way). One valid entry, or
-    none, gives zeros, never NaN. Returns fp32 of ``x``'s shape.
+    none, gives zeros, never NaN. Masked entries may hold anything; a NaN at a valid entry (or a
+    mask value other than 0/1) makes every valid entry NaN. Returns fp32 of ``x``'s shape.
     """
     checks.check_tensor(x, "x")
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
-    valid = _check_mask(mask, x, "x")
-    xs = torch.where(valid, x.detach().double(), 0.0)
+    valid, invalid = checks.check_mask(mask, x, "x")
+    x = checks.poison(x.detach(), invalid)
+    xs = torch.where(valid, x.double(), 0.0)
     stats = torch.stack([xs.sum(), (xs * xs).sum(), valid.sum().double()])  # (3,) sum, sum sq, count
     if group is not None:
         torch.distributed.all_reduce(stats, group=group)
@@ -100,16 +95,24 @@ def token_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: 
 
     ``-kl_coef * kl(logprobs, ref_logprobs)`` at every valid token (see :func:`kl_penalty`), plus
     the sequence's score at its last valid token. ``scores`` is ``(B,)``; the others ``(B, T)``.
-    A row with no valid token gets no reward at all. Returns fp32 ``(B, T)``, 0 where masked.
+    A row with no valid token gets no reward at all. Returns fp32 ``(B, T)``, 0 where masked
+    whatever the inputs hold there; NaN at a valid position (or a mask value other than 0/1)
+    stays NaN.
     """
-    checks.check_tensor(logprobs, "logprobs")
-    checks.check_tensor(scores, "scores")
+    for name, x in (("scores", scores), ("logprobs", logprobs), ("ref_logprobs", ref_logprobs)):
+        checks.check_tensor(x, name)
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must have shape (B, T), got {tuple(logprobs.shape)}")
     if scores.shape != logprobs.shape[:1]:
         raise ValueError(f"scores must have shape ({logprobs.shape[0]},), got {tuple(scores.shape)}")
-    valid = _check_mask(mask, logprobs, "logprobs")
+    valid, invalid = checks.check_mask(mask, logprobs, "logprobs")
     checks.check_same_device(logprobs.device, "logprobs", scores=scores, ref_logprobs=ref_logprobs)
+    if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not math.isfinite(kl_coef):
+        raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
+    # masked positions may hold NaN: select them away before the KL, whose gradient would be NaN
+    logprobs, ref_logprobs = (checks.poison(torch.where(valid, x, 0.0), invalid) for x in (logprobs, ref_logprobs))
     rewards = torch.where(valid, -kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator), 0.0)
     T = logprobs.shape[1]
     last = T - 1 - valid.flip(-1).int().argmax(dim=-1)  # (B,) last valid position (T-1 if none)

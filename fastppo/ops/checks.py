@@ -3,7 +3,8 @@
 Every error names the argument and what was seen, so a user never has to read a stack trace
 from inside a kernel. Checks here look at metadata only (shapes, dtypes, devices) and never
 synchronise with the device; the value checks that need a sync (label ranges, temperature
-signs) run only when ``FASTPPO_CHECK=1`` is set.
+signs, mask values) run only when ``FASTPPO_CHECK=1`` is set. Without it a bad value at a valid
+position is made visible instead: it turns the op's result into NaN, never a finite number.
 """
 
 import math
@@ -40,11 +41,21 @@ def check_same_device(device: torch.device, owner: str, **others) -> None:
             raise ValueError(f"{name} is on {x.device} but {owner} is on {device}")
 
 
+def check_integer(x, name: str) -> None:
+    """``x`` is a tensor of integer ids: not bool (True is no token id), not floating."""
+    check_tensor(x, name)
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+
+
+def check_vocabulary(size: int, name: str) -> None:
+    if size == 0:
+        raise ValueError(f"{name} has a vocabulary of 0 entries; a distribution needs at least one")
+
+
 def check_labels(labels, lead: torch.Size, lead_name: str) -> None:
     """``labels`` is an integer tensor whose shape is exactly ``lead`` (no broadcasting)."""
-    check_tensor(labels, "labels")
-    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    check_integer(labels, "labels")
     if labels.shape != lead:
         raise ValueError(
             f"labels must have shape {tuple(lead)} (the leading dims of {lead_name}), "
@@ -84,10 +95,12 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
                 f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
                 f"token shape {tuple(lead)}"
             )
-        per_row = temperature.detach().to(torch.float32).expand(lead).reshape(-1).contiguous()
-        if value_checks_enabled() and not bool((per_row > 0).all() & per_row.isfinite().all()):
+        per_row = temperature.detach().to(torch.float32).expand(lead).reshape(-1)  # (N,)
+        usable = (per_row > 0) & per_row.isfinite()
+        if value_checks_enabled() and not bool(usable.all()):
             raise ValueError("temperature must be positive and finite everywhere")
-        return per_row, 1.0
+        # A row at a temperature <= 0 (or NaN, inf) has no distribution: its log-prob is NaN.
+        return torch.where(usable, per_row, float("nan")), 1.0
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a positive number or a tensor, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
@@ -98,6 +111,44 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
 def check_ignore_index(ignore_index) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def check_mask(mask, like: torch.Tensor, like_name: str, name: str = "mask") -> tuple:
+    """``(valid, invalid)`` of a token mask of ``like``'s exact shape and device.
+
+    ``valid`` is bool: true where ``mask`` is nonzero. A bool mask is used as is and ``invalid``
+    is None. A numeric mask must hold only 0 and 1; ``invalid`` marks any other value (0.5, -1,
+    NaN), which with ``FASTPPO_CHECK=1`` is a ``ValueError`` and otherwise poisons the result
+    with NaN (see :func:`poison`), so a mask that is not a mask never gives a finite number.
+    """
+    check_tensor(mask, name)
+    if mask.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(mask.shape)} but {like_name} has {tuple(like.shape)}")
+    check_same_device(like.device, like_name, **{name: mask})
+    if mask.dtype == torch.bool:
+        return mask, None
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool or hold 0/1 numbers, got {mask.dtype}")
+    invalid = (mask != 0) & (mask != 1)
+    if value_checks_enabled() and bool(invalid.any()):
+        example = mask[invalid].flatten()[0].item()
+        raise ValueError(f"{name} must hold only 0 and 1 (or be bool); it has {int(invalid.sum())} other "
+                         f"value(s), e.g. {example}")
+    return mask != 0, invalid
+
+
+def poison(x: torch.Tensor, invalid) -> torch.Tensor:
+    """``x`` with NaN where ``invalid`` (from :func:`check_mask`) is true; ``x`` itself when None."""
+    return x if invalid is None else torch.where(invalid, float("nan"), x)
+
+
+def as_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous ``(N,)`` tensor, which the token kernels index with stride 1.
+
+    ``reshape(-1)`` alone keeps a 1-D view's stride (``x[:, 1]`` of a ``(B, T)`` tensor has
+    stride T), so this copies whenever the flat view would not be dense.
+    """
+    return x.reshape(-1).contiguous()
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,9 @@ _IGNORE = -100
 
 
 def _masked_labels(labels: Tensor, mask: Tensor) -> Tensor:
-    checks.check_tensor(mask, "mask")
-    if mask.shape != labels.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but labels has {tuple(labels.shape)}")
-    return torch.where(mask != 0, labels, _IGNORE)
+    checks.check_integer(labels, "labels")  # before torch.where would promote bool labels to ids 0/1
+    valid, _ = checks.check_mask(mask, labels, "labels")
+    return torch.where(valid, labels, _IGNORE)
 
 
 def _check_no_entropy(loss_options: dict, name: str) -> None:
@@ -52,7 +51,6 @@ def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, a
     except ``entropy``, which is computed here.
     """
     _check_no_entropy(loss_options, "ppo_loss_from_logits")
-    checks.check_tensor(labels, "labels")
     logp, entropy = token_logprobs(logits, _masked_labels(labels, mask), temperature=temperature,
                                    ignore_index=_IGNORE, return_entropy=True, backend=backend)
     return ppo_policy_loss(logp, old_logprobs, advantages, mask, entropy=entropy, backend=backend, **loss_options)
@@ -71,7 +69,6 @@ def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_log
     Gradients reach ``hidden``, ``weight`` and ``bias``. One chunked pass computes the loss and
     the gradients together (three matmuls per chunk; see ``linear_ppo_loss.py``).
     """
-    checks.check_tensor(labels, "labels")
     labels = _masked_labels(labels, mask)
     args = LinearArgs.check(hidden, weight, labels, bias, temperature, _IGNORE, chunk_size, backend)
     spec = loss_spec(labels, "labels", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, has_entropy=True,

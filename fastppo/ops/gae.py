@@ -52,6 +52,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, la
         gamma, lam: discount and GAE lambda, each in [0, 1].
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see :func:`fastppo.token_logprobs`).
 
+    Masked positions may hold anything (NaN, inf): they change nothing. A NaN at a valid
+    position, or a mask value other than 0/1, gives NaN advantages (from there leftwards).
+
     Returns:
         ``(advantages, returns)``, fp32 ``(B, T)``, exactly 0 at masked positions. No gradient
         flows through them.
@@ -62,12 +65,11 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, la
             raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape (B, T), got {tuple(x.shape)}")
-    checks.check_tensor(mask, "mask")
-    for name, x in (("values", values), ("mask", mask)):
-        if x.shape != rewards.shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but rewards has {tuple(rewards.shape)}")
-    checks.check_same_device(rewards.device, "rewards", values=values, mask=mask)
+    if values.shape != rewards.shape:
+        raise ValueError(f"values has shape {tuple(values.shape)} but rewards has {tuple(rewards.shape)}")
+    checks.check_same_device(rewards.device, "rewards", values=values)
+    valid, invalid = checks.check_mask(mask, rewards, "rewards")
     gamma = _check_unit_interval(gamma, "gamma")
     lam = _check_unit_interval(lam, "lam")
     backend = resolve_backend(backend, rewards.device)
-    return _gae(rewards.detach(), values.detach(), mask, gamma, lam, backend)
+    return _gae(checks.poison(rewards.detach(), invalid), values.detach(), valid, gamma, lam, backend)

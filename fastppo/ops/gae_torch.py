@@ -43,12 +43,13 @@ def gae(rewards, values, mask, gamma, lam, advantages, returns):
 
 
 def _gae_rows(rewards, values, mask, gamma, lam, advantages, returns):
-    m = (mask != 0).float()  # (b, T)
-    r, v = rewards.float(), values.float()
+    valid = mask != 0  # (b, T)
+    m = valid.float()
+    # masked positions may hold NaN or inf: select, never multiply by m (0 * NaN is NaN)
+    r, v = torch.where(valid, rewards.float(), 0.0), torch.where(valid, values.float(), 0.0)
     m1, v1 = _shift_left(m), _shift_left(v)
     v_next = reverse_affine_scan(1.0 - m1, m1 * v1)  # V at the next valid position, 0 if none
     delta = m * (r + gamma * v_next - v)
     carried = reverse_affine_scan(m * (gamma * lam) + (1.0 - m), delta)  # A at the next valid position
-    valid = m != 0
     advantages.copy_(torch.where(valid, carried, 0.0))
     returns.copy_(torch.where(valid, carried + v, 0.0))

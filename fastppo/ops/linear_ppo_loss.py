@@ -57,7 +57,7 @@ def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
             grad_entropy = -entropy_coef * weights[r0:r1] if entropy_coef != 0 else None
             logprob_kernels.logprobs_backward(logits, logits, labels[r0:r1], row_slice(temperature, r0, r1),
                                               inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy)
-            grads.add(r0, r1, logits[0], hidden[r0:r1], w)  # logits now hold their gradient
+            grads.add(r0, r1, logits[0], hidden[r0:r1], w, valid[r0:r1])  # logits now hold their gradient
     if not partials:
         partials.append(torch.zeros(1, len(PARTIALS), dtype=torch.float32, device=hidden.device))
     return (*summarize(torch.cat(partials), kl_coef, entropy_coef), *grads.results())

@@ -72,8 +72,15 @@ class InputGrads:
         self.weight_grad = torch.zeros(weight.shape, **f32) if need_weight else None  # (V, H)
         self.bias_grad = torch.zeros(weight.shape[0], **f32) if need_bias else None  # (V,)
 
-    def add(self, r0: int, r1: int, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
-        """Fold in rows ``r0:r1``: grad_logits (n, V) fp32, their hidden (n, H), the matmul weight."""
+    def add(self, r0: int, r1: int, grad_logits: Tensor, hidden: Tensor, weight: Tensor, used: Tensor) -> None:
+        """Fold in rows ``r0:r1``: grad_logits (n, V) fp32, their hidden (n, H), the matmul weight,
+        and ``used`` (n,) bool, false for ignored rows.
+
+        An ignored row's logit gradient is exactly 0, but its hidden state may be NaN or inf
+        (padding), and 0 * NaN would spread NaN over the whole weight gradient: such rows are
+        zeroed first.
+        """
+        hidden = torch.where(used.unsqueeze(1), hidden, 0.0)  # (n, H)
         if self.bias_grad is not None:
             self.bias_grad += grad_logits.sum(0)
         grad_logits = grad_logits.to(weight.dtype)  # half on CUDA: the matmuls take it as cuBLAS wants
@@ -139,7 +146,7 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
         kernels.logprobs_backward(logits, logits, labels[r0:r1], row_slice(temperature, r0, r1),
                                   inv_temperature, ignore_index, lse[r0:r1], entropy[r0:r1],
                                   grad_logp[r0:r1], row_slice(grad_entropy, r0, r1))
-        grads.add(r0, r1, logits[0], hidden[r0:r1], w)  # logits now hold their gradient
+        grads.add(r0, r1, logits[0], hidden[r0:r1], w, labels[r0:r1] != ignore_index)  # logits hold their gradient
     return grads.results()
 
 
@@ -218,6 +225,7 @@ class LinearArgs:
             raise ValueError(f"weight must have shape (V, {H}) to match hidden of shape "
                              f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")
         V = weight.shape[0]
+        checks.check_vocabulary(V, "weight")
         if weight.dtype != hidden.dtype:
             raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
         if bias is not None:
@@ -238,5 +246,5 @@ class LinearArgs:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         backend = resolve_backend(backend, hidden.device)
         checks.check_label_values(labels, V, ignore_index)
-        return LinearArgs(hidden.reshape(N, H), labels.reshape(-1), per_row_temperature, inv_temperature,
+        return LinearArgs(hidden.reshape(N, H), checks.as_tokens(labels), per_row_temperature, inv_temperature,
                           chunk_size, backend, lead)

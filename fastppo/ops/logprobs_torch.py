@@ -78,4 +78,5 @@ def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore
             term = p.mul_(log_p.add_(entropy[r0:r1].unsqueeze(1)))  # p * (log p + H), in place
             dz -= g_ent * term.masked_fill_(log_p == float("-inf"), 0.0)
         dz *= scale
+        dz.masked_fill_(ignored.unsqueeze(1), 0.0)  # exactly 0 in an ignored row, whatever its logits hold
         grad[b0:b1, t0:t1] = dz.view(b1 - b0, t1 - t0, V)

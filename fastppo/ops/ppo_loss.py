@@ -130,10 +130,7 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("ref_logprobs", ref_logprobs)):
         if x is not None:
             _check_token_tensor(x, name, like, like_name)
-    checks.check_tensor(mask, "mask")
-    if mask.shape != like.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but {like_name} has {tuple(like.shape)}")
-    checks.check_same_device(like.device, like_name, mask=mask)
+    valid, invalid = checks.check_mask(mask, like, like_name)
     clip_low = _check_number(clip_eps, "clip_eps", minimum=0.0)
     clip_high = clip_low if clip_eps_high is None else _check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
     dual = 0.0 if dual_clip is None else _check_number(dual_clip, "dual_clip", above=1.0)
@@ -145,14 +142,14 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
         raise ValueError("kl_coef is nonzero but no ref_logprobs were given")
     if entropy_coef != 0 and not has_entropy:
         raise ValueError("entropy_coef is nonzero but no entropy was given")
-    valid = mask != 0
     stat_names = ["pg_loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_max"]
     stat_names += ["kl"] * (ref_logprobs is not None) + ["entropy"] * has_entropy
     stat_names += ["dual_clipfrac"] * (dual_clip is not None)
+    weights = checks.poison(aggregation_weights(valid, agg, num_tokens), invalid)  # NaN where mask is not 0/1
     return LossSpec(
-        old_logprobs=old_logprobs.detach().reshape(-1), advantages=advantages.detach().reshape(-1),
-        weights=aggregation_weights(valid, agg, num_tokens).reshape(-1), valid=valid.reshape(-1),
-        ref_logprobs=None if ref_logprobs is None else ref_logprobs.detach().reshape(-1),
+        old_logprobs=checks.as_tokens(old_logprobs.detach()), advantages=checks.as_tokens(advantages.detach()),
+        weights=checks.as_tokens(weights), valid=checks.as_tokens(valid),
+        ref_logprobs=None if ref_logprobs is None else checks.as_tokens(ref_logprobs.detach()),
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual, kl_coef=kl_coef,
         kl_estimator=KL_ESTIMATORS.index(kl_estimator) + 1, entropy_coef=entropy_coef, stat_names=stat_names)
 
@@ -167,7 +164,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
 
     Per valid token (``mask`` true), in fp32::
 
-        lr    = clamp(logp - old_logp, -20, 20);   ratio = exp(lr)
+        lr    = clamp(logp - old_logp, -20, 20);   ratio = exp(lr)   (NaN stays NaN)
         pg    = max(-A * ratio, -A * clamp(ratio, 1 - clip_eps, 1 + (clip_eps_high or clip_eps)))
         pg    = min(pg, -A * dual_clip)   where A < 0   (dual clip, when dual_clip = c > 1)
         kl    = kl_penalty(logp, ref_logp, kl_estimator)
@@ -176,8 +173,10 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     ``token-mean`` (optionally over ``num_tokens``), ``seq-mean-token-mean``,
     ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (see ``fastppo.ops.aggregation``).
 
-    Token tensors share one shape (``(B, T)`` for the ``seq-*`` modes); ``mask`` is bool or 0/1.
-    Masked positions may hold anything, NaN included: they contribute nothing.
+    Token tensors share one shape (``(B, T)`` for the ``seq-*`` modes) and may be any views;
+    ``mask`` is bool or 0/1. Masked positions may hold anything, NaN included: they change
+    neither the loss nor any gradient. A NaN at a valid position, or a mask value other than
+    0/1, makes the loss NaN (with ``FASTPPO_CHECK=1`` the mask value is a ``ValueError``).
 
     Returns ``(loss, stats)``: a 0-dim fp32 loss, differentiable w.r.t. ``logprobs`` and
     ``entropy``, and a dict of detached 0-dim fp32 tensors: ``pg_loss`` (= agg(pg)),
@@ -195,8 +194,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                      dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
                      agg=agg, num_tokens=num_tokens)
     backend = resolve_backend(backend, logprobs.device)
-    loss, stats, _ = _ppo_loss(logprobs.reshape(-1), spec.old_logprobs, spec.advantages, spec.weights, spec.valid,
-                               spec.ref_logprobs, None if entropy is None else entropy.reshape(-1),
+    loss, stats, _ = _ppo_loss(checks.as_tokens(logprobs), spec.old_logprobs, spec.advantages, spec.weights,
+                               spec.valid, spec.ref_logprobs, None if entropy is None else checks.as_tokens(entropy),
                                spec.clip_low, spec.clip_high, spec.dual_clip, spec.kl_coef, spec.kl_estimator,
                                spec.entropy_coef, backend)
     return loss, spec.named(stats)

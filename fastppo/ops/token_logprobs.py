@@ -92,10 +92,13 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature=1.0, ignore_in
 
     Returns:
         ``logp`` of shape ``(...)`` in float32, or ``(logp, entropy)``. Both are differentiable
-        with respect to ``logits``. A label outside ``[0, V)`` (other than ``ignore_index``) gives
-        NaN, and with ``FASTPPO_CHECK=1`` a ``ValueError``.
+        with respect to ``logits``. A label outside ``[0, V)`` (other than ``ignore_index``) or a
+        temperature that is not positive and finite gives NaN in that row, and with
+        ``FASTPPO_CHECK=1`` a ``ValueError``. Rows labelled ``ignore_index`` may hold anything
+        (NaN, inf): their outputs are 0 and their gradient exactly 0.
     """
     checks.check_float(logits, "logits")
+    checks.check_vocabulary(logits.shape[-1], "logits")
     lead = logits.shape[:-1]
     checks.check_labels(labels, lead, "logits")
     checks.check_ignore_index(ignore_index)
@@ -104,7 +107,7 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature=1.0, ignore_in
     backend = resolve_backend(backend, logits.device)
     checks.check_label_values(labels, logits.shape[-1], ignore_index)
 
-    logp, entropy, _ = _forward(checks.as_rows(logits), labels.reshape(-1), per_row_temperature,
+    logp, entropy, _ = _forward(checks.as_rows(logits), checks.as_tokens(labels), per_row_temperature,
                                 inv_temperature, ignore_index, backend)
     if return_entropy:
         return logp.view(lead), entropy.view(lead)

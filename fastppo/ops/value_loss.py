@@ -18,7 +18,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     """``agg(0.5 * max((v - R)**2, (v_clip - R)**2))`` with ``v_clip = old_v + clamp(v - old_v, ±clip_eps)``.
 
     ``clip_eps=None`` disables clipping (``0.5 * (v - R)**2``). Token tensors share one shape;
-    ``mask`` is bool or 0/1 and masked positions contribute nothing (NaN there is harmless).
+    ``mask`` is bool or 0/1 and masked positions contribute nothing (NaN there is harmless, to
+    the loss and to the gradient); NaN at a valid position, or a mask value other than 0/1,
+    makes the loss NaN.
     ``agg`` and ``num_tokens`` are as in :func:`fastppo.ppo_policy_loss`.
 
     Returns ``(loss, stats)``: a 0-dim fp32 loss differentiable w.r.t. ``values``, and detached
@@ -31,16 +33,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
             raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
         if x.shape != values.shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but values has {tuple(values.shape)}")
-    checks.check_tensor(mask, "mask")
-    if mask.shape != values.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but values has {tuple(values.shape)}")
-    checks.check_same_device(values.device, "values", old_values=old_values, returns=returns, mask=mask)
+    checks.check_same_device(values.device, "values", old_values=old_values, returns=returns)
+    valid, invalid = checks.check_mask(mask, values, "values")
     if clip_eps is not None and (isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float))
-                                 or not clip_eps >= 0):
-        raise ValueError(f"clip_eps must be a number >= 0 or None, got {clip_eps!r}")
+                                 or not 0 <= clip_eps < float("inf")):
+        raise ValueError(f"clip_eps must be a finite number >= 0 or None, got {clip_eps!r}")
 
-    valid = mask != 0
-    weights = aggregation_weights(valid, agg, num_tokens)
+    weights = checks.poison(aggregation_weights(valid, agg, num_tokens), invalid)  # NaN where mask is not 0/1
     v = torch.where(valid, values.float(), 0.0)
     old = torch.where(valid, old_values.detach().float(), 0.0)
     target = torch.where(valid, returns.detach().float(), 0.0)

@@ -76,3 +76,33 @@ def test_value_checks_on_request(monkeypatch):
     with pytest.raises(ValueError, match="temperature must be positive and finite everywhere"):
         logits_call(temperature=torch.tensor([[1.0], [-1.0]]))
     logits_call(labels=torch.full((2, 3), -100))  # ignore_index is never out of range
+
+
+def test_an_empty_vocabulary_is_refused_before_any_kernel(backend):
+    with pytest.raises(ValueError, match="logits has a vocabulary of 0 entries"):
+        fastppo.token_logprobs(torch.randn(2, 3, 0), torch.zeros(2, 3, dtype=torch.long), backend=backend)
+    with pytest.raises(ValueError, match="weight has a vocabulary of 0 entries"):
+        linear_call(weight=torch.randn(0, H), labels=torch.zeros(2, 3, dtype=torch.long), backend=backend)
+
+
+def test_bool_labels_are_no_token_ids():
+    mask, x = torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3)
+    labels = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="labels must be an integer tensor, got torch.bool"):
+        fastppo.ppo_loss_from_logits(torch.randn(2, 3, V), labels, x, x, mask)
+    with pytest.raises(TypeError, match="labels must be an integer tensor, got torch.bool"):
+        fastppo.ppo_loss_from_hidden(torch.randn(2, 3, H), torch.randn(V, H), labels, x, x, mask)
+
+
+def test_missing_or_wrong_kind_of_tensors_in_the_advantage_ops():
+    x, mask = torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="ref_logprobs must be a torch.Tensor, got NoneType"):
+        fastppo.token_rewards(torch.randn(2), x, None, mask, kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef must be a finite number"):
+        fastppo.token_rewards(torch.randn(2), x, x, mask, kl_coef=float("nan"))
+    with pytest.raises(TypeError, match="logprobs must be a torch.Tensor, got list"):
+        fastppo.kl_penalty([0.1, 0.2], x[0, :2])
+    with pytest.raises(TypeError, match="ref_logprobs must be a floating tensor"):
+        fastppo.kl_penalty(x, torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="mask must be bool or hold 0/1 numbers"):
+        fastppo.gae(x, x, torch.ones(2, 3, dtype=torch.complex64))

@@ -211,5 +211,21 @@ def test_value_loss_all_masked_and_bad_input():
     assert loss == 0 and (values.grad == 0).all() and all(torch.isfinite(v) for v in stats.values())
     with pytest.raises(ValueError, match=r"returns has shape \(3, 2\) but values has \(2, 3\)"):
         fastppo.value_loss(values, values, torch.randn(3, 2), torch.ones(2, 3))
-    with pytest.raises(ValueError, match="clip_eps must be a number >= 0 or None"):
+    with pytest.raises(ValueError, match="clip_eps must be a finite number >= 0 or None"):
         fastppo.value_loss(values, values, values, torch.ones(2, 3), clip_eps=-1.0)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_rows_of_unequal_lengths_tell_the_aggregations_apart(backend, agg):
+    """Rows with 1, 4 and 9 valid tokens: token-mean and seq-mean-token-mean differ, and each is its oracle."""
+    batch = make_batch(B=4, T=10)
+    lengths = torch.tensor([1, 4, 0, 9])
+    batch["mask"] = torch.arange(10) < lengths[:, None]
+    batch["logp"] = torch.where(batch["mask"], batch["logp"].nan_to_num(), float("nan"))
+    batch["old"] = torch.where(batch["mask"], batch["old"].nan_to_num(), float("-inf"))
+    loss, _ = check_loss(batch, backend, agg=agg, kl_coef=0.1, entropy_coef=0.01)
+    other = "token-mean" if agg != "token-mean" else "seq-mean-token-mean"
+    different, _ = fastppo.ppo_policy_loss(batch["logp"], batch["old"], batch["adv"], batch["mask"],
+                                           ref_logprobs=batch["ref"], entropy=batch["entropy"], kl_coef=0.1,
+                                           entropy_coef=0.01, agg=other, backend=backend)
+    assert abs(float(loss) - float(different)) > 1e-3

@@ -169,3 +169,20 @@ def test_bad_input_names_the_argument(kwargs, match):
 def test_integer_logits_are_refused():
     with pytest.raises(TypeError, match="logits"):
         fastppo.sample_tokens(torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("top_p,nucleus", [(0.35, [0]), (0.65, [0, 1]), (0.75, [0, 1, 2]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_samples_exactly_the_nucleus(top_p, nucleus):
+    """Probabilities 0.4, 0.3, 0.2, 0.06, 0.04: the nucleus is the shortest prefix whose mass reaches p,
+    every token of it is drawn, none outside it, each as often as its renormalised probability."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    draws = 4000
+    logits = probs.log()[torch.randperm(5)].repeat(draws, 1)  # a shuffled vocabulary: order is by probability
+    order = torch.argsort(logits[0], descending=True)
+    tokens, logprobs = fastppo.sample_tokens(logits, top_p=top_p, seed=5)
+    expected = set(order[nucleus].tolist())
+    assert set(tokens.tolist()) == expected
+    kept = probs[nucleus] / probs[nucleus].sum()
+    counts = torch.stack([(tokens == token).sum() for token in order[nucleus]]).double()
+    torch.testing.assert_close(counts / draws, kept.double(), atol=0.03, rtol=0)
+    torch.testing.assert_close(logprobs, logits[0, tokens].float() - torch.logsumexp(logits[0], 0))  # full-vocabulary
