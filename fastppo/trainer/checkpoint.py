@@ -1,17 +1,47 @@
-"""Writing run directories atomically: a save is complete or absent, never half there.
+"""Run directories that lose nothing: atomic, verified checkpoints, exact resume, one run per directory.
 
-Everything is written into a hidden temporary directory beside the target, flushed to disk
-(files, then directories), and renamed into place in one step. A crash mid-save leaves the
-previous version intact and at worst a ``.tmp-*`` directory, which the next save of that name
-clears. Older numbered checkpoints beyond the ones to keep are removed after a save succeeds.
+A save is complete or absent, never half there. Everything is written into a hidden temporary
+directory beside the target, with a manifest of every file's sha256 (``MANIFEST_FILE``), flushed
+to disk (files, then directories), and renamed into place. A kill mid-save leaves the previous
+version intact and at worst a ``.NAME.tmp-PID`` directory, which the next start or save of the
+run clears; a kill between the two renames of a replacement leaves ``.NAME.old-PID``, which is
+put back if ``NAME`` is missing. Resume verifies the manifest before loading, so a checkpoint
+whose bytes changed (a bad disk, a partial copy) is skipped like a truncated one, for the
+previous checkpoint.
+
+A run directory belongs to one run: a new run refuses a non-empty directory unless told to
+clear it (``--overwrite``), and ``--resume RUN_DIR`` writes into RUN_DIR, wherever it was
+first created. ``metrics.jsonl`` is append-only; resume keeps its rows before the checkpoint
+and drops a line a kill cut short.
 """
 
+import hashlib
+import json
 import os
+import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
+import numpy
+import torch
+
+from .config import RESUMABLE, TrainConfig
+from .errors import UsageError
+
+STATE_FILE = "trainer_state.pt"
+MANIFEST_FILE = "MANIFEST.sha256"
+_LEFTOVER = re.compile(r"\.(.+)\.(tmp|old)-\d+")
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+class WorldSizeMismatch(UsageError):
+    """A checkpoint written by another number of ranks: refused, not skipped."""
+
+
+# atomic saves -----------------------------------------------------------------------------------
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -21,16 +51,67 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """``MANIFEST_FILE`` in ``directory``: ``sha256  relative/path`` for every file below it."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    lines = [f"{_sha256(p)}  {p.relative_to(directory).as_posix()}\n" for p in files]
+    (directory / MANIFEST_FILE).write_text("".join(lines))
+
+
+def verify_manifest(directory: Path) -> None:
+    """Raise ``ValueError`` unless every file the manifest lists is there with its sha256."""
+    manifest = Path(directory) / MANIFEST_FILE
+    if not manifest.is_file():
+        raise ValueError(f"no {MANIFEST_FILE}")
+    for line in manifest.read_text().splitlines():
+        expected, _, name = line.partition("  ")
+        path = Path(directory) / name
+        if not path.is_file():
+            raise ValueError(f"{name} is missing")
+        if _sha256(path) != expected:
+            raise ValueError(f"{name} does not match its sha256 in {MANIFEST_FILE}")
+
+
+def clear_leftovers(directory: Path) -> None:
+    """Remove what interrupted saves left in ``directory``; put back a replaced save that a kill
+    between the two renames left only as ``.NAME.old-PID``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        match = _LEFTOVER.fullmatch(path.name)
+        if not match:
+            continue
+        if not path.is_dir():  # a file written by write_text_atomically
+            path.unlink(missing_ok=True)
+            continue
+        target = directory / match.group(1)
+        if match.group(2) == "old" and not target.exists():
+            os.replace(path, target)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def save_atomically(target: Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(directory)`` on a temporary directory, then make it ``target`` in one rename."""
+    """Call ``write(directory)`` on a temporary directory, add the manifest, make it ``target`` in
+    one rename."""
     target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(target.parent)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     old = target.parent / f".{target.name}.old-{os.getpid()}"
-    for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     try:
         write(tmp)
+        write_manifest(tmp)
         for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
             _fsync(path)
         _fsync(tmp)
@@ -45,11 +126,154 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """``path`` holds the old text or the new one, never a part: a temporary file, then a rename."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def numbered_checkpoints(run_dir: Path) -> list:
+    """``[(N, path)]`` of the ``checkpoint-N`` directories, oldest first."""
+    found = [(int(m.group(1)), p) for p in Path(run_dir).iterdir()
+             if p.is_dir() and (m := _CHECKPOINT.fullmatch(p.name))]
+    return sorted(found)
+
+
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Remove ``checkpoint-N`` directories but the ``keep`` newest (``keep`` 0 keeps all)."""
     if keep <= 0:
         return
-    numbered = [(int(m.group(1)), p) for p in Path(run_dir).iterdir()
-                if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
-    for _, path in sorted(numbered)[:-keep]:
+    for _, path in numbered_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(path)
+
+
+# the run directory ------------------------------------------------------------------------------
+
+def claim_run_directory(out: Path, overwrite: bool) -> None:
+    """Make ``out`` ready for a new run: refuse it if it holds anything, or with ``overwrite`` clear
+    it, but only when it is a fastppo run directory (has a config.json)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UsageError(f"--out {out} is not empty; continue that run with --resume {out}, clear it with "
+                         "--overwrite, or choose another --out")
+    if not (out / "config.json").is_file():
+        raise UsageError(f"--out {out} is not empty and not a fastppo run directory (no config.json); "
+                         "--overwrite clears only run directories")
+    for path in out.iterdir():
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def metrics_before(path: Path, start: int) -> list:
+    """The lines of ``metrics.jsonl`` for iterations before ``start``, dropping (with a warning) any
+    line that is not a complete JSON row, such as the last one of a run killed mid-write."""
+    if not path.is_file():
+        warnings.warn(f"{path} is missing; the resumed run logs from iteration {start} only")
+        return []
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            iteration = row["iteration"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            warnings.warn(f"{path}:{number}: dropping a line that is not a complete metrics row")
+            continue
+        if iteration < start:
+            kept.append(line)
+    return kept
+
+
+# trainer state ----------------------------------------------------------------------------------
+
+def rng_state(trainer) -> dict:
+    """The trainer's prompt order, and the global generators a reward function may draw from."""
+    cuda = trainer.device.type == "cuda"
+    return {"python": trainer.rng.getstate(), "python_global": random.getstate(), "numpy": numpy.random.get_state(),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(trainer.device) if cuda else None}
+
+
+def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) -> None:
+    """Models plus everything the next iteration depends on, so a resumed run is the same run.
+    ``rng`` holds every rank's random states (default: this process's)."""
+    trainer.save(directory)
+    torch.save({
+        "iteration": next_iteration, "optimizer": trainer.optimizer.state_dict(),
+        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer else None,
+        "schedules": [s.state_dict() for s in trainer.schedules], "kl_coef": trainer.kl.coef,
+        "skipped_steps": trainer.skipped_steps, "steps": trainer.steps, "rng": rng or [rng_state(trainer)],
+    }, Path(directory) / STATE_FILE)
+
+
+def load_state(trainer, directory: Path) -> int:
+    """Load what :func:`save_state` wrote into ``trainer``; return the iteration to continue at."""
+    from transformers import AutoModelForCausalLM
+
+    from .models import Critic
+
+    state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+    if len(state["rng"]) != trainer.ranks.world:
+        raise WorldSizeMismatch(f"{directory} was written by {len(state['rng'])} rank(s); resume with as many, "
+                                f"not {trainer.ranks.world}")
+    saved = AutoModelForCausalLM.from_pretrained(Path(directory) / "policy")
+    trainer.policy.load_state_dict(saved.state_dict())  # in place: the optimizer and sampler keep their tensors
+    if trainer.critic is not None:
+        trainer.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
+        trainer.critic_optimizer.load_state_dict(state["critic_optimizer"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    for schedule, schedule_state in zip(trainer.schedules, state["schedules"]):
+        schedule.load_state_dict(schedule_state)
+    trainer.kl.coef, trainer.skipped_steps = state["kl_coef"], state["skipped_steps"]
+    trainer.steps = state.get("steps", 0)
+    rng = state["rng"][trainer.ranks.rank]
+    trainer.rng.setstate(rng["python"])
+    random.setstate(rng["python_global"])
+    numpy.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], trainer.device)
+    return state["iteration"]
+
+
+def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
+    """``(trainer, next iteration)`` from the newest complete, verified checkpoint of ``run_dir``.
+
+    The saved config is used, with ``out`` set to ``run_dir`` (a copied or moved run resumes
+    where it now is); ``overrides`` may change only :data:`RESUMABLE` fields. A checkpoint that
+    fails its manifest or does not load is skipped with a warning, for the one before it.
+    """
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise UsageError(f"--resume {run_dir}: no config.json, not a fastppo run directory")
+    try:
+        saved = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"--resume {run_dir}: config.json does not parse ({error})") from None
+    overrides = dict(overrides or {})
+    out = overrides.pop("out", None)
+    if out is not None and Path(out).resolve() != run_dir.resolve():
+        raise UsageError(f"--resume {run_dir} writes into {run_dir}; drop --out {out}")
+    if overrides.pop("overwrite", False):
+        raise UsageError("--resume continues a run and --overwrite starts one afresh: give one of them")
+    changed = sorted(k for k, v in overrides.items() if saved.get(k) != v and k not in RESUMABLE)
+    if changed:
+        raise UsageError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
+                         f"only {', '.join(sorted(RESUMABLE))} may change")
+    config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
+    trainer = trainer_class(config, resuming=True)
+    for _, path in reversed(numbered_checkpoints(run_dir)):
+        try:
+            verify_manifest(path)
+            return trainer, load_state(trainer, path)
+        except WorldSizeMismatch:
+            raise
+        except Exception as error:  # never load a damaged checkpoint: fall back to an older one
+            warnings.warn(f"skipping {path}: it does not load ({type(error).__name__}: {error})")
+    raise UsageError(f"--resume {run_dir}: no complete checkpoint to resume from")

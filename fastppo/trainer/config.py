@@ -1,18 +1,27 @@
 """The trainer's configuration: one dataclass per concern, one help string per field.
 
 The ``fastppo train`` command line is generated from these fields (``--field-name``), a
-``--config`` JSON or TOML file may set any of them (flat keys), and ``validate()`` rejects
-out-of-range values at start-up, naming the field.
+``--config`` JSON or TOML file may set any of them (flat keys), ``from_flat`` checks each value's
+type against its field's (a bool is not an int, a string is not a number) and ``validate()``
+rejects non-finite and out-of-range values at start-up; every error names the field (and the
+file it came from).
 """
 
 import argparse
 import dataclasses
 import json
-import tomllib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from .errors import UsageError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (a dependency there)
+    import tomli as tomllib
 
 
 def _doc(help_text: str, default=None, **kwargs):
@@ -23,7 +32,7 @@ def _doc(help_text: str, default=None, **kwargs):
 class ModelConfig:
     model: Optional[str] = _doc("local path of a Hugging Face causal LM (and its tokenizer); default: the tiny "
                                 "model shipped with fastppo, which knows some of the arithmetic task")
-    critic: bool = _doc("train a value model (needed by estimator=gae); default: only for gae", None)
+    critic: Optional[bool] = _doc("train a value model (needed by estimator=gae); default: only for gae", None)
     critic_init: str = _doc("where the value model starts: policy (its backbone, a zero head) or "
                             "reward_model (the --reward-model's backbone and scoring row)", "policy")
 
@@ -35,9 +44,12 @@ class DataConfig:
     prompts: Optional[str] = _doc("JSONL file, one object per line with a 'prompt' field; the other fields "
                                   "are passed to the reward function")
     reward: Optional[str] = _doc("reward function 'module:function', called as f(prompts, completions, "
-                                 "**fields) -> one float per completion; default: the task's")
+                                 "**fields) -> one real number per completion; required with --prompts "
+                                 "unless --reward-model is given; default: the task's")
     reward_model: Optional[str] = _doc("local Hugging Face sequence-classification model scoring prompt + "
                                        "completion (its first logit), instead of a reward function")
+    drop_long_prompts: bool = _doc("drop (and count) prompts too long for the model's context with "
+                                   "max_new_tokens; without it such a prompt is an error naming its line", False)
 
 
 @dataclass
@@ -88,10 +100,35 @@ class RunConfig:
     save: bool = _doc("save the policy (and critic) in Hugging Face format at the end", True)
     save_every: int = _doc("also save every this many iterations (0: only at the end)", 0)
     keep_checkpoints: int = _doc("numbered checkpoints to keep, newest first (0: all)", 2)
+    overwrite: bool = _doc("start afresh in a non-empty run directory, deleting what it holds (only a "
+                           "fastppo run directory); without it such a directory is refused", False)
 
 
 SECTIONS = (ModelConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline")
+# Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
+RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
+
+
+def _base_type(f: dataclasses.Field):
+    """``(type, optional)`` of a field: ``Optional[X]`` -> ``(X, True)``."""
+    args = [t for t in typing.get_args(f.type) if t is not type(None)]
+    return (args[0], True) if args else (f.type, False)
+
+
+def _typed(f: dataclasses.Field, value, source: str):
+    """``value`` as the field's type, or a ``UsageError`` naming the field (and ``source``)."""
+    kind, optional = _base_type(f)
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    where = f" (in {source})" if source else ""
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    raise UsageError(f"config field {f.name} must be {expected}{' or null' if optional else ''}, got "
+                     f"{type(value).__name__} {value!r}{where}")
 
 
 @dataclass
@@ -110,16 +147,21 @@ class TrainConfig:
         return (self.model, self.data, self.rollout, self.algo, self.optim, self.run)
 
     @classmethod
-    def from_flat(cls, values: dict) -> "TrainConfig":
-        names = {f.name: section for section in SECTIONS for f in dataclasses.fields(section)}
-        unknown = set(values) - set(names)
+    def from_flat(cls, values, source: str = "") -> "TrainConfig":
+        """A config from flat ``{field: value}``, each value checked against its field's type;
+        ``source`` (a file name) is named in errors."""
+        where = f" (in {source})" if source else ""
+        if not isinstance(values, dict):
+            raise UsageError(f"a config must be a table of fields, got {type(values).__name__}{where}")
+        names = {f.name for section in SECTIONS for f in dataclasses.fields(section)}
+        unknown = set(values) - names
         if unknown:
-            raise ValueError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+            raise UsageError(f"unknown config field(s): {', '.join(sorted(unknown))}{where}")
         config = cls()
         for section in config._sections():
             for f in dataclasses.fields(section):
                 if f.name in values:
-                    setattr(section, f.name, values[f.name])
+                    setattr(section, f.name, _typed(f, values[f.name], source))
         return config
 
     @property
@@ -129,9 +171,12 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         from .tasks import TASKS
 
-        r, a, o, run = self.rollout, self.algo, self.optim, self.run
+        r, a, o, run, d = self.rollout, self.algo, self.optim, self.run, self.data
+        for name, value in self.flat().items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"config field {name} must be a finite number, got {value!r}")
         rules = [
-            ("task", self.data.task in TASKS or (self.data.prompts and (self.data.reward or self.data.reward_model)),
+            ("task", d.task in TASKS or (d.prompts and (d.reward or d.reward_model)),
              f"must be one of {tuple(TASKS)} unless --prompts and a reward are given"),
             ("prompts_per_iteration", r.prompts_per_iteration >= 1, "must be >= 1"),
             ("samples_per_prompt", r.samples_per_prompt >= 1, "must be >= 1"),
@@ -144,6 +189,8 @@ class TrainConfig:
             ("kl_target", a.kl_target is None or (a.kl_target > 0 and a.kl_coef > 0), "must be > 0, with kl_coef > 0"),
             ("kl_horizon", a.kl_horizon >= 1, "must be >= 1"),
             ("clip_eps", a.clip_eps > 0, "must be > 0"),
+            ("entropy_coef", a.entropy_coef >= 0, "must be >= 0"),
+            ("vf_coef", a.vf_coef >= 0, "must be >= 0"),
             ("vf_clip", a.vf_clip > 0, "must be > 0"),
             ("ppo_epochs", a.ppo_epochs >= 1, "must be >= 1"),
             ("grad_accumulation", a.grad_accumulation >= 1 and a.minibatches % a.grad_accumulation == 0,
@@ -156,6 +203,7 @@ class TrainConfig:
             ("warmup_iterations", o.warmup_iterations >= 0, "must be >= 0"),
             ("max_grad_norm", o.max_grad_norm > 0, "must be > 0"),
             ("iterations", run.iterations >= 1, "must be >= 1"),
+            ("seed", run.seed >= 0, "must be >= 0"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
             ("keep_checkpoints", run.keep_checkpoints >= 0, "must be >= 0"),
             ("critic", a.estimator != "gae" or self.uses_critic, "must be on for estimator=gae"),
@@ -165,7 +213,7 @@ class TrainConfig:
         ]
         for name, ok, requirement in rules:
             if not ok:
-                raise ValueError(f"config field {name} {requirement}, got {self.flat()[name]!r}")
+                raise UsageError(f"config field {name} {requirement}, got {self.flat()[name]!r}")
         return self
 
 
@@ -183,17 +231,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for section in SECTIONS:
         group = parser.add_argument_group(section.__name__)
         for f in dataclasses.fields(section):
-            base = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)  # Optional[X] -> X
-            kind = {bool: _parse_bool, int: int, float: float}.get(base, str)
+            kind = {bool: _parse_bool, int: int, float: float}.get(_base_type(f)[0], str)
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=argparse.SUPPRESS,
                                help=f"{f.metadata['help']} (default: {f.default})")
 
 
+def read_config_file(path: Path) -> dict:
+    """The fields of a JSON or TOML config file (TOML by its ``.toml`` suffix), type-checked."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        values = tomllib.loads(text) if Path(path).suffix == ".toml" else json.loads(text)
+    except OSError as error:
+        raise UsageError(f"--config {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--config {path}: not UTF-8 text") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--config {path}: does not parse ({error})") from None
+    TrainConfig.from_flat(values, source=str(path))  # the types, named with the file
+    return values
+
+
+def given_fields(args: argparse.Namespace) -> dict:
+    """The fields the user set: the ``--config`` file's, then the command line's over them."""
+    values = read_config_file(args.config) if getattr(args, "config", None) is not None else {}
+    values.update({k: v for k, v in vars(args).items() if k not in ("config", "resume", "debug")})
+    return values
+
+
 def from_arguments(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the ``--config`` file, then the command line; validated."""
-    values = {}
-    if getattr(args, "config", None) is not None:
-        text = args.config.read_text()
-        values = tomllib.loads(text) if args.config.suffix == ".toml" else json.loads(text)
-    values.update({k: v for k, v in vars(args).items() if k not in ("config", "resume")})
-    return TrainConfig.from_flat(values).validate()
+    return TrainConfig.from_flat(given_fields(args)).validate()

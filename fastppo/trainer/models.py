@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import UsageError
+
 
 def char_tokenizer():
     """A character-level fast tokenizer: lowercase letters, digits, space and a few symbols."""
@@ -45,8 +47,42 @@ def load_policy(path):
     path = DEFAULT_MODEL if path is None else path
 
     if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"--model {path!r} is not a Hugging Face model directory (no config.json)")
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        raise UsageError(f"--model {path!r} is not a Hugging Face model directory (no config.json)")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    except ValueError as error:  # transformers' word for "no causal LM class for this config"
+        raise UsageError(f"--model {path}: not a causal LM transformers can load ({error})") from None
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        kinds = ", ".join(getattr(model.config, "architectures", None) or ["?"])
+        raise UsageError(f"--model {path} has no weights for {', '.join(missing[:3])}"
+                         f"{' and more' if len(missing) > 3 else ''}, which would start random: it holds a "
+                         f"{kinds} checkpoint, not a causal LM")
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@torch.no_grad()
+def check_causal(model, name) -> None:
+    """Refuse a model whose first position sees later tokens (BERT loaded as an LM, say): two inputs
+    that differ only at position 1 must give the same logits at position 0."""
+    vocab = model.config.vocab_size
+    if vocab < 3:
+        return
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1, 2], [1, vocab - 1]], device=device)
+    was_training = model.training
+    model.eval()
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, 0].float()  # (2, V)
+    model.train(was_training)
+    if not torch.allclose(logits[0], logits[1], rtol=1e-3, atol=1e-4):
+        raise UsageError(f"--model {name} ({type(model).__name__}) is not causal: its first position sees the "
+                         "tokens after it, so it cannot generate (an encoder such as BERT?)")
+
+
+def context_length(model):
+    """The most positions the model was built for, or None when its config does not say."""
+    config = model.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -84,11 +120,11 @@ class Critic(nn.Module):
 
         model = AutoModelForSequenceClassification.from_pretrained(path)
         if model.config.vocab_size != policy.config.vocab_size:
-            raise ValueError(f"critic_init=reward_model needs the policy's vocabulary: the reward model has "
+            raise UsageError(f"critic_init=reward_model needs the policy's vocabulary: the reward model has "
                              f"{model.config.vocab_size} tokens, the policy {policy.config.vocab_size}")
         score = getattr(model, "score", None)  # the scoring layer of HF's *ForSequenceClassification
         if not isinstance(score, nn.Linear):
-            raise ValueError(f"critic_init=reward_model: {path} has no linear 'score' layer to start the value head from")
+            raise UsageError(f"critic_init=reward_model: {path} has no linear 'score' layer to start the value head from")
         head = nn.Linear(model.config.hidden_size, 1)
         with torch.no_grad():
             head.weight.copy_(score.weight[:1])
@@ -127,7 +163,7 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not (Path(path) / "config.json").is_file():
-            raise ValueError(f"--reward-model {path!r} is not a Hugging Face model directory (no config.json)")
+            raise UsageError(f"--reward-model {path!r} is not a Hugging Face model directory (no config.json)")
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:

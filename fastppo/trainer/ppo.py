@@ -10,7 +10,8 @@ The details that trip trainers up are explicit here: dropout is off in every mod
 rollout temperature is used again when log-probs are recomputed; the stop token is part of the
 response and its mask; pad and stop tokens are told apart by the mask, not by their ids; old
 log-probs are recomputed and their mismatch with the sampler's is reported; steps with a
-non-finite gradient are skipped and counted.
+non-finite gradient are skipped, counted and warned about, and a run whose every step was
+skipped fails. Checkpoints, resume and the run directory's rules live in ``checkpoint.py``.
 """
 
 import contextlib
@@ -25,19 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy
 import torch
 from torch import Tensor
 
 from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, token_rewards,
                    value_loss)
 from ..rollout import Sampler
-from . import plot, tasks
-from .checkpoint import prune_checkpoints, save_atomically
+from . import checkpoint, plot, tasks
 from .config import TrainConfig
 from .distributed import Ranks
+from .errors import UsageError
 from .kl_control import KLController
-from .models import Critic, RewardModel, disable_dropout, frozen_copy, load_policy
+from .models import Critic, RewardModel, check_causal, context_length, disable_dropout, frozen_copy, load_policy
 
 IGNORE = -100
 
@@ -122,14 +122,27 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     return float(1 - residual.var() / returns.var())
 
 
+class TrainingFailed(RuntimeError):
+    """The run ended without training: every optimizer step had a non-finite gradient."""
+
+
 class PPOTrainer:
-    def __init__(self, config: TrainConfig, policy=None, tokenizer=None, reward_fn=None, prompts=None):
+    def __init__(self, config: TrainConfig, policy=None, tokenizer=None, reward_fn=None, prompts=None, *,
+                 resuming: bool = False):
+        """``resuming`` is for :meth:`resume`: the run directory then holds the run being continued."""
         self.config = config
         torch.manual_seed(config.run.seed)
         self.rng = random.Random(config.run.seed)
         device = config.run.device
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.ranks = Ranks(torch.device(device).type)
+        if config.data.prompts and reward_fn is None and not (config.data.reward or config.data.reward_model):
+            raise UsageError("--prompts needs --reward (or --reward-model): the task's reward does not know your "
+                             "prompts")
+        if self.ranks.main:  # before any loading: a run that cannot write loses no time
+            if not resuming:
+                checkpoint.claim_run_directory(Path(config.run.out), config.run.overwrite)
+            checkpoint.clear_leftovers(Path(config.run.out))
         if not self.ranks.main:  # rank 0's loading and saving progress bars are enough
             from transformers.utils import logging as transformers_logging
 
@@ -141,16 +154,23 @@ class PPOTrainer:
             policy.to(device)
         self.policy, self.tokenizer = policy, tokenizer
         disable_dropout(policy)
+        check_causal(policy, config.model.model or "(the default model)")
         self.device = next(policy.parameters()).device
         task_prompts, task_reward = tasks.TASKS[config.data.task] if config.data.task in tasks.TASKS else (None, None)
-        if prompts is None:
-            prompts = tasks.load_prompts(config.data.prompts) if config.data.prompts else task_prompts(seed=config.run.seed)
-        self.prompts = prompts
+        if prompts is not None:
+            origins = [f"prompt {i}" for i in range(len(prompts))]
+        elif config.data.prompts:
+            prompts, origins = tasks.load_prompts(config.data.prompts)
+        else:
+            prompts = task_prompts(seed=config.run.seed)
+            origins = [f"task {config.data.task}, prompt {i}" for i in range(len(prompts))]
+        self.prompts, longest = self._fitting_prompts(prompts, origins)
+        self.fields = tasks.field_names(self.prompts)  # every row's reward call gets all of them
         if reward_fn is None and config.data.reward_model:
             reward_fn = RewardModel(config.data.reward_model, self.device)
         self.reward_fn = reward_fn or (tasks.load_reward(config.data.reward) if config.data.reward else task_reward)
         if self.reward_fn is None:
-            raise ValueError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
+            raise UsageError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
         self.reference = frozen_copy(policy) if config.algo.kl_coef > 0 else None
         self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
         self.critic = None
@@ -159,7 +179,6 @@ class PPOTrainer:
             critic = Critic.from_reward_model(config.data.reward_model, policy) if from_rm else Critic.from_policy(policy)
             self.critic = critic.to(self.device)
         r = config.rollout
-        longest = max(len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in prompts)
         self.sampler = Sampler(policy, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
                                max_seq_len=longest + r.max_new_tokens)
         o = config.optim
@@ -168,6 +187,35 @@ class PPOTrainer:
         self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_factor)
                           for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
         self.skipped_steps = 0
+        self.steps = 0  # optimizer steps attempted, skipped ones included
+
+    def _fitting_prompts(self, prompts: list, origins: list) -> tuple:
+        """``(prompts, longest)``: the prompts that fit the model's context with max_new_tokens, and
+        the longest one's token count. A prompt that does not fit is an error naming where it came
+        from, or with ``drop_long_prompts`` is dropped and counted."""
+        budget = self.config.rollout.max_new_tokens
+        context = context_length(self.policy)
+        kept, lengths = [], []
+        for row, origin in zip(prompts, origins):
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise UsageError(f"{origin}: a prompt row must be a dict with a non-empty string 'prompt'")
+            n = len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids)
+            if n == 0:
+                raise UsageError(f"{origin}: the prompt is no tokens at all")
+            if context is not None and n + budget > context:
+                if not self.config.data.drop_long_prompts:
+                    raise UsageError(f"{origin}: the prompt is {n} tokens, and with max_new_tokens={budget} that "
+                                     f"exceeds the model's context of {context} positions (--drop-long-prompts "
+                                     "drops such prompts)")
+                continue
+            kept.append(row)
+            lengths.append(n)
+        if len(kept) < len(prompts):
+            warnings.warn(f"dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than the model's "
+                          f"context of {context} positions less max_new_tokens={budget}")
+        if not kept:
+            raise UsageError(f"no prompt fits the model's context of {context} positions with max_new_tokens={budget}")
+        return kept, max(lengths)
 
     # one iteration ---------------------------------------------------------------------------
 
@@ -185,7 +233,7 @@ class PPOTrainer:
         completions = [tok.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
                                   skip_special_tokens=True) for i in range(len(rollout.prompt_ids))]
         prompts = [row["prompt"] for row in rows for _ in range(n)]
-        fields = {k: [row.get(k) for row in rows for _ in range(n)] for k in rows[0] if k != "prompt"}
+        fields = {k: [row.get(k) for row in rows for _ in range(n)] for k in self.fields}
         scores = torch.tensor(tasks.score(self.reward_fn, prompts, completions, fields), device=self.device)
         no_stop = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
         return rollout, scores + self.config.rollout.no_stop_penalty * no_stop, scores, no_stop
@@ -281,8 +329,11 @@ class PPOTrainer:
     def _step(self) -> None:
         params = [p for opt in self._optimizers() for group in opt.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
+        self.steps += 1
         if not torch.isfinite(norm):
             self.skipped_steps += 1  # a non-finite gradient would poison the weights: skip the step
+            warnings.warn(f"optimizer step {self.steps} skipped: the gradient is not finite "
+                          f"({self.skipped_steps} skipped so far)")
             return
         for opt in self._optimizers():
             opt.step()
@@ -314,7 +365,8 @@ class PPOTrainer:
             "score_mean": float(scores.mean()), "response_length": float(mask.sum(1).float().mean()),
             "stop_rate": float(1 - no_stop.float().mean()),
             "logprob_mismatch": float(((sampler_logprobs - batch.old_logprobs).abs() * mask).sum() / max(tokens, 1)),
-            **stats, "skipped_steps": self.skipped_steps, "time_rollout": rolled - start,
+            **stats, "skipped_steps": self.skipped_steps, "lr": self.optimizer.param_groups[0]["lr"],
+            "time_rollout": rolled - start,
             "time_forward": prepared - rolled, "time_update": done - prepared,
             "tokens_per_s": tokens * self.ranks.world / (done - start),
         })
@@ -330,11 +382,10 @@ class PPOTrainer:
         out, main = Path(self.config.run.out), self.ranks.main
         if main:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(self.config.flat(), indent=1))
-            metrics_path = out / "metrics.jsonl"
+            checkpoint.write_text_atomically(out / "config.json", json.dumps(self.config.flat(), indent=1))
             if start:  # drop rows past the checkpoint, from a run that went on after it
-                kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start]
-                metrics_path.write_text("".join(line + "\n" for line in kept))
+                kept = checkpoint.metrics_before(out / "metrics.jsonl", start)
+                checkpoint.write_text_atomically(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
         history, stop = [], []
         board = _tensorboard(out) if main else None
         log = open(out / "metrics.jsonl", "a") if main else contextlib.nullcontext()
@@ -362,6 +413,9 @@ class PPOTrainer:
                                               f"resume with: fastppo train --resume {out}")
         if board is not None:
             board.close()
+        if self.steps and self.skipped_steps == self.steps:
+            raise TrainingFailed(f"all {self.steps} optimizer steps were skipped for non-finite gradients: the policy "
+                                 "never changed (look at the rewards, the learning rate and the loss coefficients)")
         if main and self.config.run.save:
             self.save(out)  # each part atomically
         if main and plot.available():
@@ -371,10 +425,10 @@ class PPOTrainer:
 
     def checkpoint(self, out: Path, done: int) -> None:
         """``out/checkpoint-{done}`` from rank 0, with every rank's random states."""
-        rng = self.ranks.gather(self._rng_state())
+        rng = self.ranks.gather(checkpoint.rng_state(self))
         if self.ranks.main:
-            save_atomically(out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng))
-            prune_checkpoints(out, self.config.run.keep_checkpoints)
+            checkpoint.save_atomically(out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng))
+            checkpoint.prune_checkpoints(out, self.config.run.keep_checkpoints)
         self.ranks.barrier()
 
     def save(self, out: Path) -> None:
@@ -384,92 +438,25 @@ class PPOTrainer:
             self.policy.save_pretrained(directory)
             self.tokenizer.save_pretrained(directory)
 
-        save_atomically(Path(out) / "policy", policy)
+        checkpoint.save_atomically(Path(out) / "policy", policy)
         if self.critic is not None:
-            save_atomically(Path(out) / "critic", self.critic.save_pretrained)
+            checkpoint.save_atomically(Path(out) / "critic", self.critic.save_pretrained)
 
-    # checkpoints and resume ------------------------------------------------------------------
-
-    def _rng_state(self) -> dict:
-        """The trainer's prompt order, and the global generators a reward function may draw from."""
-        cuda = self.device.type == "cuda"
-        return {"python": self.rng.getstate(), "python_global": random.getstate(), "numpy": numpy.random.get_state(),
-                "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(self.device) if cuda else None}
+    # checkpoints and resume (the details: checkpoint.py) ---------------------------------------
 
     def save_checkpoint(self, directory: Path, next_iteration: int, rng: list = None) -> None:
-        """Models plus everything the next iteration depends on, so a resumed run is the same run.
-        ``rng`` holds every rank's random states (default: this process's)."""
-        self.save(directory)
-        torch.save({
-            "iteration": next_iteration, "optimizer": self.optimizer.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic_optimizer else None,
-            "schedules": [s.state_dict() for s in self.schedules], "kl_coef": self.kl.coef,
-            "skipped_steps": self.skipped_steps, "rng": rng or [self._rng_state()],
-        }, Path(directory) / STATE_FILE)
+        """Models and every state the next iteration depends on, into ``directory``."""
+        checkpoint.save_state(self, directory, next_iteration, rng)
 
     def load_checkpoint(self, directory: Path) -> int:
-        """Load a checkpoint written by :meth:`save_checkpoint`; return the iteration to continue at."""
-        from transformers import AutoModelForCausalLM
-
-        state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
-        saved = AutoModelForCausalLM.from_pretrained(Path(directory) / "policy")
-        self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer and sampler keep their tensors
-        if self.critic is not None:
-            self.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for schedule, schedule_state in zip(self.schedules, state["schedules"]):
-            schedule.load_state_dict(schedule_state)
-        self.kl.coef, self.skipped_steps = state["kl_coef"], state["skipped_steps"]
-        if len(state["rng"]) != self.ranks.world:
-            raise WorldSizeMismatch(f"{directory} was written by {len(state['rng'])} rank(s); resume with as many, "
-                             f"not {self.ranks.world}")
-        rng = state["rng"][self.ranks.rank]
-        self.rng.setstate(rng["python"])
-        random.setstate(rng["python_global"])
-        numpy.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        return state["iteration"]
+        """Load what :meth:`save_checkpoint` wrote; return the iteration to continue at."""
+        return checkpoint.load_state(self, directory)
 
     @classmethod
     def resume(cls, run_dir, overrides: dict = None) -> tuple:
-        """``(trainer, next iteration)`` from the newest complete checkpoint of ``run_dir``.
-
-        The saved config is used; ``overrides`` may change only :data:`RESUMABLE` fields. A
-        checkpoint that does not load (a missing or truncated file) is skipped with a warning.
-        """
-        run_dir = Path(run_dir)
-        config_path = run_dir / "config.json"
-        if not config_path.is_file():
-            raise ValueError(f"--resume {run_dir}: no config.json, not a fastppo run directory")
-        saved = json.loads(config_path.read_text())
-        overrides = {k: v for k, v in (overrides or {}).items() if k != "resume"}
-        changed = sorted(k for k, v in overrides.items() if saved.get(k) != v and k not in RESUMABLE)
-        if changed:
-            raise ValueError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
-                             f"only {', '.join(sorted(RESUMABLE))} may change")
-        trainer = cls(TrainConfig.from_flat({**saved, **overrides}).validate())
-        checkpoints = sorted((int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*")
-                             if p.is_dir() and p.name.split("-")[1].isdigit())
-        for _, path in reversed(checkpoints):
-            try:
-                return trainer, trainer.load_checkpoint(path)
-            except WorldSizeMismatch:
-                raise
-            except Exception as error:  # never load a partial checkpoint silently: fall back to an older one
-                warnings.warn(f"skipping {path}: it does not load ({type(error).__name__}: {error})")
-        raise ValueError(f"--resume {run_dir}: no complete checkpoint to resume from")
-
-
-STATE_FILE = "trainer_state.pt"
-# Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
-RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
-
-
-class WorldSizeMismatch(ValueError):
-    """A checkpoint written by another number of ranks: refused, not skipped."""
+        """``(trainer, next iteration)`` from the newest verified checkpoint of ``run_dir``; see
+        :func:`fastppo.trainer.checkpoint.resume`."""
+        return checkpoint.resume(cls, run_dir, overrides)
 
 
 class TrainingInterrupted(SystemExit):

@@ -131,10 +131,10 @@ def test_bad_prompts_file_names_the_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "ab"}\nnot json\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: not JSON"):
-        PPOTrainer(config(tmp_path, prompts=str(path)))
+        PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
     path.write_text('{"prompt": "ab"}\n{"question": "cd"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: each line must be a JSON object with a string 'prompt'"):
-        PPOTrainer(config(tmp_path, prompts=str(path)))
+        PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
 
 
 def test_user_prompts_and_reward_fields(tmp_path):
