@@ -340,6 +340,7 @@ class PPOTrainer:
 
     def iteration(self, iteration: int) -> dict:
         start = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]  # this iteration's, before the schedule moves on
         rollout, scores, raw_scores, no_stop = self.rollout(iteration)
         rolled = time.perf_counter()
         batch = self.prepare(rollout, scores)
@@ -365,7 +366,7 @@ class PPOTrainer:
             "score_mean": float(scores.mean()), "response_length": float(mask.sum(1).float().mean()),
             "stop_rate": float(1 - no_stop.float().mean()),
             "logprob_mismatch": float(((sampler_logprobs - batch.old_logprobs).abs() * mask).sum() / max(tokens, 1)),
-            **stats, "skipped_steps": self.skipped_steps, "lr": self.optimizer.param_groups[0]["lr"],
+            **stats, "skipped_steps": self.skipped_steps, "lr": lr,
             "time_rollout": rolled - start,
             "time_forward": prepared - rolled, "time_update": done - prepared,
             "tokens_per_s": tokens * self.ranks.world / (done - start),

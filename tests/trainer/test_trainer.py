@@ -271,7 +271,8 @@ def test_non_finite_gradients_skip_the_step(tmp_path):
     head = trainer.policy.get_output_embeddings().weight
     before = head.detach().clone()
     hook = head.register_hook(lambda grad: grad * float("nan"))
-    metrics = trainer.iteration(0)
+    with pytest.warns(UserWarning, match="optimizer step 1 skipped: the gradient is not finite"):
+        metrics = trainer.iteration(0)
     hook.remove()
     assert metrics["skipped_steps"] == 1 and torch.equal(head.detach(), before)
 
@@ -313,19 +314,35 @@ def untimed(rows):
 
 @pytest.mark.parametrize("estimator,kl_coef", [("grpo", 0.05), ("gae", 0.02)])
 def test_resume_is_exact(tmp_path, estimator, kl_coef):
-    """2 iterations + resume + 2 iterations == 4 iterations straight: the same metrics, bitwise weights."""
-    # the run's own model: a resumed trainer rebuilds its reference from the config, as a run does
+    """A 4-iteration run killed after its checkpoint at 2 and resumed == 4 iterations straight: the
+    same metrics, the same learning rates, bitwise weights."""
+    # the run's own model: a resumed trainer rebuilds its reference from the config, as a run does;
+    # a warm-up and a cosine schedule, so a schedule restarted on resume would show
     fields = dict(estimator=estimator, kl_coef=kl_coef, kl_target=0.01, minibatches=2, ppo_epochs=2,
-                  prompts_per_iteration=4, samples_per_prompt=4)
-    straight = PPOTrainer(config(tmp_path / "a", iterations=4, **fields))
+                  prompts_per_iteration=4, samples_per_prompt=4, lr_schedule="cosine", warmup_iterations=1,
+                  iterations=4, save_every=2)
+    straight = PPOTrainer(config(tmp_path / "a", **fields))
     straight.train()
-    PPOTrainer(config(tmp_path / "b", iterations=2, **fields)).train()
-    resumed, start = PPOTrainer.resume(tmp_path / "b" / "run", {"iterations": 4})
+    killed = PPOTrainer(config(tmp_path / "b", **fields))
+    run_iteration = killed.iteration
+
+    def killed_at_2(i):
+        if i == 2:
+            raise KeyboardInterrupt  # the process dies mid-iteration, after checkpoint-2
+        return run_iteration(i)
+
+    killed.iteration = killed_at_2
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed, start = PPOTrainer.resume(tmp_path / "b" / "run")
     assert start == 2
     resumed.train(start)
     rows = [[json.loads(line) for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
             for d in ("a", "b")]
     assert untimed(rows[0]) == untimed(rows[1])
+    lr = straight.config.optim.lr
+    assert [row["lr"] for row in rows[1]] == pytest.approx([lr * straight._lr_factor(i) for i in range(4)])
+    assert len({row["lr"] for row in rows[1]}) == 3  # 1, 0.75 and 0.25 of lr: the resumed half is not a restart
     for a, b in zip(straight.policy.state_dict().values(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b)
 

@@ -1,0 +1,109 @@
+"""The trainer's orchestration pinned against fastppo's ops called directly.
+
+Both ranks of a two-rank test run the same code, and an end-to-end run still learns with many
+plausible slips (a flipped KL sign, the wrong temperature, unwhitened advantages), so each
+tensor the trainer builds from a rollout, and the loss it minimises, is recomputed here from its
+definition and compared.
+"""
+
+import pytest
+import torch
+
+import fastppo
+from fastppo.trainer.ppo import response_hidden
+from tests.trainer.test_trainer import untrained
+
+TEMPERATURE = 0.7
+
+
+def drifted(tmp_path, **fields):
+    """A trainer whose policy has moved away from its reference, so the KL between them is not 0."""
+    trainer = untrained(tmp_path, temperature=TEMPERATURE, save=False, **fields)
+    with torch.no_grad():
+        for p in trainer.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return trainer
+
+
+def direct_logprobs(model, batch, temperature):
+    """The response tokens' log-probs under ``model`` at ``temperature``, from the op itself."""
+    hidden = response_hidden(model, batch)
+    head = model.get_output_embeddings()
+    labels = batch.response_ids.masked_fill(~batch.mask, -100)
+    return fastppo.linear_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature)
+
+
+def rolled_out(trainer):
+    rollout, scores, _, _ = trainer.rollout(0)
+    return scores, trainer.prepare(rollout, scores)
+
+
+@torch.no_grad()
+def test_gae_batch_is_whitened_gae_over_kl_shaped_rewards(tmp_path):
+    trainer = drifted(tmp_path, estimator="gae", kl_coef=0.2, gamma=0.97, lam=0.9)
+    scores, batch = rolled_out(trainer)
+    mask = batch.mask
+    old = direct_logprobs(trainer.policy, batch, TEMPERATURE)
+    ref = direct_logprobs(trainer.reference, batch, TEMPERATURE)
+    torch.testing.assert_close(batch.old_logprobs, old)
+    torch.testing.assert_close(batch.ref_logprobs, ref)  # at the rollout temperature ...
+    at_one = direct_logprobs(trainer.reference, batch, 1.0)
+    assert (batch.ref_logprobs - at_one).abs().max() > 1e-2  # ... which the test can tell from 1
+    values = trainer.critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float() * mask
+    torch.testing.assert_close(batch.values, values)
+
+    # the penalty is -kl_coef * (logp - ref_logp) per token, the score added at the last token
+    kl = (old - ref) * mask
+    assert kl.abs().sum() > 0.1
+    rewards = -0.2 * kl
+    last = mask.sum(1) - 1
+    rewards[torch.arange(len(scores)), last] += scores
+    torch.testing.assert_close(fastppo.token_rewards(scores, old, ref, mask, kl_coef=0.2), rewards)
+    advantages, returns = fastppo.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    torch.testing.assert_close(batch.returns, returns)
+    valid = advantages[mask]
+    whitened = (advantages - valid.mean()) / valid.std()
+    torch.testing.assert_close(batch.advantages, torch.where(mask, whitened, 0.0), rtol=1e-4, atol=1e-5)
+    assert abs(float(batch.advantages[mask].std()) - 1) < 1e-3
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+@torch.no_grad()
+def test_critic_free_advantages_are_the_group_estimators(tmp_path, estimator):
+    trainer = drifted(tmp_path, estimator=estimator, kl_coef=0.1)
+    scores, batch = rolled_out(trainer)
+    group = fastppo.group_advantages(scores, trainer.config.rollout.samples_per_prompt, estimator=estimator)
+    expected = group[:, None].expand_as(batch.mask) * batch.mask
+    if estimator == "reinforce_baseline":
+        expected = fastppo.masked_whiten(expected, batch.mask)
+    torch.testing.assert_close(batch.advantages, expected)
+    torch.testing.assert_close(batch.ref_logprobs, direct_logprobs(trainer.reference, batch, TEMPERATURE))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path, estimator):
+    fields = dict(estimator=estimator, kl_coef=0.1, clip_eps=0.15, entropy_coef=0.02, kl_estimator="k2",
+                  vf_coef=0.3, vf_clip=0.1)
+    trainer = drifted(tmp_path, **fields)
+    _, batch = rolled_out(trainer)
+    batch.old_logprobs = batch.old_logprobs + 0.1 * torch.randn_like(batch.old_logprobs) * batch.mask  # ratios != 1
+    tokens = batch.mask.sum()
+    loss, stats = trainer._loss(batch, estimator != "gae", tokens)
+
+    hidden = response_hidden(trainer.policy, batch)
+    head = trainer.policy.get_output_embeddings()
+    kl_in_loss = estimator != "gae"  # with a critic the KL is in the reward instead
+    expected, expected_stats = fastppo.ppo_loss_from_logits(
+        hidden @ head.weight.T, batch.response_ids, batch.old_logprobs, batch.advantages, batch.mask,
+        temperature=TEMPERATURE, clip_eps=0.15, entropy_coef=0.02, kl_estimator="k2",
+        ref_logprobs=batch.ref_logprobs if kl_in_loss else None, kl_coef=0.1 if kl_in_loss else 0.0,
+        num_tokens=int(tokens))
+    assert expected_stats["clipfrac"] > 0
+    if estimator == "gae":
+        values = trainer.critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float()
+        vf, _ = fastppo.value_loss(values, batch.values, batch.returns, batch.mask, clip_eps=0.1,
+                                   num_tokens=int(tokens))
+        expected = expected + 0.3 * vf
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for name in ("pg_loss", "clipfrac", "entropy"):
+        torch.testing.assert_close(stats[name], expected_stats[name], rtol=1e-5, atol=1e-6)
