@@ -4,7 +4,6 @@ These are a handful of reductions each, memory-light and already one or two kern
 so they are plain PyTorch (no Triton) and never synchronise with the device.
 """
 
-import math
 from typing import Optional
 
 import torch
@@ -30,6 +29,7 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     checks.check_tensor(x, "x")
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    eps = checks.check_number(eps, "eps", minimum=0.0)
     valid, invalid = checks.check_mask(mask, x, "x")
     x = checks.poison(x.detach(), invalid)
     xs = torch.where(valid, x.double(), 0.0)
@@ -74,6 +74,7 @@ def group_advantages(scores: Tensor, group_size: int, *, estimator: str = "grpo"
         raise ValueError(f"scores has {scores.numel()} entries, not a multiple of group_size={group_size}")
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"estimator must be one of {GROUP_ESTIMATORS}, got {estimator!r}")
+    eps = checks.check_number(eps, "eps", minimum=0.0)
     if estimator == "rloo" and group_size < 2:
         raise ValueError("estimator='rloo' needs group_size >= 2: a sample has no others to compare with")
 
@@ -109,8 +110,7 @@ def token_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: 
         raise ValueError(f"scores must have shape ({logprobs.shape[0]},), got {tuple(scores.shape)}")
     valid, invalid = checks.check_mask(mask, logprobs, "logprobs")
     checks.check_same_device(logprobs.device, "logprobs", scores=scores, ref_logprobs=ref_logprobs)
-    if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not math.isfinite(kl_coef):
-        raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
+    kl_coef = checks.check_number(kl_coef, "kl_coef")
     # masked positions may hold NaN: select them away before the KL, whose gradient would be NaN
     logprobs, ref_logprobs = (checks.poison(torch.where(valid, x, 0.0), invalid) for x in (logprobs, ref_logprobs))
     rewards = torch.where(valid, -kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator), 0.0)

@@ -108,6 +108,17 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
     return None, 1.0 / float(temperature)
 
 
+def check_number(x, name: str, *, minimum=None, above=None) -> float:
+    """``x`` as a float: a finite Python number (not a bool), ``>= minimum`` and ``> above`` if given."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x!r}")
+    if above is not None and x <= above:
+        raise ValueError(f"{name} must be > {above}, got {x!r}")
+    return float(x)
+
+
 def check_ignore_index(ignore_index) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")

@@ -9,7 +9,6 @@ Gradients flow to ``logprobs`` and ``entropy``; ``old_logprobs``, ``advantages``
 ``ref_logprobs`` are constants of the update, as in PPO.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -112,16 +111,6 @@ def _check_token_tensor(x, name: str, like: Tensor, like_name: str) -> None:
     checks.check_same_device(like.device, like_name, **{name: x})
 
 
-def _check_number(x, name: str, *, minimum: Optional[float] = None, above: Optional[float] = None) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise ValueError(f"{name} must be a finite number, got {x!r}")
-    if minimum is not None and x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x!r}")
-    if above is not None and x <= above:
-        raise ValueError(f"{name} must be > {above}, got {x!r}")
-    return float(x)
-
-
 def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
               ref_logprobs: Optional[Tensor], has_entropy: bool, clip_eps: float, clip_eps_high: Optional[float],
               dual_clip: Optional[float], kl_coef: float, kl_estimator: str, entropy_coef: float, agg: str,
@@ -131,11 +120,11 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
         if x is not None:
             _check_token_tensor(x, name, like, like_name)
     valid, invalid = checks.check_mask(mask, like, like_name)
-    clip_low = _check_number(clip_eps, "clip_eps", minimum=0.0)
-    clip_high = clip_low if clip_eps_high is None else _check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
-    dual = 0.0 if dual_clip is None else _check_number(dual_clip, "dual_clip", above=1.0)
-    kl_coef = _check_number(kl_coef, "kl_coef")
-    entropy_coef = _check_number(entropy_coef, "entropy_coef")
+    clip_low = checks.check_number(clip_eps, "clip_eps", minimum=0.0)
+    clip_high = clip_low if clip_eps_high is None else checks.check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
+    dual = 0.0 if dual_clip is None else checks.check_number(dual_clip, "dual_clip", above=1.0)
+    kl_coef = checks.check_number(kl_coef, "kl_coef")
+    entropy_coef = checks.check_number(entropy_coef, "entropy_coef")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if kl_coef != 0 and ref_logprobs is None:

@@ -171,23 +171,28 @@ def claim_run_directory(out: Path, overwrite: bool) -> None:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
+def read_metrics(path: Path) -> list:
+    """``[(line, row)]`` of a ``metrics.jsonl``, dropping (with a warning naming it) any line that is
+    not a complete JSON row, such as the last one of a run killed mid-write."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("iteration"), int):
+                raise ValueError
+        except ValueError:
+            warnings.warn(f"{path}:{number}: dropping a line that is not a complete metrics row")
+            continue
+        rows.append((line, row))
+    return rows
+
+
 def metrics_before(path: Path, start: int) -> list:
-    """The lines of ``metrics.jsonl`` for iterations before ``start``, dropping (with a warning) any
-    line that is not a complete JSON row, such as the last one of a run killed mid-write."""
+    """The lines of ``metrics.jsonl`` for iterations before ``start`` (see :func:`read_metrics`)."""
     if not path.is_file():
         warnings.warn(f"{path} is missing; the resumed run logs from iteration {start} only")
         return []
-    kept = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-        try:
-            row = json.loads(line)
-            iteration = row["iteration"]
-        except (json.JSONDecodeError, TypeError, KeyError):
-            warnings.warn(f"{path}:{number}: dropping a line that is not a complete metrics row")
-            continue
-        if iteration < start:
-            kept.append(line)
-    return kept
+    return [line for line, row in read_metrics(path) if row["iteration"] < start]
 
 
 # trainer state ----------------------------------------------------------------------------------

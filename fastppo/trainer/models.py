@@ -48,17 +48,24 @@ def load_policy(path):
 
     if not (Path(path) / "config.json").is_file():
         raise UsageError(f"--model {path!r} is not a Hugging Face model directory (no config.json)")
+    return load_complete(AutoModelForCausalLM, path, "--model", "a causal LM"), AutoTokenizer.from_pretrained(path)
+
+
+def load_complete(auto_class, path, option: str, kind: str):
+    """``auto_class.from_pretrained(path)``, refusing a checkpoint that lacks some of the model's
+    weights: transformers would start them random (an LM head on a sequence classifier, a score
+    head on a causal LM) and the run would look healthy while it trains noise."""
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
-    except ValueError as error:  # transformers' word for "no causal LM class for this config"
-        raise UsageError(f"--model {path}: not a causal LM transformers can load ({error})") from None
+        model, info = auto_class.from_pretrained(path, output_loading_info=True)
+    except ValueError as error:  # transformers' word for "no such model class for this config"
+        raise UsageError(f"{option} {path}: not {kind} transformers can load ({error})") from None
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         kinds = ", ".join(getattr(model.config, "architectures", None) or ["?"])
-        raise UsageError(f"--model {path} has no weights for {', '.join(missing[:3])}"
+        raise UsageError(f"{option} {path} has no weights for {', '.join(missing[:3])}"
                          f"{' and more' if len(missing) > 3 else ''}, which would start random: it holds a "
-                         f"{kinds} checkpoint, not a causal LM")
-    return model, AutoTokenizer.from_pretrained(path)
+                         f"{kinds} checkpoint, not {kind}")
+    return model
 
 
 @torch.no_grad()
@@ -118,7 +125,7 @@ class Critic(nn.Module):
         """A reward model's backbone and its scoring row as the head (it must share the policy's vocabulary)."""
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(path)
+        model = load_complete(AutoModelForSequenceClassification, path, "--reward-model", "a sequence classifier")
         if model.config.vocab_size != policy.config.vocab_size:
             raise UsageError(f"critic_init=reward_model needs the policy's vocabulary: the reward model has "
                              f"{model.config.vocab_size} tokens, the policy {policy.config.vocab_size}")
@@ -164,7 +171,8 @@ class RewardModel:
 
         if not (Path(path) / "config.json").is_file():
             raise UsageError(f"--reward-model {path!r} is not a Hugging Face model directory (no config.json)")
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        self.model = load_complete(AutoModelForSequenceClassification, path, "--reward-model",
+                                   "a sequence classifier").to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -6,7 +6,7 @@ Uses matplotlib when it is installed (``pip install 'fastppo[plot]'``); the trai
 
 import argparse
 import importlib.util
-import json
+import sys
 from pathlib import Path
 
 PANELS = (("reward_mean", "mean reward"), ("entropy", "entropy"), ("response_length", "response length"))
@@ -26,7 +26,12 @@ def plot_run(run_dir: Path, out: Path = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    from .checkpoint import read_metrics
+
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a fastppo run directory")
+    rows = [row for _, row in read_metrics(metrics)]
     panels = PANELS + tuple(p for p in LAST_PANEL if rows and p[0] in rows[-1])[:1]
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for axis, (key, title) in zip(axes, panels):
@@ -45,5 +50,9 @@ def main(argv=None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/plot.png)")
     args = parser.parse_args(argv)
-    print(plot_run(args.run_dir, args.out))
+    try:
+        print(plot_run(args.run_dir, args.out))
+    except (ImportError, FileNotFoundError) as error:  # what the user can fix: one line, as argparse does
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
     return 0

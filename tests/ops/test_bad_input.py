@@ -106,3 +106,13 @@ def test_missing_or_wrong_kind_of_tensors_in_the_advantage_ops():
         fastppo.kl_penalty(x, torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="mask must be bool or hold 0/1 numbers"):
         fastppo.gae(x, x, torch.ones(2, 3, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: fastppo.masked_whiten(torch.randn(4), torch.ones(4, dtype=torch.bool), eps=float("nan")),
+    lambda: fastppo.group_advantages(torch.randn(4), 2, eps=-1.0),
+    lambda: fastppo.group_advantages(torch.randn(4), 2, eps=True),
+])
+def test_advantage_epsilons_are_finite_and_not_negative(call):
+    with pytest.raises(ValueError, match="eps must be"):
+        call()

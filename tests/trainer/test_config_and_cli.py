@@ -177,3 +177,25 @@ def test_models_that_are_no_causal_lm_are_refused(tmp_path):
         PPOTrainer(config(tmp_path, model=str(tmp_path / "bert")))
     with pytest.raises(UsageError, match=r"has no weights for lm_head.weight.*LlamaForSequenceClassification"):
         PPOTrainer(config(tmp_path, model=str(tmp_path / "classifier")))
+
+
+def test_a_reward_model_without_its_score_head_is_refused(tmp_path):
+    """A causal LM given as --reward-model would score with a random head."""
+    from fastppo.trainer.models import char_tokenizer, tiny_policy
+
+    tokenizer = char_tokenizer()
+    tiny_policy(tokenizer, seed=0).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    with pytest.raises(UsageError, match=r"--reward-model .*lm has no weights for score.weight.*LlamaForCausalLM"):
+        untrained(tmp_path, reward_model=str(tmp_path / "lm"))
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert fastppo_main(["plot", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == f"fastppo plot: error: {tmp_path / 'nothing'} has no metrics.jsonl: not a fastppo run directory\n"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 0, "reward_mean": 0.5, "entropy": 1, "response_length": 3}\n{"iter')
+    with pytest.warns(UserWarning, match="metrics.jsonl:2: dropping a line"):
+        assert fastppo_main(["plot", str(run)]) == 0
