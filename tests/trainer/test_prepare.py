@@ -107,3 +107,20 @@ def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for name in ("pg_loss", "clipfrac", "entropy"):
         torch.testing.assert_close(stats[name], expected_stats[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_adaptive_kl_coefficient_follows_the_logged_rollout_kl(tmp_path):
+    """coef <- coef * (1 + clip(kl / target - 1, +-0.2) * rows / horizon), fed the rollout's token-mean k1."""
+    trainer = drifted(tmp_path, kl_coef=0.1, kl_target=0.05, kl_horizon=64, iterations=3)
+    history = [trainer.iteration(i) for i in range(3)]
+    rows = trainer.config.rollout.prompts_per_iteration * trainer.config.rollout.samples_per_prompt
+    for before, after in zip(history, history[1:]):
+        error = min(max(before["rollout_kl"] / 0.05 - 1, -0.2), 0.2)
+        assert after["kl_coef"] == pytest.approx(before["kl_coef"] * (1 + error * rows / 64))
+    assert history[0]["rollout_kl"] > 0.05  # the policy drifted: the coefficient had to move
+    prepared, prepare = [], trainer.prepare
+    trainer.prepare = lambda rollout, scores: prepared.append(prepare(rollout, scores)) or prepared[-1]
+    metrics = trainer.iteration(3)
+    (batch,) = prepared
+    expected = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum() / batch.mask.sum()
+    assert metrics["rollout_kl"] == pytest.approx(float(expected), rel=1e-5)
