@@ -226,14 +226,17 @@ def _parse_bool(text: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--field-name`` option per config field, its help from the field's."""
+    """One ``--field-name`` option per config field, its help from the field's. A bool option alone
+    means true (``--overwrite``); it also takes a value (``--save false``)."""
     parser.add_argument("--config", type=Path, help="JSON or TOML file of config fields (flat keys)")
     for section in SECTIONS:
         group = parser.add_argument_group(section.__name__)
         for f in dataclasses.fields(section):
-            kind = {bool: _parse_bool, int: int, float: float}.get(_base_type(f)[0], str)
+            base = _base_type(f)[0]
+            kind = {bool: _parse_bool, int: int, float: float}.get(base, str)
+            flag = dict(nargs="?", const=True) if base is bool else {}
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=argparse.SUPPRESS,
-                               help=f"{f.metadata['help']} (default: {f.default})")
+                               help=f"{f.metadata['help']} (default: {f.default})", **flag)
 
 
 def read_config_file(path: Path) -> dict:

@@ -62,6 +62,17 @@ def test_a_cli_error_is_one_line_and_exit_2_and_debug_shows_the_traceback(tmp_pa
         fastppo_main(["train", "--lr", "inf", "--debug"])
 
 
+def test_a_bool_option_alone_means_true():
+    import argparse
+
+    from fastppo.trainer.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = vars(parser.parse_args(["--overwrite", "--save", "false", "--critic", "yes"]))
+    assert args["overwrite"] is True and args["save"] is False and args["critic"] is True
+
+
 def test_toml_is_read_with_tomli_where_tomllib_is_missing(tmp_path):
     """Python 3.10 has no tomllib: the config module falls back to tomli, the same parser."""
     pytest.importorskip("tomli")
