@@ -153,9 +153,10 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 
 # the run directory ------------------------------------------------------------------------------
 
-def claim_run_directory(out: Path, overwrite: bool) -> None:
-    """Make ``out`` ready for a new run: refuse it if it holds anything, or with ``overwrite`` clear
-    it, but only when it is a fastppo run directory (has a config.json)."""
+def check_run_directory(out: Path, overwrite: bool) -> None:
+    """Refuse ``out`` for a new run if it holds anything, unless ``overwrite`` and it is a fastppo
+    run directory (has a config.json): :func:`clear_run_directory` then empties it when the run
+    starts, so a run that fails to start deletes nothing."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
@@ -167,7 +168,11 @@ def claim_run_directory(out: Path, overwrite: bool) -> None:
     if not (out / "config.json").is_file():
         raise UsageError(f"--out {out} is not empty and not a fastppo run directory (no config.json); "
                          "--overwrite clears only run directories")
-    for path in out.iterdir():
+
+
+def clear_run_directory(out: Path) -> None:
+    """Empty the run directory ``out`` (checked by :func:`check_run_directory`)."""
+    for path in Path(out).iterdir():
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 

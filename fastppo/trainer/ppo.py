@@ -141,7 +141,7 @@ class PPOTrainer:
                              "prompts")
         if self.ranks.main:  # before any loading: a run that cannot write loses no time
             if not resuming:
-                checkpoint.claim_run_directory(Path(config.run.out), config.run.overwrite)
+                checkpoint.check_run_directory(Path(config.run.out), config.run.overwrite)
             checkpoint.clear_leftovers(Path(config.run.out))
         if not self.ranks.main:  # rank 0's loading and saving progress bars are enough
             from transformers.utils import logging as transformers_logging
@@ -382,6 +382,9 @@ class PPOTrainer:
 
         out, main = Path(self.config.run.out), self.ranks.main
         if main:
+            if start == 0 and self.config.run.overwrite and out.is_dir():
+                checkpoint.check_run_directory(out, overwrite=True)  # still a run directory, as at start-up
+                checkpoint.clear_run_directory(out)
             out.mkdir(parents=True, exist_ok=True)
             checkpoint.write_text_atomically(out / "config.json", json.dumps(self.config.flat(), indent=1))
             if start:  # drop rows past the checkpoint, from a run that went on after it

@@ -65,7 +65,9 @@ def test_a_new_run_refuses_a_non_empty_directory_unless_told_to_clear_it(finishe
     with pytest.raises(UsageError, match="is not empty; continue that run with --resume"):
         untrained(tmp_path, iterations=1)
     assert digest(finished_run) == before
-    untrained(tmp_path, iterations=1, overwrite=True).train()
+    fresh = untrained(tmp_path, iterations=1, overwrite=True)
+    assert digest(finished_run) == before  # cleared only once the new run starts
+    fresh.train()
     assert iterations(finished_run) == [0]
     assert sorted(p.name for p in finished_run.glob("checkpoint-*")) == ["checkpoint-1"]  # the old run's are gone
     (tmp_path / "notes").mkdir()
