@@ -26,9 +26,7 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     none, gives zeros, never NaN. Masked entries may hold anything; a NaN at a valid entry (or a
     mask value other than 0/1) makes every valid entry NaN. Returns fp32 of ``x``'s shape.
     """
-    checks.check_tensor(x, "x")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    checks.check_floating(x, "x")
     eps = checks.check_number(eps, "eps", minimum=0.0)
     valid, invalid = checks.check_mask(mask, x, "x")
     x = checks.poison(x.detach(), invalid)
@@ -101,9 +99,7 @@ def token_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: 
     stays NaN.
     """
     for name, x in (("scores", scores), ("logprobs", logprobs), ("ref_logprobs", ref_logprobs)):
-        checks.check_tensor(x, name)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        checks.check_floating(x, name)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must have shape (B, T), got {tuple(logprobs.shape)}")
     if scores.shape != logprobs.shape[:1]:

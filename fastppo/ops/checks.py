@@ -25,6 +25,13 @@ def check_tensor(x, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
+def check_floating(x, name: str) -> None:
+    """``x`` is a tensor of any floating dtype."""
+    check_tensor(x, name)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+
+
 def check_float(x, name: str, *, min_dim: int = 1) -> None:
     """``x`` is a fp32/bf16/fp16 tensor with at least ``min_dim`` dimensions."""
     check_tensor(x, name)
@@ -83,8 +90,7 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
     for per-sequence temperatures over ``(B, T)`` tokens); it is not differentiated through.
     """
     if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a floating tensor, got {temperature.dtype}")
+        check_floating(temperature, "temperature")
         check_same_device(device, "the inputs", temperature=temperature)
         try:
             shape = torch.broadcast_shapes(temperature.shape, lead)
@@ -140,12 +146,13 @@ def check_mask(mask, like: torch.Tensor, like_name: str, name: str = "mask") -> 
         return mask, None
     if mask.is_complex():
         raise TypeError(f"{name} must be bool or hold 0/1 numbers, got {mask.dtype}")
-    invalid = (mask != 0) & (mask != 1)
+    valid = mask != 0
+    invalid = valid & (mask != 1)
     if value_checks_enabled() and bool(invalid.any()):
         example = mask[invalid].flatten()[0].item()
         raise ValueError(f"{name} must hold only 0 and 1 (or be bool); it has {int(invalid.sum())} other "
                          f"value(s), e.g. {example}")
-    return mask != 0, invalid
+    return valid, invalid
 
 
 def poison(x: torch.Tensor, invalid) -> torch.Tensor:

@@ -60,9 +60,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, la
         flows through them.
     """
     for name, x in (("rewards", rewards), ("values", values)):
-        checks.check_tensor(x, name)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        checks.check_floating(x, name)
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape (B, T), got {tuple(x.shape)}")
     if values.shape != rewards.shape:

@@ -13,6 +13,8 @@ With ``d = logp - ref_logp`` (the log-ratio of the policy to the reference at th
 import torch
 from torch import Tensor
 
+from . import checks
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -20,11 +22,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     """Per-token KL estimate, fp32, the shape of ``logprobs``; differentiable w.r.t. both inputs."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    for name, x in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+    checks.check_floating(logprobs, "logprobs")
+    checks.check_floating(ref_logprobs, "ref_logprobs")
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)} but logprobs has "
                          f"{tuple(logprobs.shape)}")

@@ -80,13 +80,13 @@ class InputGrads:
         (padding), and 0 * NaN would spread NaN over the whole weight gradient: such rows are
         zeroed first.
         """
-        hidden = torch.where(used.unsqueeze(1), hidden, 0.0)  # (n, H)
         if self.bias_grad is not None:
             self.bias_grad += grad_logits.sum(0)
         grad_logits = grad_logits.to(weight.dtype)  # half on CUDA: the matmuls take it as cuBLAS wants
         if self.hidden_grad is not None:
             self.hidden_grad[r0:r1] = matmul_fp32(grad_logits, weight)  # (n, V) @ (V, H)
         if self.weight_grad is not None:
+            hidden = torch.where(used.unsqueeze(1), hidden, 0.0)  # (n, H)
             self.weight_grad += matmul_fp32(grad_logits.t(), hidden)  # (V, n) @ (n, H)
 
     def results(self) -> tuple:

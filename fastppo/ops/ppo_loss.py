@@ -103,9 +103,7 @@ class LossSpec:
 
 
 def _check_token_tensor(x, name: str, like: Tensor, like_name: str) -> None:
-    checks.check_tensor(x, name)
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+    checks.check_floating(x, name)
     if x.shape != like.shape:
         raise ValueError(f"{name} has shape {tuple(x.shape)} but {like_name} has {tuple(like.shape)}")
     checks.check_same_device(like.device, like_name, **{name: x})
@@ -173,9 +171,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     of lr**2 / 2), ``ratio_mean``, ``ratio_max``, plus ``kl`` (= agg(kl)) with a reference,
     ``entropy`` (= agg(entropy)) when given, ``dual_clipfrac`` with dual clipping.
     """
-    checks.check_tensor(logprobs, "logprobs")
-    if not logprobs.is_floating_point():
-        raise TypeError(f"logprobs must be a floating tensor, got {logprobs.dtype}")
+    checks.check_floating(logprobs, "logprobs")
     if entropy is not None:
         _check_token_tensor(entropy, "entropy", logprobs, "logprobs")
     spec = loss_spec(logprobs, "logprobs", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,

@@ -28,9 +28,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     ``value_mean`` (token mean of the values).
     """
     for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
-        checks.check_tensor(x, name)
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        checks.check_floating(x, name)
         if x.shape != values.shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but values has {tuple(values.shape)}")
     checks.check_same_device(values.device, "values", old_values=old_values, returns=returns)
