@@ -59,10 +59,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _manifest_entries(manifest: Path) -> dict:
+    """``{relative/path: sha256}`` of a manifest."""
+    entries = {}
+    for line in manifest.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        entries[name] = digest
+    return entries
+
+
 def write_manifest(directory: Path) -> None:
-    """``MANIFEST_FILE`` in ``directory``: ``sha256  relative/path`` for every file below it."""
+    """``MANIFEST_FILE`` in ``directory``: ``sha256  relative/path`` for every file below it.
+
+    A subdirectory saved atomically inside this save (a checkpoint's ``policy/``) has just written
+    its own manifest: its sums are taken from there, so no file is hashed twice.
+    """
+    known = {}
+    for inner in directory.rglob(MANIFEST_FILE):
+        prefix = inner.parent.relative_to(directory)
+        known.update({(prefix / name).as_posix(): digest for name, digest in _manifest_entries(inner).items()})
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-    lines = [f"{_sha256(p)}  {p.relative_to(directory).as_posix()}\n" for p in files]
+    names = [p.relative_to(directory).as_posix() for p in files]
+    lines = [f"{known.get(name) or _sha256(p)}  {name}\n" for p, name in zip(files, names)]
     (directory / MANIFEST_FILE).write_text("".join(lines))
 
 
@@ -71,8 +89,7 @@ def verify_manifest(directory: Path) -> None:
     manifest = Path(directory) / MANIFEST_FILE
     if not manifest.is_file():
         raise ValueError(f"no {MANIFEST_FILE}")
-    for line in manifest.read_text().splitlines():
-        expected, _, name = line.partition("  ")
+    for name, expected in _manifest_entries(manifest).items():
         path = Path(directory) / name
         if not path.is_file():
             raise ValueError(f"{name} is missing")
