@@ -13,6 +13,7 @@ from .ops import (
     ppo_loss_from_hidden,
     ppo_loss_from_logits,
     ppo_policy_loss,
+    rollout_is_weights,
     sample_tokens,
     token_logprobs,
     token_rewards,

@@ -105,8 +105,9 @@ def aggregate_oracle(x, mask, agg, num_tokens=None):
 
 def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.2, clip_eps_high=None,
                     dual_clip=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, agg="token-mean",
-                    num_tokens=None):
-    """float64 PPO policy loss and stats; differentiable w.r.t. ``logp`` and ``entropy``."""
+                    num_tokens=None, is_weights=None):
+    """float64 PPO policy loss and stats; differentiable w.r.t. ``logp`` and ``entropy``.
+    ``is_weights`` multiplies each token's policy-gradient term (rollout importance sampling)."""
     mask = mask != 0
 
     def clean(x):
@@ -126,6 +127,8 @@ def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.
         dual_on = (adv < 0) & (bound < pg)
         pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
         stats["dual_clipfrac"] = (dual_on & mask).sum() / count
+    if is_weights is not None:
+        pg = pg * clean(is_weights)
     loss = aggregate_oracle(pg, mask, agg, num_tokens)
     stats["pg_loss"] = loss.detach().clone()
     if ref is not None:

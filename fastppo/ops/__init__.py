@@ -6,6 +6,7 @@ from .gae import gae
 from .kl import kl_penalty
 from .linear_token_logprobs import linear_token_logprobs
 from .ppo_loss import ppo_policy_loss
+from .rollout_is_weights import rollout_is_weights
 from .sampling import sample_tokens
 from .token_logprobs import token_logprobs
 from .value_loss import value_loss
@@ -13,5 +14,5 @@ from .value_loss import value_loss
 __all__ = [
     "token_logprobs", "linear_token_logprobs",
     "ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "value_loss", "kl_penalty",
-    "gae", "masked_whiten", "group_advantages", "token_rewards", "sample_tokens",
+    "gae", "masked_whiten", "group_advantages", "token_rewards", "sample_tokens", "rollout_is_weights",
 ]
