@@ -229,7 +229,7 @@ def rng_state(trainer) -> dict:
 def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) -> None:
     """Models plus everything the next iteration depends on, so a resumed run is the same run.
     ``rng`` holds every rank's random states (default: this process's)."""
-    trainer.save(directory)
+    trainer.save(directory, masters=True)
     torch.save({
         "iteration": next_iteration, "optimizer": trainer.optimizer.state_dict(),
         "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer else None,
@@ -248,8 +248,11 @@ def load_state(trainer, directory: Path) -> int:
     if len(state["rng"]) != trainer.ranks.world:
         raise WorldSizeMismatch(f"{directory} was written by {len(state['rng'])} rank(s); resume with as many, "
                                 f"not {trainer.ranks.world}")
-    saved = AutoModelForCausalLM.from_pretrained(Path(directory) / "policy")
-    trainer.policy.load_state_dict(saved.state_dict())  # in place: the optimizer and sampler keep their tensors
+    # in place: the optimizer and sampler keep their tensors
+    if trainer.lora is not None:
+        trainer.lora.load_adapter(Path(directory) / "policy")
+    else:
+        trainer.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(Path(directory) / "policy").state_dict())
     if trainer.critic is not None:
         trainer.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
         trainer.critic_optimizer.load_state_dict(state["critic_optimizer"])

@@ -35,6 +35,21 @@ class ModelConfig:
     critic: Optional[bool] = _doc("train a value model (needed by estimator=gae); default: only for gae", None)
     critic_init: str = _doc("where the value model starts: policy (its backbone, a zero head) or "
                             "reward_model (the --reward-model's backbone and scoring row)", "policy")
+    gradient_checkpointing: bool = _doc("recompute each transformer block's activations in the backward "
+                                        "instead of keeping them (policy and critic): less memory, one more "
+                                        "forward", False)
+
+
+@dataclass
+class LoRAConfig:
+    lora_rank: Optional[int] = _doc("train LoRA adapters of this rank on the policy (through PEFT) instead of "
+                                    "all its weights; the reference is the base model; default: full training")
+    lora_alpha: Optional[float] = _doc("LoRA scaling numerator (the update is alpha / rank x B A); default: "
+                                       "2 x lora_rank")
+    lora_target_modules: Optional[str] = _doc("comma-separated names of the linear layers to adapt (q_proj,v_proj); "
+                                              "default: every attention and MLP projection")
+    merge_lora: bool = _doc("also save the policy with the adapter merged in, as a plain Hugging Face model in "
+                            "policy-merged/", False)
 
 
 @dataclass
@@ -59,6 +74,12 @@ class RolloutConfig:
     max_new_tokens: int = _doc("most tokens per response", 8)
     temperature: float = _doc("sampling temperature, also used when log-probs are recomputed", 1.0)
     no_stop_penalty: float = _doc("added to the score of a response that never produced the stop token", 0.0)
+    rollout_dtype: str = _doc("dtype of the weights the sampler decodes with, a copy refreshed before each "
+                              "rollout: auto (bfloat16 on CUDA, the fp32 masters themselves elsewhere), "
+                              "bfloat16, float16 or float32", "auto")
+    rollout_is_cap: Optional[float] = _doc("weight each token's policy-gradient term by min(pi_old / pi_sampler, "
+                                           "this cap), correcting for the sampler's other precision (truncated "
+                                           "importance sampling); must be > 1; default: off")
 
 
 @dataclass
@@ -79,12 +100,16 @@ class AlgoConfig:
     minibatches: int = _doc("minibatches per pass; must divide the rows of a rollout", 1)
     grad_accumulation: int = _doc("minibatches per optimizer step, normalised by their total token count; "
                                   "must divide minibatches", 1)
+    recompute_old_logprobs: bool = _doc("compute the old log-probs in a separate no-grad pass even when the "
+                                        "update is exactly on-policy (one epoch, one optimizer step per "
+                                        "rollout), where by default they are the update's own, detached", False)
 
 
 @dataclass
 class OptimConfig:
     lr: float = _doc("AdamW learning rate of the policy", 5e-4)
-    autocast: bool = _doc("bf16 autocast on CUDA (the CPU always runs fp32)", True)
+    autocast: Optional[bool] = _doc("forward and backward under bf16 autocast, the weights and optimizer "
+                                    "state staying fp32; default: on CUDA only", None)
     critic_lr: float = _doc("AdamW learning rate of the critic", 1e-3)
     warmup_iterations: int = _doc("linear learning-rate warm-up", 0)
     lr_schedule: str = _doc("after the warm-up: constant or cosine (to 0 at the last iteration)", "constant")
@@ -98,13 +123,15 @@ class RunConfig:
     device: str = _doc("where to train: auto (CUDA when available), cuda, cuda:N or cpu", "auto")
     out: str = _doc("run directory (metrics.jsonl, config.json, the final model)", "runs/fastppo")
     save: bool = _doc("save the policy (and critic) in Hugging Face format at the end", True)
+    save_dtype: str = _doc("dtype of the saved policy: auto (the checkpoint's own), bfloat16, float16 or "
+                           "float32; checkpoints for --resume always keep the fp32 masters", "auto")
     save_every: int = _doc("also save every this many iterations (0: only at the end)", 0)
     keep_checkpoints: int = _doc("numbered checkpoints to keep, newest first (0: all)", 2)
     overwrite: bool = _doc("start afresh in a non-empty run directory, deleting what it holds (only a "
                            "fastppo run directory); without it such a directory is refused", False)
 
 
-SECTIONS = (ModelConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
+SECTIONS = (ModelConfig, LoRAConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline")
 # Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
 RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
@@ -134,6 +161,7 @@ def _typed(f: dataclasses.Field, value, source: str):
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -144,7 +172,7 @@ class TrainConfig:
         return {f.name: getattr(section, f.name) for section in self._sections() for f in dataclasses.fields(section)}
 
     def _sections(self):
-        return (self.model, self.data, self.rollout, self.algo, self.optim, self.run)
+        return (self.model, self.lora, self.data, self.rollout, self.algo, self.optim, self.run)
 
     @classmethod
     def from_flat(cls, values, source: str = "") -> "TrainConfig":
@@ -168,10 +196,21 @@ class TrainConfig:
     def uses_critic(self) -> bool:
         return self.model.critic if self.model.critic is not None else self.algo.estimator == "gae"
 
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether the old log-probs are the update's own (detached): true when the update is exactly
+        on-policy (one epoch, one optimizer step per rollout, so the policy the update sees is the
+        one that sampled) and nothing needs them before it (GAE's KL-shaped rewards do)."""
+        a = self.algo
+        return (not a.recompute_old_logprobs and a.ppo_epochs == 1 and a.minibatches == a.grad_accumulation
+                and not (a.estimator == "gae" and a.kl_coef > 0))
+
     def validate(self) -> "TrainConfig":
         from .tasks import TASKS
 
-        r, a, o, run, d = self.rollout, self.algo, self.optim, self.run, self.data
+        from .precision import ROLLOUT_DTYPES, SAVE_DTYPES
+
+        r, a, o, run, d, lora = self.rollout, self.algo, self.optim, self.run, self.data, self.lora
         for name, value in self.flat().items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"config field {name} must be a finite number, got {value!r}")
@@ -210,6 +249,14 @@ class TrainConfig:
             ("critic_init", self.model.critic_init in ("policy", "reward_model"), "must be policy or reward_model"),
             ("critic_init", self.model.critic_init != "reward_model" or self.data.reward_model,
              "reward_model needs --reward-model"),
+            ("rollout_dtype", r.rollout_dtype in ROLLOUT_DTYPES, f"must be one of {ROLLOUT_DTYPES}"),
+            ("rollout_is_cap", r.rollout_is_cap is None or r.rollout_is_cap > 1, "must be > 1"),
+            ("save_dtype", run.save_dtype in SAVE_DTYPES, f"must be one of {SAVE_DTYPES}"),
+            ("lora_rank", lora.lora_rank is None or lora.lora_rank >= 1, "must be >= 1"),
+            ("lora_alpha", lora.lora_alpha is None or (lora.lora_alpha > 0 and lora.lora_rank),
+             "must be > 0, with lora_rank"),
+            ("lora_target_modules", lora.lora_target_modules is None or lora.lora_rank, "needs lora_rank"),
+            ("merge_lora", not lora.merge_lora or lora.lora_rank, "needs lora_rank"),
         ]
         for name, ok, requirement in rules:
             if not ok:

@@ -6,6 +6,7 @@ of the built-in arithmetic task). ``tiny_policy`` builds the same architecture u
 """
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -99,10 +100,40 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    reference = copy.deepcopy(model).eval()
-    reference.requires_grad_(False)
-    return reference
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """The model's parameters in ``dtype``, in place; buffers (rotary frequencies) keep theirs, as
+    transformers keeps them fp32 in a bf16 model."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+def copy_in_dtype(model: nn.Module, dtype: torch.dtype) -> tuple:
+    """``(copy, pairs)``: a copy of ``model`` whose parameters are new tensors in ``dtype``, frozen,
+    made without a full-precision intermediate; ``pairs`` lists ``(copy's, original)`` parameters.
+    Tied weights stay tied (both names map to one new tensor); buffers keep their dtype."""
+    new = {id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in model.parameters()}
+    duplicate = copy.deepcopy(model, memo=dict(new)).eval()
+    return duplicate, [(new[id(p)], p) for p in model.parameters()]
+
+
+def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen, eval-mode copy of ``model`` with its parameters in ``dtype`` (the reference model)."""
+    return copy_in_dtype(model, dtype)[0]
+
+
+def save_model(model, directory, dtype: torch.dtype, state_dict: dict = None) -> None:
+    """``model.save_pretrained(directory)`` with the weights (default: the model's) in ``dtype`` and
+    its config.json saying so: transformers records the in-memory dtype, which for fp32 master
+    weights is not the one saved."""
+    if state_dict is None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.save_pretrained(str(directory), state_dict=state_dict)
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]  # transformers 5, 4
+    config.update({k: name for k in keys})
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 class Critic(nn.Module):
@@ -139,7 +170,7 @@ class Critic(nn.Module):
         return cls(model.base_model, head)
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1)  # (B, L)
 
     HEAD_FILE = "value_head.safetensors"
@@ -166,13 +197,14 @@ class RewardModel:
     """A local Hugging Face sequence-classification model as a reward function: the first logit of
     prompt + completion, scored in batches without gradients."""
 
-    def __init__(self, path, device, batch_size: int = 32):
+    def __init__(self, path, device, dtype: torch.dtype = torch.float32, batch_size: int = 32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not (Path(path) / "config.json").is_file():
             raise UsageError(f"--reward-model {path!r} is not a Hugging Face model directory (no config.json)")
         self.model = load_complete(AutoModelForSequenceClassification, path, "--reward-model",
                                    "a sequence classifier").to(device).eval()
+        cast_parameters(self.model, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

@@ -1,15 +1,18 @@
 """The PPO loop: rollouts, scores, advantages, clipped updates; fastppo's own ops at every step.
 
-One iteration: sample prompts -> ``Sampler`` rollouts on the live policy -> scores -> one
-no-grad pass each for the old and reference log-probs (from hidden states with the fused linear
-ops, never full logits) and the values -> advantages (GAE over KL-shaped token rewards with a
-critic; GRPO, Dr. GRPO, RLOO or REINFORCE-with-baseline without) -> ``ppo_epochs`` passes of
-minibatch updates with ``ppo_loss_from_hidden`` and ``value_loss`` -> metrics.
+One iteration: sample prompts -> ``Sampler`` rollouts on the live weights (a bf16 copy on CUDA,
+refreshed in place) -> scores -> no-grad passes for the reference log-probs and the values, and
+for the old log-probs unless the update is exactly on-policy (then they are the update's own,
+detached) -> advantages (GAE over KL-shaped token rewards with a critic; GRPO, Dr. GRPO, RLOO or
+REINFORCE-with-baseline without) -> ``ppo_epochs`` passes of minibatch updates with
+``ppo_loss_from_hidden`` and ``value_loss`` -> metrics. Log-probs come from hidden states with the
+fused linear ops, never full logits. Precision (fp32 masters, bf16 compute) is ``precision.py``'s.
 
 The details that trip trainers up are explicit here: dropout is off in every model; the
 rollout temperature is used again when log-probs are recomputed; the stop token is part of the
 response and its mask; pad and stop tokens are told apart by the mask, not by their ids; old
-log-probs are recomputed and their mismatch with the sampler's is reported; steps with a
+log-probs' mismatch with the sampler's is reported (and optionally corrected by truncated
+importance weights); steps with a
 non-finite gradient are skipped, counted and warned about, and a run whose every step was
 skipped fails. Checkpoints, resume and the run directory's rules live in ``checkpoint.py``.
 """
@@ -29,15 +32,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, token_rewards,
-                   value_loss)
+from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, ppo_policy_loss,
+                   rollout_is_weights, token_rewards, value_loss)
 from ..rollout import Sampler
 from . import checkpoint, plot, tasks
 from .config import TrainConfig
 from .distributed import Ranks
 from .errors import UsageError
 from .kl_control import KLController
-from .models import Critic, RewardModel, check_causal, context_length, disable_dropout, frozen_copy, load_policy
+from .lora import LoRA
+from .models import (Critic, RewardModel, cast_parameters, check_causal, context_length, disable_dropout, frozen_copy,
+                     load_policy, save_model)
+from .precision import Precision, stored_dtype
+from .rollout_weights import RolloutWeights
 
 IGNORE = -100
 
@@ -51,9 +58,10 @@ class Batch:
     positions: Tensor  # (B, R): the position whose hidden state predicts each response token
     response_ids: Tensor  # (B, R)
     mask: Tensor  # (B, R) bool
-    old_logprobs: Tensor  # (B, R)
-    ref_logprobs: Optional[Tensor]
-    values: Optional[Tensor]
+    sampler_logprobs: Tensor  # (B, R) fp32, from the rollout
+    old_logprobs: Optional[Tensor] = None  # (B, R); None until the update computes them
+    ref_logprobs: Optional[Tensor] = None
+    values: Optional[Tensor] = None
     advantages: Optional[Tensor] = None
     returns: Optional[Tensor] = None
 
@@ -79,7 +87,8 @@ def layout(rollout, pad_id: int, device) -> tuple:
 
 def response_hidden(model, batch: Batch) -> Tensor:
     """Last hidden states at the positions that predict the response tokens: (B, R, H)."""
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              use_cache=False).last_hidden_state
     return hidden.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
@@ -95,11 +104,15 @@ def head_params(model, like: Tensor) -> tuple:
     return head.weight.to(like.dtype), bias
 
 
+def response_labels(batch: Batch) -> Tensor:
+    """The response tokens as labels, ``IGNORE`` where masked: (B, R)."""
+    return batch.response_ids.masked_fill(~batch.mask, IGNORE)
+
+
 def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
     hidden = response_hidden(model, batch)
     weight, bias = head_params(model, hidden)
-    labels = batch.response_ids.masked_fill(~batch.mask, IGNORE)
-    return linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature)
+    return linear_token_logprobs(hidden, weight, response_labels(batch), bias=bias, temperature=temperature)
 
 
 def _tensorboard(out: Path):
@@ -153,6 +166,9 @@ class PPOTrainer:
             policy, tokenizer = load_policy(config.model.model)
             policy.to(device)
         self.policy, self.tokenizer = policy, tokenizer
+        self.precision = Precision.of(config.optim.autocast, config.rollout.rollout_dtype, config.run.save_dtype,
+                                      torch.device(device).type, stored_dtype(policy.config))
+        cast_parameters(policy, torch.float32)  # the master weights, whatever the checkpoint's dtype
         disable_dropout(policy)
         check_causal(policy, config.model.model or "(the default model)")
         self.device = next(policy.parameters()).device
@@ -167,22 +183,37 @@ class PPOTrainer:
         self.prompts, longest = self._fitting_prompts(prompts, origins)
         self.fields = tasks.field_names(self.prompts)  # every row's reward call gets all of them
         if reward_fn is None and config.data.reward_model:
-            reward_fn = RewardModel(config.data.reward_model, self.device)
+            reward_fn = RewardModel(config.data.reward_model, self.device, self.precision.frozen)
         self.reward_fn = reward_fn or (tasks.load_reward(config.data.reward) if config.data.reward else task_reward)
         if self.reward_fn is None:
             raise UsageError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
-        self.reference = frozen_copy(policy) if config.algo.kl_coef > 0 else None
         self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
         self.critic = None
-        if config.uses_critic:
+        if config.uses_critic:  # from the full policy, before any LoRA wrapping: the critic trains in full
             from_rm = config.model.critic_init == "reward_model"
             critic = Critic.from_reward_model(config.data.reward_model, policy) if from_rm else Critic.from_policy(policy)
+            disable_dropout(critic)
+            cast_parameters(critic, torch.float32)
             self.critic = critic.to(self.device)
+        lora = config.lora
+        self.lora = None if lora.lora_rank is None else LoRA(policy, lora.lora_rank, lora.lora_alpha,
+                                                             lora.lora_target_modules, self.precision.rollout)
+        self.policy = policy = policy if self.lora is None else self.lora.model
+        # The reference: a frozen copy in the compute dtype, or for LoRA the base (adapters off).
+        self.reference = None
+        if config.algo.kl_coef > 0:
+            self.reference = policy if self.lora is not None else frozen_copy(policy, self.precision.frozen)
+        if config.model.gradient_checkpointing:
+            for model in (policy, self.critic and self.critic.backbone):
+                if model is not None:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         r = config.rollout
-        self.sampler = Sampler(policy, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
+        # LoRA's frozen base is already in the rollout dtype: decode through the wrapped layers.
+        self.rollout_weights = RolloutWeights(policy, None if self.lora is not None else self.precision.rollout)
+        self.sampler = Sampler(self.rollout_weights.model, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
                                max_seq_len=longest + r.max_new_tokens)
         o = config.optim
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr)
+        self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr)
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr) if self.critic else None
         self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_factor)
                           for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
@@ -224,6 +255,7 @@ class PPOTrainer:
         # Every rank draws the same global sample and rolls out its own shard of it.
         world, rank, per_rank = self.ranks.world, self.ranks.rank, r.prompts_per_iteration
         rows = self.rng.sample(self.prompts, min(per_rank * world, len(self.prompts)))[rank * per_rank:(rank + 1) * per_rank]
+        self.rollout_weights.refresh()  # the sampler's copy catches up with the optimizer steps
         prompt_ids = [tok(row["prompt"], add_special_tokens=False).input_ids for row in rows]
         rollout = self.sampler.generate(prompt_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                         stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
@@ -243,17 +275,21 @@ class PPOTrainer:
         c = self.config
         input_ids, attention_mask, positions = layout(rollout, self.tokenizer.pad_token_id, self.device)
         mask = rollout.response_mask.to(self.device)
-        batch = Batch(input_ids, attention_mask, positions, rollout.response_ids.to(self.device), mask, None, None, None)
-        with self.autocast():
-            batch.old_logprobs = response_logprobs(self.policy, batch, c.rollout.temperature)
+        batch = Batch(input_ids, attention_mask, positions, rollout.response_ids.to(self.device), mask,
+                      rollout.logprobs.to(self.device))
+        with self.precision.autocast():
+            if not c.old_logprobs_from_update:
+                batch.old_logprobs = response_logprobs(self.policy, batch, c.rollout.temperature)
             if self.reference is not None:
-                batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
+                with self.lora.adapters_off() if self.lora is not None else contextlib.nullcontext():
+                    batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
             if self.critic is not None:
                 batch.values = response_values(self.critic, batch) * mask
         if c.algo.estimator == "gae":
-            ref = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs
-            rewards = token_rewards(scores, batch.old_logprobs, ref, mask, kl_coef=self.kl.coef,
-                                    kl_estimator="k1")
+            # Without old log-probs here the KL weight is 0 (old_logprobs_from_update): any will do.
+            behaviour = batch.old_logprobs if batch.old_logprobs is not None else batch.sampler_logprobs
+            ref = batch.ref_logprobs if batch.ref_logprobs is not None else behaviour
+            rewards = token_rewards(scores, behaviour, ref, mask, kl_coef=self.kl.coef, kl_estimator="k1")
             advantages, batch.returns = gae(rewards, batch.values, mask, gamma=c.algo.gamma, lam=c.algo.lam)
             batch.advantages = masked_whiten(advantages, mask, group=self.ranks.group)
         else:
@@ -273,51 +309,81 @@ class PPOTrainer:
         progress = (iteration - o.warmup_iterations) / max(total - o.warmup_iterations, 1)
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-    def autocast(self):
-        """bf16 autocast on CUDA when configured; fp32 (a no-op context) elsewhere."""
-        enabled = self.config.optim.autocast and self.device.type == "cuda"
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
-
     def update(self, batch: Batch) -> dict:
+        """``ppo_epochs`` passes of minibatch steps over ``batch``; without old log-probs (the
+        update is exactly on-policy) each minibatch's are its own forward's, written into ``batch``."""
         c = self.config
-        self.policy.train()
+        models = [m for m in (self.policy, self.critic) if m is not None]
+        for model in models:
+            model.train()  # dropout is off; this is for gradient checkpointing, which needs it
         kl_in_loss = c.algo.estimator != "gae" and batch.ref_logprobs is not None
+        on_policy = batch.old_logprobs is None
+        if on_policy:
+            batch.old_logprobs = torch.zeros_like(batch.sampler_logprobs)
         logs = []
         B = batch.mask.shape[0]
         for _ in range(c.algo.ppo_epochs):
             minibatches = torch.randperm(B, device=self.device).chunk(c.algo.minibatches)
             for first in range(0, len(minibatches), c.algo.grad_accumulation):
-                group = [batch.rows(index) for index in minibatches[first:first + c.algo.grad_accumulation]]
+                indices = minibatches[first:first + c.algo.grad_accumulation]
+                group = [batch.rows(index) for index in indices]
                 # each loss is a token mean over the whole step's tokens, on every rank
                 tokens = self.ranks.sum(sum(mb.mask.sum() for mb in group))
                 self._zero_grad()
-                for mb in group:
-                    loss, stats = self._loss(mb, kl_in_loss, tokens)
+                for index, mb in zip(indices, group):
+                    loss, stats = self._loss(mb, kl_in_loss, tokens, on_policy)
                     loss.backward()
+                    if on_policy:
+                        batch.old_logprobs[index] = mb.old_logprobs
                     logs.append({k: float(v) for k, v in stats.items()})
                 self.ranks.sum_gradients(p for opt in self._optimizers() for g in opt.param_groups for p in g["params"])
                 self._step()
-        self.policy.eval()
+        for model in models:
+            model.eval()
         return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
 
-    def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor) -> tuple:
+    def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor, on_policy: bool) -> tuple:
+        """The minibatch's loss and stats. ``on_policy``: its old log-probs are this forward's own,
+        detached (set on ``mb``), so no separate pass computed them."""
         c = self.config
-        with self.autocast():
+        with self.precision.autocast():
             hidden = response_hidden(self.policy, mb)
         weight, bias = head_params(self.policy, hidden)
-        loss, stats = ppo_loss_from_hidden(
-            hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages, mb.mask, bias=bias,
-            temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps, entropy_coef=c.algo.entropy_coef,
-            ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
-            kl_estimator=c.algo.kl_estimator, num_tokens=tokens)
+        terms = dict(clip_eps=c.algo.clip_eps, entropy_coef=c.algo.entropy_coef,
+                     ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
+                     kl_estimator=c.algo.kl_estimator, num_tokens=tokens)
+        if on_policy:
+            logp, entropy = linear_token_logprobs(hidden, weight, response_labels(mb), bias=bias,
+                                                  temperature=c.rollout.temperature, return_entropy=True)
+            mb.old_logprobs = logp.detach()
+            advantages, is_stats = self._importance_weighted(mb)
+            loss, stats = ppo_policy_loss(logp, mb.old_logprobs, advantages, mb.mask,
+                                          entropy=entropy if c.algo.entropy_coef else entropy.detach(), **terms)
+        else:
+            advantages, is_stats = self._importance_weighted(mb)
+            loss, stats = ppo_loss_from_hidden(hidden, weight, mb.response_ids, mb.old_logprobs, advantages, mb.mask,
+                                               bias=bias, temperature=c.rollout.temperature, **terms)
+        stats.update(is_stats)
         if self.critic is not None:
-            with self.autocast():
+            with self.precision.autocast():
                 values = response_values(self.critic, mb)
             vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=c.algo.vf_clip,
                                       num_tokens=tokens)
             loss = loss + c.algo.vf_coef * vf
             stats.update(vf_stats)
         return loss, stats
+
+    def _importance_weighted(self, mb: Batch) -> tuple:
+        """``(advantages, stats)``: with ``rollout_is_cap``, the advantages times the truncated
+        importance weights of the trainer's old log-probs over the sampler's (a positive weight on
+        the advantage is a weight on the token's PPO term; see ``rollout_is_weights``)."""
+        cap = self.config.rollout.rollout_is_cap
+        if cap is None:
+            return mb.advantages, {}
+        weights = rollout_is_weights(mb.old_logprobs, mb.sampler_logprobs, mb.mask, cap)
+        count = mb.mask.sum().clamp(min=1)
+        return mb.advantages * weights, {"rollout_is_weight": weights.sum() / count,
+                                         "rollout_is_capped": ((weights >= cap) & mb.mask).sum() / count}
 
     def _optimizers(self) -> list:
         return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
@@ -346,11 +412,10 @@ class PPOTrainer:
         batch = self.prepare(rollout, scores)
         prepared = time.perf_counter()
         kl_coef = self.kl.coef  # the coefficient this iteration used
+        stats = self.update(batch)  # after it, old_logprobs are set either way
         if batch.ref_logprobs is not None:
             kl_sum = self.ranks.sum(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum())
             rollout_kl = float(kl_sum / self.ranks.sum(batch.mask.sum()).clamp(min=1))
-        stats = self.update(batch)
-        if batch.ref_logprobs is not None:
             self.kl.update(rollout_kl, batch.mask.shape[0] * self.ranks.world)
             stats.update(rollout_kl=rollout_kl, kl_coef=kl_coef)
         if batch.values is not None:
@@ -358,8 +423,7 @@ class PPOTrainer:
         for schedule in self.schedules:
             schedule.step()
         done = time.perf_counter()
-        mask = batch.mask
-        sampler_logprobs = rollout.logprobs.to(self.device)
+        mask, sampler_logprobs = batch.mask, batch.sampler_logprobs
         tokens = int(mask.sum())
         return self.ranks.mean_of({
             "iteration": iteration, "reward_mean": float(raw_scores.mean()), "reward_std": float(raw_scores.std()),
@@ -435,14 +499,26 @@ class PPOTrainer:
             checkpoint.prune_checkpoints(out, self.config.run.keep_checkpoints)
         self.ranks.barrier()
 
-    def save(self, out: Path) -> None:
+    def save(self, out: Path, masters: bool = False) -> None:
         """The policy (and tokenizer) in Hugging Face format under ``out/policy``, the critic beside it;
-        each written atomically."""
-        def policy(directory):
-            self.policy.save_pretrained(directory)
-            self.tokenizer.save_pretrained(directory)
+        each written atomically. The policy's weights are in ``save_dtype``, or fp32 with ``masters``
+        (a checkpoint). With LoRA ``policy/`` is the adapter in PEFT format, and with ``merge_lora``
+        (not for a checkpoint) ``policy-merged/`` the model with the adapter merged in."""
+        dtype = torch.float32 if masters else self.precision.save
 
-        checkpoint.save_atomically(Path(out) / "policy", policy)
+        def with_tokenizer(save):
+            def write(directory):
+                save(directory)
+                self.tokenizer.save_pretrained(directory)
+            return write
+
+        if self.lora is None:
+            checkpoint.save_atomically(Path(out) / "policy", with_tokenizer(lambda d: save_model(self.policy, d, dtype)))
+        else:
+            checkpoint.save_atomically(Path(out) / "policy", with_tokenizer(self.lora.save_adapter))
+            if self.config.lora.merge_lora and not masters:
+                checkpoint.save_atomically(Path(out) / "policy-merged",
+                                           with_tokenizer(lambda d: self.lora.save_merged(d, dtype)))
         if self.critic is not None:
             checkpoint.save_atomically(Path(out) / "critic", self.critic.save_pretrained)
 

@@ -83,12 +83,12 @@ def test_critic_free_advantages_are_the_group_estimators(tmp_path, estimator):
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path, estimator):
     fields = dict(estimator=estimator, kl_coef=0.1, clip_eps=0.15, entropy_coef=0.02, kl_estimator="k2",
-                  vf_coef=0.3, vf_clip=0.1)
+                  vf_coef=0.3, vf_clip=0.1, recompute_old_logprobs=True)
     trainer = drifted(tmp_path, **fields)
     _, batch = rolled_out(trainer)
     batch.old_logprobs = batch.old_logprobs + 0.1 * torch.randn_like(batch.old_logprobs) * batch.mask  # ratios != 1
     tokens = batch.mask.sum()
-    loss, stats = trainer._loss(batch, estimator != "gae", tokens)
+    loss, stats = trainer._loss(batch, estimator != "gae", tokens, on_policy=False)
 
     hidden = response_hidden(trainer.policy, batch)
     head = trainer.policy.get_output_embeddings()
@@ -107,6 +107,51 @@ def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for name in ("pg_loss", "clipfrac", "entropy"):
         torch.testing.assert_close(stats[name], expected_stats[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rollout_is_cap", [None, 1.05])
+def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradient(tmp_path, rollout_is_cap):
+    """One epoch, one step per rollout: no separate pass; the update's log-probs, detached, are the
+    old ones, and loss and gradient equal the fused op's given those as old log-probs."""
+    trainer = drifted(tmp_path, estimator="grpo", kl_coef=0.1, entropy_coef=0.02, rollout_is_cap=rollout_is_cap)
+    assert trainer.config.old_logprobs_from_update
+    _, batch = rolled_out(trainer)
+    assert batch.old_logprobs is None  # prepare did not compute them
+    tokens = batch.mask.sum()
+    loss, stats = trainer._loss(batch, True, tokens, on_policy=True)
+    loss.backward()
+    grads = [p.grad.clone() for p in trainer.policy.parameters()]
+    trainer.policy.zero_grad()
+
+    with torch.no_grad():
+        old = direct_logprobs(trainer.policy, batch, TEMPERATURE)
+    torch.testing.assert_close(batch.old_logprobs, old, rtol=0, atol=1e-6)
+    advantages = batch.advantages
+    if rollout_is_cap is not None:  # the sampler's log-probs differ a little from the update's
+        weights = fastppo.rollout_is_weights(old, batch.sampler_logprobs, batch.mask, rollout_is_cap)
+        assert stats["rollout_is_weight"] == pytest.approx(float(weights[batch.mask].mean()), rel=1e-5)
+        advantages = advantages * weights
+    hidden = response_hidden(trainer.policy, batch)
+    head = trainer.policy.get_output_embeddings()
+    expected, expected_stats = fastppo.ppo_loss_from_logits(
+        hidden @ head.weight.T, batch.response_ids, old, advantages, batch.mask, temperature=TEMPERATURE,
+        entropy_coef=0.02, ref_logprobs=batch.ref_logprobs, kl_coef=0.1, num_tokens=int(tokens))
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for name in ("pg_loss", "entropy", "kl", "ratio_mean"):
+        torch.testing.assert_close(stats[name], expected_stats[name], rtol=1e-5, atol=1e-6)
+    for got, p in zip(grads, trainer.policy.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields", [dict(ppo_epochs=2), dict(minibatches=2), dict(recompute_old_logprobs=True),
+                                    dict(estimator="gae", kl_coef=0.1)])
+def test_old_logprobs_get_their_own_pass_when_the_update_is_not_on_policy(tmp_path, fields):
+    trainer = untrained(tmp_path, save=False, **fields)
+    assert not trainer.config.old_logprobs_from_update
+    _, batch = rolled_out(trainer)
+    with torch.no_grad():
+        torch.testing.assert_close(batch.old_logprobs, direct_logprobs(trainer.policy, batch, 1.0))
 
 
 def test_the_adaptive_kl_coefficient_follows_the_logged_rollout_kl(tmp_path):
