@@ -100,6 +100,16 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing of every transformer block, non-reentrant (transformers 5 names the
+    method ``activation_checkpointing_enable``, 4.x ``gradient_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """The model's parameters in ``dtype``, in place; buffers (rotary frequencies) keep theirs, as
     transformers keeps them fp32 in a bf16 model."""

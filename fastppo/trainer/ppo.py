@@ -41,8 +41,8 @@ from .distributed import Ranks
 from .errors import UsageError
 from .kl_control import KLController
 from .lora import LoRA
-from .models import (Critic, RewardModel, cast_parameters, check_causal, context_length, disable_dropout, frozen_copy,
-                     load_policy, save_model)
+from .models import (Critic, RewardModel, cast_parameters, check_causal, context_length, disable_dropout,
+                     enable_checkpointing, frozen_copy, load_policy, save_model)
 from .precision import Precision, stored_dtype
 from .rollout_weights import RolloutWeights
 
@@ -206,7 +206,7 @@ class PPOTrainer:
         if config.model.gradient_checkpointing:
             for model in (policy, self.critic and self.critic.backbone):
                 if model is not None:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    enable_checkpointing(model)
         r = config.rollout
         # LoRA's frozen base is already in the rollout dtype: decode through the wrapped layers.
         self.rollout_weights = RolloutWeights(policy, None if self.lora is not None else self.precision.rollout)

@@ -10,6 +10,8 @@ loaded by a resume. When the dtypes agree there is no copy: the sampler reads th
 parameters.
 """
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -19,9 +21,11 @@ from .models import copy_in_dtype
 class RolloutWeights:
     """``model`` is what the sampler runs; :meth:`refresh` brings it up to date with the policy."""
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype):
+    def __init__(self, policy: nn.Module, dtype: Optional[torch.dtype]):
+        """``dtype`` None: the policy itself whatever its dtypes (LoRA, whose frozen base is already
+        held in the rollout dtype)."""
         self.policy = policy
-        if all(p.dtype == dtype for p in policy.parameters()):
+        if dtype is None or all(p.dtype == dtype for p in policy.parameters()):
             self.model, self._targets, self._sources = policy, [], []
             return
         self.model, pairs = copy_in_dtype(policy, dtype)
