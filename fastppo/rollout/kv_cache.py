@@ -3,8 +3,8 @@
 ``k[layer]`` and ``v[layer]`` are ``(max_batch, max_len, kv_heads, head_dim)``, token-major: the
 layout ``flash_attn_with_kvcache`` reads, and one in which a decode step's write of a row's new
 key is a single contiguous ``kv_heads * head_dim`` run. A row's prompt is written at positions
-``0 .. L-1`` by its own prefill, and each decode step writes every row at its own position, so
-ragged prompts need no padding.
+``0 .. L-1`` by a prefill of its group, and each decode step writes every row at its own
+position, so rows of ragged lengths share one cache.
 
 Decode attention over a row's valid prefix (and its sliding window, if the layer has one) is
 either flash-attn's kernel, which appends and attends in one launch, or PyTorch SDPA over
@@ -30,18 +30,20 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
-    def copy_row(self, src: int, dst: slice) -> None:
-        """Give rows ``dst`` the cache of row ``src`` (samples of one prompt share its prefill)."""
+    def copy_rows(self, src: Tensor, dst: Tensor, length: int) -> None:
+        """Give rows ``dst`` the first ``length`` positions of rows ``src`` (samples of one prompt
+        share its prefill); one copy per layer."""
         for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]
+            k[dst, :length] = k[src, :length]
+            v[dst, :length] = v[src, :length]
 
-    def prefill_attention(self, layer: int, row: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
+    def prefill_attention(self, layer: int, rows: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
                           window: Optional[int]) -> Tensor:
-        """Store one prompt's keys and values and attend causally. q: (1, H, L, D); k, v: (1, KVH, L, D)."""
+        """Store a group of right-padded prompts' keys and values in cache rows ``rows`` and attend
+        causally. q: (G, H, L, D); k, v: (G, KVH, L, D)."""
         L = q.shape[2]
-        self.k[layer][row, :L] = k[0].transpose(0, 1)
-        self.v[layer][row, :L] = v[0].transpose(0, 1)
+        self.k[layer][rows, :L] = k.transpose(1, 2)
+        self.v[layer][rows, :L] = v.transpose(1, 2)
         mask = None
         if window is not None and L > window:
             pos = torch.arange(L, device=q.device)

@@ -6,8 +6,11 @@ optimizer step is seen by the next rollout. Only the attention is replaced, by o
 and writes the sampler's :class:`KVCache` with per-row positions. Anything else goes through
 ``generic.py``.
 
-Each decoder offers ``prefill(row, ids) -> logits (V,)`` for one prompt and
-``decode(tokens (B,), positions (B,), span) -> logits (B, V)`` for one step of every row.
+Each decoder offers ``prefill(rows (G,), ids (G, L), lengths (G,)) -> logits (G, V)`` for a
+group of right-padded prompts, stored in cache rows ``rows``, and ``decode(tokens (B,),
+positions (B,), span) -> logits (B, V)`` for one step of every row. Only the positions whose
+logits are wanted go through the final norm and the LM head (a prompt's last token; a step's
+token), never all L x V of a prompt.
 """
 
 from typing import Optional
@@ -42,13 +45,18 @@ class _Decoder:
     def __init__(self, model, cache: KVCache, windows: list):
         self.model, self.cache, self.windows = model, cache, windows
 
-    def prefill(self, row: int, ids: Tensor) -> Tensor:
-        positions = torch.arange(ids.shape[0], device=ids.device).unsqueeze(0)  # (1, L)
+    def prefill(self, rows: Tensor, ids: Tensor, lengths: Tensor) -> Tensor:
+        """Right padding is safe: causal attention keeps a prompt's tokens from seeing the pads
+        after them, and the keys a pad leaves in the cache, at or past the row's length, are each
+        rewritten by the decode step that first reads them."""
+        G, L = ids.shape
+        positions = torch.arange(L, device=ids.device).expand(G, L)  # (G, L)
 
         def attend(layer, q, k, v, scale):
-            return self.cache.prefill_attention(layer, row, q, k, v, scale, self.windows[layer])
+            return self.cache.prefill_attention(layer, rows, q, k, v, scale, self.windows[layer])
 
-        return self.forward(ids.unsqueeze(0), positions, attend)[0, -1]
+        x = self.forward(ids, positions, attend)  # (G, L, hidden)
+        return self.logits(x[torch.arange(G, device=ids.device), lengths - 1])  # (G, V)
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
         masks = self.cache.decode_masks(positions, span, set(self.windows))
@@ -56,7 +64,7 @@ class _Decoder:
         def attend(layer, q, k, v, scale):
             return self.cache.decode_attention(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
 
-        return self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1]
+        return self.logits(self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1])
 
 
 class LlamaLikeDecoder(_Decoder):
@@ -81,7 +89,10 @@ class LlamaLikeDecoder(_Decoder):
             o = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(B, L, -1)
             x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(body.norm(x))  # (B, L, V)
+        return x  # (B, L, hidden), before the final norm
+
+    def logits(self, x: Tensor) -> Tensor:
+        return self.model.lm_head(self.model.model.norm(x))
 
 
 class GPT2Decoder(_Decoder):
@@ -99,7 +110,10 @@ class GPT2Decoder(_Decoder):
             o = attend(i, q, k, v, scale).transpose(1, 2).reshape(B, L, hidden)
             x = x + block.attn.c_proj(o)
             x = x + block.mlp(block.ln_2(x))
-        return self.model.lm_head(body.ln_f(x))
+        return x  # (B, L, hidden), before the final norm
+
+    def logits(self, x: Tensor) -> Tensor:
+        return self.model.lm_head(self.model.transformer.ln_f(x))
 
 
 def lean_decoder(model, max_batch: int, max_len: int, dtype: Optional[torch.dtype], attention: str):

@@ -1,9 +1,9 @@
 """``Sampler``: batched, KV-cached generation on the live training weights, returning a Rollout.
 
 For Llama, Mistral, Qwen2, Qwen3 and GPT-2 it runs the lean decoders of ``lean.py`` over a KV
-cache allocated once per sampler: each prompt is prefilled on its own (ragged prompts cost no
-padding), its cache row is copied to the prompt's other samples, and every decode step runs all
-rows at their own positions (on CUDA as a replayed CUDA graph), attending with flash-attn's
+cache allocated once per sampler: prompts are prefilled in groups of similar length (one forward
+per group, right-padded, padding bounded by ``PREFILL_PADDING``), each prompt's cache row is
+copied to its other samples, and every decode step runs all rows at their own positions (on CUDA as a replayed CUDA graph), attending with flash-attn's
 ``flash_attn_with_kvcache`` where it can run, else SDPA (``flash.py``). Other causal LMs go
 through ``generic.py``. Both share the loop below: draw with ``sample_tokens`` (one fused kernel
 on CUDA), record, stop, with one host sync every 16 steps to end early once every row has
@@ -23,6 +23,23 @@ from .lean import lean_decoder
 from .rollout import Rollout
 
 SYNC_EVERY = 16  # decode steps between checks that some row is still going
+PREFILL_PADDING = 0.25  # a prefill group's padded tokens stay under this share of its real ones
+PREFILL_TOKENS = 8192  # and its padded size under this many tokens (activations, attention scores)
+
+
+def prefill_groups(lengths: list) -> list:
+    """Prompt indices in groups prefilled together: by length, each group as large as it can be
+    with padding within ``PREFILL_PADDING`` of its tokens and at most ``PREFILL_TOKENS`` in all
+    (a prompt longer than that is a group of its own)."""
+    groups, group, real = [], [], 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        padded = (len(group) + 1) * lengths[i]  # sorted: this prompt is the group's longest
+        if group and (padded > (1 + PREFILL_PADDING) * (real + lengths[i]) or padded > PREFILL_TOKENS):
+            groups.append(group)
+            group, real = [], 0
+        group.append(i)
+        real += lengths[i]
+    return groups + [group]
 
 
 def _positive_int(x, name: str) -> int:
@@ -163,14 +180,20 @@ class Sampler:
         if self.lean is None:
             decoder = GenericDecoder(self.model)
             return decoder.start(rows, self.device), decoder.decode
-        logits = []
-        for first in range(0, len(rows), n):
-            last = self.lean.prefill(first, torch.tensor(rows[first], device=self.device))  # (V,)
-            if n > 1:
-                self.lean.cache.copy_row(first, slice(first + 1, first + n))
-            logits.append(last.expand(n, -1))
+        prompts = rows[::n]  # the first sample's row of each prompt is prefilled, the others copied
+        first = [None] * len(prompts)
+        for group in prefill_groups([len(p) for p in prompts]):
+            L = max(len(prompts[i]) for i in group)
+            ids = torch.tensor([prompts[i] + [0] * (L - len(prompts[i])) for i in group], device=self.device)
+            lengths = torch.tensor([len(prompts[i]) for i in group], device=self.device)
+            cache_rows = torch.tensor([i * n for i in group], device=self.device)
+            for i, logits in zip(group, self.lean.prefill(cache_rows, ids, lengths)):  # (V,) each
+                first[i] = logits
+        if n > 1:
+            others = torch.tensor([r for r in range(len(rows)) if r % n], device=self.device)
+            self.lean.cache.copy_rows(others // n * n, others, max(len(p) for p in prompts))
         decode = self.graphs.decode if self.graphs is not None else self.lean.decode
-        return torch.cat(logits), decode
+        return torch.stack(first).repeat_interleave(n, dim=0), decode
 
     def _generate(self, rows, max_new, n, temperature, top_k, top_p, stop, pad, step_seeds) -> Rollout:
         device, B = self.device, len(rows)

@@ -74,6 +74,43 @@ def test_logprobs_equal_a_recomputed_forward(family):
         assert (rollout.logprobs[row, n:] == 0).all()
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gpt2"])
+def test_one_padded_prefill_of_ragged_prompts_changes_nothing(family, monkeypatch):
+    """All prompts in one right-padded prefill (lengths 3, 7, 1; Mistral's window 6 < 7): greedy still
+    equals generate() and log-probs a recomputed forward, with several samples per prompt."""
+    from fastppo.rollout import sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "PREFILL_PADDING", 100.0)
+    assert sampler_module.prefill_groups([len(p) for p in PROMPTS]) == [[2, 0, 1]]
+    model = tiny(family)
+    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64)
+    greedy = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=(), num_samples_per_prompt=2)
+    for row, prompt in enumerate(PROMPTS):
+        expected = hf_greedy(model, prompt, 10)
+        assert greedy.response_ids[2 * row].tolist() == expected == greedy.response_ids[2 * row + 1].tolist()
+    sampled = sampler.generate(PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1,
+                               num_samples_per_prompt=2)
+    for row in range(len(sampled.prompt_ids)):
+        n = int(sampled.response_lens[row])
+        torch.testing.assert_close(sampled.logprobs[row, :n], recomputed_logprobs(model, sampled, row, 0.7),
+                                   rtol=0, atol=1e-4)
+
+
+def test_prefill_groups_bound_padding_and_size(monkeypatch):
+    from fastppo.rollout import sampler as sampler_module
+
+    lengths = [10, 11, 12, 40, 9, 41, 100, 10]
+    groups = sampler_module.prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) * longest <= 1.25 * sum(lengths[i] for i in group)
+    assert [4, 0, 7, 1, 2] in groups and [3, 5] in groups and [6] in groups
+    monkeypatch.setattr(sampler_module, "PREFILL_TOKENS", 30)
+    assert all(len(g) * max(lengths[i] for i in g) <= 30 or len(g) == 1
+               for g in sampler_module.prefill_groups(lengths))
+
+
 def _chi2_critical(df, z=3.09):
     # Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

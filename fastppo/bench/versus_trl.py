@@ -1,0 +1,131 @@
+"""End to end against the trainer users would pick instead: ``fastppo train`` beside TRL's
+``GRPOTrainer`` on the same model, prompts, reward, batch shape and learning rate, in one run.
+
+Both run GRPO without a KL term (TRL's default ``beta=0``): ``prompts x samples`` completions of up
+to ``max_new_tokens`` per iteration, one AdamW step on them (TRL: ``num_iterations=1``,
+``steps_per_generation=1``), a constant learning rate, weight decay 0.01 (torch's AdamW default,
+which fastppo uses), dropout off, temperature 1, token-mean loss over the batch (TRL's default
+``loss_type="dapo"``), rewards scaled by the group's std. TRL samples with Hugging Face
+``generate()``; fastppo with its KV-cached sampler. Each iteration is timed from the first
+rollout token to the end of the optimizer step (TRL: from ``on_step_begin`` to ``on_step_end``).
+
+Reported per trainer: seconds per iteration (median over the iterations after the first two, which
+pay for warm-up), generated tokens per second, and the reward reached at equal wall-clock: the
+mean reward of the last 5 iterations each trainer had finished when the slower one's run would
+have been cut to the faster one's total time.
+"""
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed) -> list:
+    from ..trainer import PPOTrainer, TrainConfig
+
+    config = TrainConfig.from_flat({
+        "model": model, "out": tempfile.mkdtemp(prefix="fastppo-versus-trl-"), "save": False, "device": device.type,
+        "iterations": iterations, "prompts_per_iteration": prompts, "samples_per_prompt": samples,
+        "max_new_tokens": max_new_tokens, "lr": lr, "seed": seed, "estimator": "grpo", "kl_coef": 0.0,
+    }).validate()
+    trainer = PPOTrainer(config)
+    rows = []
+    for i in range(iterations):
+        start = time.perf_counter()
+        metrics = trainer.iteration(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append({"seconds": time.perf_counter() - start, "reward": metrics["reward_mean"],
+                     "tokens": metrics["response_length"] * prompts * samples})
+    return rows
+
+
+def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed) -> list:
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ..trainer import tasks
+    from ..trainer.models import load_policy
+
+    policy, tokenizer = load_policy(model)
+    task_prompts, reward = tasks.TASKS["arithmetic"]
+    rows = [{"prompt": row["prompt"]} for row in task_prompts(seed=seed)]
+
+    def score(prompts, completions, **_):
+        return reward(prompts, completions)
+
+    score.__name__ = "reward"
+    starts, ends = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            starts.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-versus-fastppo-"), per_device_train_batch_size=prompts * samples,
+                      num_generations=samples, max_completion_length=max_new_tokens, max_steps=iterations,
+                      learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.01, optim="adamw_torch",
+                      logging_steps=1, report_to="none", save_strategy="no", use_cpu=device.type != "cuda",
+                      bf16=device.type == "cuda", disable_dropout=True, seed=seed, temperature=1.0,
+                      num_iterations=1, beta=0.0)
+    trainer = GRPOTrainer(model=policy, reward_funcs=score, args=args, processing_class=tokenizer,
+                          train_dataset=datasets.Dataset.from_list(rows), callbacks=[Clock()])
+    trainer.train()
+    logs = [row for row in trainer.state.log_history if "reward" in row]
+    return [{"seconds": end - start, "reward": log["reward"],
+             "tokens": log["completions/mean_length"] * prompts * samples}
+            for start, end, log in zip(starts, ends, logs)]
+
+
+def _summary(name: str, rows: list, cutoff: float) -> dict:
+    steady = [r["seconds"] for r in rows[2:]] or [r["seconds"] for r in rows]
+    elapsed, finished = 0.0, []
+    for r in rows:
+        elapsed += r["seconds"]
+        if elapsed > cutoff + 1e-9:
+            break
+        finished.append(r)
+    last = finished[-5:] or rows[:1]
+    return {"trainer": name, "iterations": len(rows), "seconds_median": statistics.median(steady),
+            "seconds_min": min(steady), "seconds_max": max(steady),
+            "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
+            "total_seconds": sum(r["seconds"] for r in rows),
+            "reward_first5": statistics.mean(r["reward"] for r in rows[:5]),
+            "iterations_by_cutoff": len(finished), "reward_at_cutoff": statistics.mean(r["reward"] for r in last)}
+
+
+def compare(model=None, device=torch.device("cpu"), *, prompts: int = 16, samples: int = 8, max_new_tokens: int = 8,
+            lr: float = 5e-4, iterations: int = 30, seed: int = 0) -> dict:
+    """Both trainers for ``iterations`` on the arithmetic task; a summary row each (see the module)."""
+    shape = dict(prompts=prompts, samples=samples, max_new_tokens=max_new_tokens, lr=lr, iterations=iterations,
+                 seed=seed)
+    runs = {"fastppo train": _fastppo_run(model, device, **shape), "TRL GRPOTrainer": _trl_run(model, device, **shape)}
+    cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
+    summaries = [_summary(name, rows, cutoff) for name, rows in runs.items()]
+    ours, theirs = summaries
+    return {"model": model or "the shipped tiny model", "shape": shape, "cutoff_seconds": cutoff,
+            "speedup": theirs["seconds_median"] / ours["seconds_median"], "rows": summaries}
+
+
+def markdown(result: dict, machine: str) -> str:
+    s = result["shape"]
+    lines = [f"## fastppo train vs TRL GRPOTrainer: {result['model']}", "",
+             f"{machine}; arithmetic task, {s['prompts']} prompts x {s['samples']} samples, up to "
+             f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, one run. "
+             f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "
+             f"**{result['speedup']:.2f}x** (median seconds per iteration).", "",
+             "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "
+             "iterations by the cutoff | reward at the cutoff (last 5) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['trainer']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
+                     f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
+                     f"{r['reward_at_cutoff']:.3f} |")
+    return "\n".join(lines) + "\n"
