@@ -1,6 +1,6 @@
-"""pytest-benchmark: the phases of one PPO iteration of the shipped tiny model."""
+"""pytest-benchmark: the phases of one PPO iteration, and whole iterations under each trainer option."""
 
-FAMILIES = ("trainer",)
+FAMILIES = ("trainer", "trainer_options")
 
 
 def test_trainer(bench_case, run_bench_case):

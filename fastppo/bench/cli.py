@@ -20,9 +20,20 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
     parser.add_argument("--time-budget", type=float, default=float("inf"), metavar="SECONDS",
                         help="stop measuring after this long; the rest is listed as skipped")
+    versus = parser.add_argument_group("end to end against TRL (--versus-trl)")
+    versus.add_argument("--versus-trl", action="store_true",
+                        help="train with fastppo and with TRL's GRPOTrainer side by side instead of the op tables")
+    versus.add_argument("--model", help="local Hugging Face causal LM (default: the shipped tiny model)")
+    versus.add_argument("--iterations", type=int, default=40)
+    versus.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
+    versus.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    versus.add_argument("--max-new-tokens", type=int, default=8)
+    versus.add_argument("--lr", type=float, default=5e-4)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.versus_trl:
+        return _versus_trl(args)
 
     def write(meta, rows):
         for path, render in ((args.json, to_json), (args.markdown, markdown)):
@@ -34,4 +45,24 @@ def main(argv=None) -> int:
                            time_budget_s=args.time_budget, on_case=write)
     write(meta, rows)
     print(markdown(meta, rows), end="")
+    return 0
+
+
+def _versus_trl(args) -> int:
+    import json
+
+    from .runner import machine
+    from .versus_trl import compare, markdown as versus_markdown
+
+    device = torch.device(args.device)
+    result = compare(args.model, device, prompts=args.prompts, samples=args.samples,
+                     max_new_tokens=args.max_new_tokens, lr=args.lr, iterations=args.iterations)
+    table = versus_markdown(result, machine(device))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table)
+    print(table, end="")
     return 0

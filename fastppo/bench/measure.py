@@ -2,9 +2,9 @@
 
 * Time on CUDA is ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs, medians
   after warm-up); on CPU, wall-clock over repeated calls after one warm-up call.
-* Memory on CUDA is the peak the caching allocator saw above what was allocated before the call;
-  on CPU it is the largest single tensor any op created, seen through a dispatch mode that also
-  looks inside fastppo's custom ops.
+* Memory is the peak allocated above what was allocated before the call: the caching allocator's
+  on CUDA; on CPU the peak of live tensor storage created during the call, seen through a dispatch
+  mode that also looks inside fastppo's custom ops.
 * The copy bandwidth (bytes read plus written by a large device copy, in the same run) is the
   ceiling a memory-bound op is compared with.
 """
@@ -51,18 +51,25 @@ def time_call(call, device: torch.device, *, quick: bool = False, smoke: bool = 
     return Timing(times[len(times) // 2], times[0], times[-1])
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor (in bytes) any op creates, looking inside fastppo's custom ops.
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of tensors created inside the mode and alive at once (``peak``; the CPU's
+    counterpart of the CUDA allocator's peak), and the largest one (``largest``), looking inside
+    fastppo's custom ops.
 
-    Bytes, not elements: the Triton interpreter stages each kernel argument as a byte tensor of
-    the same size, which is not a second buffer of the op's own.
+    Storages, not tensors, are counted (a view adds nothing), each until its last tensor is freed
+    (a weak reference to the storage tells). The Triton interpreter stages each kernel argument as
+    a byte tensor of the same size, which is not a second buffer of the op's own: under it this
+    overcounts.
     """
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.live = {}  # storage address -> (weak reference, bytes)
+        self.peak = self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         kwargs = kwargs or {}
         if func.namespace == "fastppo":
             # Run the op's CPU implementation with this mode active, so its inner ops are seen too.
@@ -70,14 +77,19 @@ class LargestTensor(TorchDispatchMode):
                 out = func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
                 self.largest = max(self.largest, t.numel() * t.element_size())
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
         return out
 
 
 def peak_memory_bytes(call, device: torch.device) -> int:
-    """CUDA: peak allocated bytes above the starting point during ``call()``; CPU: largest tensor."""
+    """Peak bytes allocated above the starting point during ``call()``: from the CUDA caching
+    allocator on CUDA, from :class:`LiveBytes` on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -85,9 +97,9 @@ def peak_memory_bytes(call, device: torch.device) -> int:
         call()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    with LargestTensor() as mode:
+    with LiveBytes() as mode:
         call()
-    return mode.largest
+    return mode.peak
 
 
 def copy_bandwidth_gbps(device: torch.device, *, quick: bool = False, smoke: bool = False) -> float:

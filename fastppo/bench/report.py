@@ -17,8 +17,7 @@ def _time(row) -> str:
 
 
 def markdown(meta: dict, rows: list) -> str:
-    memory = ("peak allocated above the inputs" if meta["device"] == "cuda"
-              else "largest tensor created")
+    memory = "peak allocated above the inputs"
     lines = [
         f"# fastppo bench: {meta['machine']}",
         "",

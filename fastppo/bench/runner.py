@@ -17,7 +17,7 @@ from .advantages import gae_cases, whiten_cases
 from .logprobs import linear_logprobs_cases, logprobs_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
 from .sampler import sampler_cases, sampling_cases
-from .trainer import trainer_cases
+from .trainer import trainer_cases, trainer_options_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 
 # op family -> cases(device, quick). A time budget cuts the end of the list, so one family of
@@ -29,6 +29,7 @@ FAMILIES = {
     "sampler": sampler_cases,
     "sampling": sampling_cases,
     "trainer": trainer_cases,
+    "trainer_options": trainer_options_cases,
     "ppo_loss_tokens": ppo_loss_tokens_cases,
     "value_loss": value_loss_cases,
     "whiten": whiten_cases,

@@ -20,9 +20,19 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint; "
                         "--config and options may change only how long it runs and how it saves")
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error")
+    plan = parser.add_argument_group("memory plan")
+    plan.add_argument("--plan", action="store_true", help="print the memory this run needs on one device, from "
+                      "the model's config alone (no weights read), and exit without training")
+    plan.add_argument("--plan-prompt-tokens", type=int, metavar="N", help="the longest prompt, in tokens "
+                      "(default: measured from the prompts with the model's tokenizer)")
+    plan.add_argument("--plan-world-size", type=int, metavar="N", help="ranks of the run (default: $WORLD_SIZE or 1)")
+    plan.add_argument("--plan-device-memory", type=float, metavar="GIB",
+                      help="memory of the device to compare with (default: this machine's GPU, else its RAM)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        if args.plan:
+            return _plan(args)
         return _train(args)
     except UsageError as error:
         if args.debug:
@@ -50,4 +60,46 @@ def _train(args) -> int:
         last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])
         print(f"mean reward: first 5 iterations {first:.3f}, last 5 {last:.3f} ({len(history)} iterations); "
               f"metrics in {trainer.config.run.out}/metrics.jsonl")
+    return 0
+
+
+def _plan(args) -> int:
+    import os
+
+    import torch
+    from transformers import AutoConfig
+
+    from . import tasks
+    from .models import DEFAULT_MODEL
+    from .plan import GiB, device_memory, memory_plan, render
+
+    config = from_arguments(args)
+    path = config.model.model or DEFAULT_MODEL
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--model {path}: no model config to plan from ({error})") from None
+    tokens = args.plan_prompt_tokens
+    if tokens is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give "
+                             "--plan-prompt-tokens") from None
+        rows = (tasks.load_prompts(config.data.prompts)[0] if config.data.prompts
+                else tasks.TASKS[config.data.task][0](seed=config.run.seed))
+        tokens = max(len(tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in rows)
+    if tokens < 1:
+        raise UsageError(f"--plan-prompt-tokens must be >= 1, got {tokens}")
+    device = config.run.device
+    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+    world = args.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    reward_config = AutoConfig.from_pretrained(config.data.reward_model) if config.data.reward_model else None
+    lines = memory_plan(config, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
+                        reward_model_config=reward_config)
+    available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
+    print(render(lines, available, f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
+                                   f"tokens, {world} rank(s), each holding whole copies"), end="")
     return 0

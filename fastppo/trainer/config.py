@@ -304,7 +304,8 @@ def read_config_file(path: Path) -> dict:
 def given_fields(args: argparse.Namespace) -> dict:
     """The fields the user set: the ``--config`` file's, then the command line's over them."""
     values = read_config_file(args.config) if getattr(args, "config", None) is not None else {}
-    values.update({k: v for k, v in vars(args).items() if k not in ("config", "resume", "debug")})
+    values.update({k: v for k, v in vars(args).items() if k not in ("config", "resume", "debug")
+                   and not k.startswith("plan")})
     return values
 
 

@@ -47,7 +47,7 @@ def projection_names(model) -> list:
     return sorted(names)
 
 
-def _targets(model, target_modules: Optional[str]):
+def lora_targets(model, target_modules: Optional[str]):
     """PEFT's ``target_modules`` from the comma-separated option (None: every projection)."""
     if target_modules is None:
         return "all-linear"
@@ -72,7 +72,7 @@ class LoRA:
     def __init__(self, policy, rank: int, alpha: Optional[float], target_modules: Optional[str],
                  base_dtype: torch.dtype):
         peft = _require_peft()
-        targets = _targets(policy, target_modules)
+        targets = lora_targets(policy, target_modules)
         policy.requires_grad_(False)
         for p in policy.parameters():
             p.data = p.data.to(base_dtype)

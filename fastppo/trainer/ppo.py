@@ -135,6 +135,14 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     return float(1 - residual.var() / returns.var())
 
 
+def adamw(params: list, lr: float) -> torch.optim.AdamW:
+    """AdamW with torch's defaults, fused (one kernel over every tensor on CUDA and on the CPU;
+    the per-tensor loop it replaces cost 0.6 s of a 135M model's step on a 2-core CPU) when
+    every parameter is fp32 and on one device type, as the master weights are."""
+    fused = len({p.device.type for p in params}) == 1 and all(p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW(params, lr=lr, fused=fused)
+
+
 class TrainingFailed(RuntimeError):
     """The run ended without training: every optimizer step had a non-finite gradient."""
 
@@ -213,8 +221,8 @@ class PPOTrainer:
         self.sampler = Sampler(self.rollout_weights.model, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
                                max_seq_len=longest + r.max_new_tokens)
         o = config.optim
-        self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr)
-        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr) if self.critic else None
+        self.optimizer = adamw([p for p in policy.parameters() if p.requires_grad], o.lr)
+        self.critic_optimizer = adamw(list(self.critic.parameters()), o.critic_lr) if self.critic else None
         self.schedules = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_factor)
                           for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
         self.skipped_steps = 0

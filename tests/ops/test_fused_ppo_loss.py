@@ -128,14 +128,14 @@ def test_from_hidden_without_autograd_gives_the_same_loss(backend):
 
 
 def test_from_hidden_memory_is_bounded_by_the_chunk(backend, device):
-    from fastppo.bench.measure import LargestTensor
+    from fastppo.bench.measure import LiveBytes
 
     if device.type == "cuda":
         pytest.skip("the dispatch-mode probe runs the CPU implementation")
     N, H, V, chunk = 512, 8, 1000, 32
     hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
     labels, old, adv = torch.randint(0, V, (N,)), -torch.rand(N) * 5, torch.randn(N)
-    with LargestTensor() as mode:
+    with LiveBytes() as mode:
         loss, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, torch.ones(N, dtype=torch.bool),
                                                chunk_size=chunk, entropy_coef=0.01, backend=backend)
         loss.backward()

@@ -1,0 +1,168 @@
+"""``fastppo train --plan``: the memory one device will need for a run, from the model's config
+alone, before anything is loaded.
+
+The model is instantiated on the meta device (shapes, no storage, no weights read), so its
+parameter count, tied embeddings and LoRA targets are the real ones. What the run holds is
+counted from the options, each line with its dtype:
+
+- exact: parameters (fp32 masters; with LoRA the frozen base in the rollout dtype and the fp32
+  adapters), gradients, AdamW's two moments and step counters, the bf16 rollout copy, the
+  reference, the critic, the KV cache;
+- estimated: activations kept for the backward per layer and token, ``(8 hidden + 4
+  intermediate + 2 kv_dim)`` values of a Llama-like block, measured from the tensors autograd
+  saves (with checkpointing, each block's input plus one block recomputed at a time), one
+  block's worth more for the backward's working gradients, and the fused loss head's fp32
+  logits chunk and weight gradient.
+
+Every rank holds whole copies (data parallelism, no sharding yet), so a rank's plan is one
+device's, whatever the world size; with more than one rank the gradient all-reduce adds a flat
+copy of the gradients.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .precision import Precision, stored_dtype
+
+GiB = 1 << 30
+
+
+@dataclass
+class Line:
+    name: str
+    bytes: int
+    how: str  # the count behind the number
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs of a model, read from its meta instantiation."""
+
+    params: int  # distinct parameters (tied ones once)
+    tensors: int  # distinct parameter tensors
+    backbone_params: int  # without the LM head (what a critic copies)
+    backbone_tensors: int
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_dim: int  # key/value heads x head dim
+    lora_params: int  # adapter parameters for the given LoRA options (0 without)
+    lora_tensors: int
+
+
+def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> ModelShape:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    params = list(model.parameters())
+    backbone = list(model.base_model.parameters())
+    c = model_config
+    hidden = c.hidden_size
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    lora_params = lora_tensors = 0
+    if lora_rank is not None:
+        from transformers.pytorch_utils import Conv1D
+
+        from .lora import lora_targets
+
+        targets = lora_targets(model, lora_target_modules)  # "all-linear", or the checked leaf names
+        head = model.get_output_embeddings()
+        for name, module in model.named_modules():
+            if module is head or not isinstance(module, (nn.Linear, Conv1D)):
+                continue
+            if targets == "all-linear" or name.rsplit(".", 1)[-1] in targets:
+                lora_params += lora_rank * sum(module.weight.shape)
+                lora_tensors += 2
+    return ModelShape(params=sum(p.numel() for p in params), tensors=len(params),
+                      backbone_params=sum(p.numel() for p in backbone), backbone_tensors=len(backbone),
+                      vocab=model.get_output_embeddings().weight.shape[0], hidden=hidden, intermediate=intermediate,
+                      layers=c.num_hidden_layers, kv_dim=kv_heads * head_dim, lora_params=lora_params,
+                      lora_tensors=lora_tensors)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, world_size: int = 1,
+                reward_model_config=None) -> list:
+    """The lines of one device's memory for a run of ``config`` (a validated ``TrainConfig``) on the
+    model ``model_config``, prompts of up to ``prompt_tokens`` tokens."""
+    from ..ops.linear_token_logprobs import default_chunk_size
+
+    r, a, lora = config.rollout, config.algo, config.lora
+    precision = Precision.of(config.optim.autocast, r.rollout_dtype, config.run.save_dtype, device_type,
+                             stored_dtype(model_config))
+    m = model_shape(model_config, lora.lora_rank, lora.lora_target_modules)
+    compute = _size(precision.compute or torch.float32)
+    rollout, frozen = _size(precision.rollout), _size(precision.frozen)
+    lines = []
+    if lora.lora_rank is None:
+        trainable, tensors = m.params, m.tensors
+        lines.append(Line("policy weights", 4 * m.params, f"{m.params:,} fp32 master weights"))
+    else:
+        trainable, tensors = m.lora_params, m.lora_tensors
+        lines.append(Line("policy weights", rollout * m.params + 4 * m.lora_params,
+                          f"{m.params:,} frozen in {str(precision.rollout)[6:]} + {m.lora_params:,} fp32 adapter"))
+    lines += [Line("gradients", 4 * trainable, f"{trainable:,} fp32"),
+              Line("AdamW state", 8 * trainable + 4 * tensors, f"2 fp32 moments + a step per tensor ({tensors})")]
+    if lora.lora_rank is None and precision.rollout != torch.float32:
+        lines.append(Line("rollout copy", rollout * m.params, f"{m.params:,} in {str(precision.rollout)[6:]}"))
+    if a.kl_coef > 0 and lora.lora_rank is None:
+        lines.append(Line("reference", frozen * m.params, f"{m.params:,} in {str(precision.frozen)[6:]}"))
+    if config.uses_critic:
+        n = m.backbone_params + m.hidden + 1
+        lines.append(Line("critic + its gradients and AdamW state", 16 * n + 4 * (m.backbone_tensors + 2),
+                          f"{n:,} fp32, trained in full"))
+    if reward_model_config is not None:
+        rm = model_shape(reward_model_config)
+        lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
+    rows = r.prompts_per_iteration * r.samples_per_prompt
+    length = prompt_tokens + r.max_new_tokens
+    lines.append(Line("KV cache", 2 * m.layers * rows * length * m.kv_dim * rollout,
+                      f"{m.layers} layers x K,V x {rows} rows x {length} positions x {m.kv_dim}"))
+    lines.append(Line("sampler step logits", rows * m.vocab * (rollout + 4), f"{rows} x {m.vocab:,}, and fp32"))
+    mb_rows = rows // a.minibatches
+    tokens, responses = mb_rows * length, mb_rows * r.max_new_tokens
+    block = (8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * compute * tokens
+    models = 2 if config.uses_critic else 1
+    outside = 2 * m.hidden * compute * tokens  # the embeddings' output and the final norm's
+    if config.model.gradient_checkpointing:
+        kept = m.layers * m.hidden * 4 * tokens + block + outside
+        how = f"{m.layers} block inputs + 1 block recomputed, {tokens:,} tokens per minibatch"
+    else:
+        kept = m.layers * block + outside
+        how = f"{m.layers} blocks x {tokens:,} tokens per minibatch"
+    lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
+    chunk = default_chunk_size(responses, m.vocab, torch.device(device_type))
+    lines.append(Line("loss head", 4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden),
+                      f"fp32 logits chunk {chunk} x {m.vocab:,}, head gradient, hidden gradient"))
+    if world_size > 1:
+        lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients"))
+    return lines
+
+
+def device_memory(device_type: str) -> int:
+    """Total memory of the device the run would use (a CUDA device's, else the machine's RAM)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def render(lines: list, available: int, header: str) -> str:
+    total = sum(line.bytes for line in lines)
+    width = max(len(line.name) for line in lines)
+    out = [header, ""]
+    out += [f"  {line.name:<{width}}  {line.bytes / GiB:9.2f} GiB  {line.how}" for line in lines]
+    verdict = "fits" if total <= available else "does NOT fit"
+    out += ["", f"  {'total':<{width}}  {total / GiB:9.2f} GiB  of {available / GiB:.1f} GiB: {verdict}"]
+    return "\n".join(out) + "\n"
+

@@ -1,0 +1,96 @@
+"""``fastppo train --plan``: exact where it counts tensors, close to the measured peak overall, from
+a config alone."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastppo.bench.measure import LiveBytes
+from fastppo.cli import main as fastppo_main
+from fastppo.trainer import PPOTrainer
+from fastppo.trainer.models import char_tokenizer, tiny_policy
+from fastppo.trainer.plan import memory_plan
+from tests.trainer.test_trainer import config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
+
+
+def planned_and_measured(tmp_path, **fields):
+    """The plan's lines, the trainer after two iterations, and the peak bytes it allocated."""
+    cfg = config(tmp_path, task="vowels", prompts_per_iteration=8, samples_per_prompt=4, save=False, **fields)
+    tokenizer = char_tokenizer()
+    with LiveBytes() as mode:
+        trainer = PPOTrainer(cfg, policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
+        trainer.iteration(0)
+        trainer.iteration(1)
+    longest = max(len(tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in trainer.prompts)
+    lines = memory_plan(cfg, trainer.policy.config, prompt_tokens=longest, device_type="cpu")
+    return {line.name: line.bytes for line in lines}, trainer, mode.peak
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("fields", [{}, {"lora_rank": 4}, {"estimator": "gae"}, {"kl_coef": 0.1, "rollout_dtype": "bf16"}])
+def test_weights_gradients_and_optimizer_state_are_exact(tmp_path, fields):
+    plan, trainer, _ = planned_and_measured(tmp_path, **fields)
+    policy = list(trainer.policy.parameters())
+    assert plan["policy weights"] == nbytes(policy)
+    assert plan["gradients"] == nbytes(p.grad for p in policy if p.grad is not None)
+    state = [t for s in trainer.optimizer.state.values() for t in s.values()]
+    assert plan["AdamW state"] == nbytes(state)
+    if trainer.critic is not None:
+        critic = list(trainer.critic.parameters())
+        critic_state = [t for s in trainer.critic_optimizer.state.values() for t in s.values()]
+        assert plan["critic + its gradients and AdamW state"] == nbytes(critic) + nbytes(
+            p.grad for p in critic) + nbytes(critic_state)
+    if trainer.reference is not None and trainer.lora is None:
+        assert plan["reference"] == nbytes(trainer.reference.parameters())
+    if not trainer.rollout_weights.shared:
+        assert plan["rollout copy"] == nbytes(trainer.rollout_weights.model.parameters())
+    assert plan["KV cache"] == nbytes(trainer.sampler.lean.cache.k + trainer.sampler.lean.cache.v)
+
+
+@pytest.mark.parametrize("fields", [{}, {"gradient_checkpointing": True}, {"estimator": "gae"}, {"lora_rank": 4}])
+def test_the_total_is_within_a_quarter_of_the_measured_peak(tmp_path, fields):
+    plan, _, peak = planned_and_measured(tmp_path, **fields)
+    assert 0.75 * peak <= sum(plan.values()) <= 1.25 * peak, (sum(plan.values()), peak)
+
+
+def test_checkpointing_and_lora_shrink_the_plan():
+    from transformers import AutoConfig
+
+    qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-7b")
+    fields = dict(prompts_per_iteration=8, samples_per_prompt=8, max_new_tokens=1536)
+    totals = {}
+    for name, extra in {"full": {}, "checkpointing": {"gradient_checkpointing": True},
+                        "lora": {"lora_rank": 64, "gradient_checkpointing": True}}.items():
+        cfg = config(Path("/unused"), **fields, **extra)
+        lines = {line.name: line for line in memory_plan(cfg, qwen, prompt_tokens=512, device_type="cuda")}
+        totals[name] = sum(line.bytes for line in lines.values())
+        if name == "full":
+            assert "7,615,616,512 fp32" in lines["policy weights"].how  # Qwen2.5-7B's published 7.62B
+            assert lines["rollout copy"].bytes == 2 * 7_615_616_512
+    assert totals["lora"] < totals["checkpointing"] < totals["full"]
+
+
+def test_the_command_prints_a_plan_and_trains_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert fastppo_main(["train", "--plan", "--out", str(out), "--plan-device-memory", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "policy weights" in printed and "activations" in printed and "fits" in printed
+    assert not out.exists()
+
+
+def test_a_config_without_a_tokenizer_needs_the_prompt_length(tmp_path, capsys):
+    model = CONFIGS / "qwen2.5-1.5b"
+    assert fastppo_main(["train", "--plan", "--model", str(model)]) == 2
+    assert "--plan-prompt-tokens" in capsys.readouterr().err
+    assert fastppo_main(["train", "--plan", "--model", str(model), "--plan-prompt-tokens", "256",
+                         "--plan-device-memory", "8", "--device", "cuda"]) == 0
+    printed = capsys.readouterr().out
+    assert "1,543,714,304 fp32 master weights" in printed and "does NOT fit" in printed
+    assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2"
