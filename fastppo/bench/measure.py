@@ -56,8 +56,9 @@ class LiveBytes(TorchDispatchMode):
     counterpart of the CUDA allocator's peak), and the largest one (``largest``), looking inside
     fastppo's custom ops.
 
-    Storages, not tensors, are counted (a view adds nothing), each until its last tensor is freed
-    (a weak reference to the storage tells). The Triton interpreter stages each kernel argument as
+    Storages, not tensors, are counted (a view, or an in-place op's result, adds nothing: it is
+    its input's memory), each until its last tensor is freed (a weak reference to the storage
+    tells). The Triton interpreter stages each kernel argument as
     a byte tensor of the same size, which is not a second buffer of the op's own: under it this
     overcounts.
     """
@@ -78,11 +79,13 @@ class LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
                 self.largest = max(self.largest, t.numel() * t.element_size())
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in inputs:  # an in-place op's or a view's output is its input's memory
+                    self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
         self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
         return out
 
