@@ -50,3 +50,17 @@ def test_cli_writes_json_and_markdown(tmp_path, capsys):
 def test_time_budget_skips_the_rest():
     _, rows = run_suite(["whiten"], CPU, quick=True, smoke=True, time_budget_s=-1.0)
     assert {r["status"] for r in rows if r["contender"] == "fastppo"} == {"skipped: time budget"}
+
+
+def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
+    pytest.importorskip("trl")
+    assert bench_main(["--versus-trl", "--device", "cpu", "--iterations", "3", "--prompts", "2", "--samples", "2",
+                       "--max-new-tokens", "4", "--json", str(tmp_path / "v.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| fastppo train |" in printed and "| TRL GRPOTrainer |" in printed and "fp32" in printed
+    result = json.loads((tmp_path / "v.json").read_text())
+    assert [r["trainer"] for r in result["rows"]] == ["fastppo train", "TRL GRPOTrainer"]
+    for row in result["rows"]:
+        assert row["iterations"] == 3 and row["seconds_median"] > 0 and row["tokens_per_s"] > 0
+        assert 0 <= row["reward_at_cutoff"] <= 1 and 1 <= row["iterations_by_cutoff"] <= 3
+    assert math.isfinite(result["speedup"]) and result["speedup"] > 0

@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     versus.add_argument("--samples", type=int, default=8, help="samples per prompt")
     versus.add_argument("--max-new-tokens", type=int, default=8)
     versus.add_argument("--lr", type=float, default=5e-4)
+    versus.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="both trainers in bf16 mixed precision (default: on CUDA only)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
@@ -56,7 +58,7 @@ def _versus_trl(args) -> int:
 
     device = torch.device(args.device)
     result = compare(args.model, device, prompts=args.prompts, samples=args.samples,
-                     max_new_tokens=args.max_new_tokens, lr=args.lr, iterations=args.iterations)
+                     max_new_tokens=args.max_new_tokens, lr=args.lr, iterations=args.iterations, bf16=args.bf16)
     table = versus_markdown(result, machine(device))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

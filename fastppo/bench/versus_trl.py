@@ -22,13 +22,14 @@ import time
 import torch
 
 
-def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed) -> list:
+def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16) -> list:
     from ..trainer import PPOTrainer, TrainConfig
 
     config = TrainConfig.from_flat({
         "model": model, "out": tempfile.mkdtemp(prefix="fastppo-versus-trl-"), "save": False, "device": device.type,
         "iterations": iterations, "prompts_per_iteration": prompts, "samples_per_prompt": samples,
         "max_new_tokens": max_new_tokens, "lr": lr, "seed": seed, "estimator": "grpo", "kl_coef": 0.0,
+        **({"autocast": True, "rollout_dtype": "bfloat16"} if bf16 else {}),
     }).validate()
     trainer = PPOTrainer(config)
     rows = []
@@ -42,7 +43,7 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
     return rows
 
 
-def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed) -> list:
+def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16) -> list:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -73,7 +74,7 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
                       num_generations=samples, max_completion_length=max_new_tokens, max_steps=iterations,
                       learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.01, optim="adamw_torch",
                       logging_steps=1, report_to="none", save_strategy="no", use_cpu=device.type != "cuda",
-                      bf16=device.type == "cuda", disable_dropout=True, seed=seed, temperature=1.0,
+                      bf16=bf16, disable_dropout=True, seed=seed, temperature=1.0,
                       num_iterations=1, beta=0.0)
     trainer = GRPOTrainer(model=policy, reward_funcs=score, args=args, processing_class=tokenizer,
                           train_dataset=datasets.Dataset.from_list(rows), callbacks=[Clock()])
@@ -102,10 +103,13 @@ def _summary(name: str, rows: list, cutoff: float) -> dict:
 
 
 def compare(model=None, device=torch.device("cpu"), *, prompts: int = 16, samples: int = 8, max_new_tokens: int = 8,
-            lr: float = 5e-4, iterations: int = 30, seed: int = 0) -> dict:
-    """Both trainers for ``iterations`` on the arithmetic task; a summary row each (see the module)."""
+            lr: float = 5e-4, iterations: int = 30, seed: int = 0, bf16: bool = None) -> dict:
+    """Both trainers for ``iterations`` on the arithmetic task; a summary row each (see the module).
+    ``bf16`` (default: on CUDA): both in mixed precision, fastppo with bf16 autocast and a bf16
+    rollout copy, TRL with ``bf16=True``; else both in fp32."""
+    bf16 = device.type == "cuda" if bf16 is None else bf16
     shape = dict(prompts=prompts, samples=samples, max_new_tokens=max_new_tokens, lr=lr, iterations=iterations,
-                 seed=seed)
+                 seed=seed, bf16=bf16)
     runs = {"fastppo train": _fastppo_run(model, device, **shape), "TRL GRPOTrainer": _trl_run(model, device, **shape)}
     cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
     summaries = [_summary(name, rows, cutoff) for name, rows in runs.items()]
@@ -118,7 +122,8 @@ def markdown(result: dict, machine: str) -> str:
     s = result["shape"]
     lines = [f"## fastppo train vs TRL GRPOTrainer: {result['model']}", "",
              f"{machine}; arithmetic task, {s['prompts']} prompts x {s['samples']} samples, up to "
-             f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, one run. "
+             f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, "
+             f"{'bf16 mixed precision' if s['bf16'] else 'fp32'}, one run. "
              f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "
              f"**{result['speedup']:.2f}x** (median seconds per iteration).", "",
              "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "

@@ -56,24 +56,45 @@ def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, a
     return ppo_policy_loss(logp, old_logprobs, advantages, mask, entropy=entropy, backend=backend, **loss_options)
 
 
-def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                         mask: Tensor, *, bias: Optional[Tensor] = None, temperature=1.0,
+def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_logprobs: Optional[Tensor],
+                         advantages: Tensor, mask: Tensor, *, bias: Optional[Tensor] = None, temperature=1.0,
                          chunk_size: Optional[int] = None, backend: str = "auto", ref_logprobs=None,
                          clip_eps: float = 0.2, clip_eps_high=None, dual_clip=None, kl_coef: float = 0.0,
                          kl_estimator: str = "k3", entropy_coef: float = 0.0, agg: str = "token-mean",
-                         num_tokens=None) -> tuple[Tensor, dict]:
+                         num_tokens=None, sampler_logprobs: Optional[Tensor] = None,
+                         rollout_is_cap: Optional[float] = None, return_logprobs: bool = False) -> tuple:
     """:func:`ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
 
     ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` and ``chunk_size`` as in
     :func:`fastppo.linear_token_logprobs`; the loss options as in :func:`fastppo.ppo_policy_loss`.
     Gradients reach ``hidden``, ``weight`` and ``bias``. One chunked pass computes the loss and
     the gradients together (three matmuls per chunk; see ``linear_ppo_loss.py``).
+
+    ``old_logprobs=None``: the update is exactly on-policy (the first step after a rollout), so
+    the old log-probs are this pass's own, detached, and every ratio is 1; no separate pass
+    computes them. With ``sampler_logprobs`` and ``rollout_is_cap`` each advantage is weighted by
+    :func:`fastppo.rollout_is_weights` of the old log-probs over the sampler's. With
+    ``return_logprobs`` the result is ``(loss, stats, logprobs)``, the labels' log-probs
+    (detached fp32, 0 where masked): the old ones, when on-policy.
     """
     labels = _masked_labels(labels, mask)
     args = LinearArgs.check(hidden, weight, labels, bias, temperature, _IGNORE, chunk_size, backend)
     spec = loss_spec(labels, "labels", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, has_entropy=True,
                      clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens)
-    loss, stats = linear_ppo_loss(args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature,
-                                  _IGNORE, spec, args.chunk_size, args.backend)
+    if (sampler_logprobs is None) != (rollout_is_cap is None):
+        raise ValueError("sampler_logprobs and rollout_is_cap go together: give both or neither")
+    if sampler_logprobs is not None:
+        checks.check_floating(sampler_logprobs, "sampler_logprobs")
+        if sampler_logprobs.shape != labels.shape:
+            raise ValueError(f"sampler_logprobs has shape {tuple(sampler_logprobs.shape)} but labels has "
+                             f"{tuple(labels.shape)}")
+        checks.check_same_device(labels.device, "labels", sampler_logprobs=sampler_logprobs)
+        sampler_logprobs = checks.as_tokens(sampler_logprobs.detach())
+        rollout_is_cap = checks.check_number(rollout_is_cap, "rollout_is_cap", above=1)
+    loss, stats, logprobs = linear_ppo_loss(args.hidden, weight, bias, args.labels, args.temperature,
+                                            args.inv_temperature, _IGNORE, spec, sampler_logprobs,
+                                            rollout_is_cap or 0.0, args.chunk_size, args.backend)
+    if return_logprobs:
+        return loss, spec.named(stats), logprobs.view(labels.shape)
     return loss, spec.named(stats)

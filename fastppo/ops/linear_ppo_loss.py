@@ -22,23 +22,28 @@ from .dispatch import implementation
 from .linear_token_logprobs import InputGrads, chunk_logits, matmul_weight, row_slice
 from .ppo_loss import STATS, summarize
 from .ppo_loss_torch import PARTIALS
+from .rollout_is_weights import truncated_weights
 
 
 @torch.library.custom_op("fastppo::linear_ppo_loss", mutates_args=())
 def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                      temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
-                     old_logprobs: Tensor, advantages: Tensor, weights: Tensor, valid: Tensor,
+                     old_logprobs: Optional[Tensor], advantages: Tensor, weights: Tensor, valid: Tensor,
                      ref_logprobs: Optional[Tensor], clip_low: float, clip_high: float, dual_clip: float,
-                     kl_coef: float, kl_estimator: int, entropy_coef: float, chunk_size: int, backend: str,
+                     kl_coef: float, kl_estimator: int, entropy_coef: float,
+                     sampler_logprobs: Optional[Tensor], is_cap: float, chunk_size: int, backend: str,
                      need_hidden: bool, need_weight: bool,
-                     need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # hidden (N, H), weight (V, H), token tensors (N,) -> loss (), stats, grad_hidden, grad_weight, grad_bias
+                     need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # hidden (N, H), weight (V, H), token tensors (N,) -> loss (), stats, logprobs (N,), grad_hidden,
+    # grad_weight, grad_bias. old_logprobs None: on-policy, the old log-probs are each chunk's own;
+    # sampler_logprobs: the advantages are weighted by min(exp(old - sampler), is_cap).
     N = hidden.shape[0]
     logprob_kernels, loss_kernels = implementation(backend, "logprobs"), implementation(backend, "ppo_loss")
     w = matmul_weight(weight)
     grads = InputGrads(hidden, weight, need_hidden, need_weight, need_bias)
     backward = need_hidden or need_weight or need_bias
     partials = []
+    all_logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
     for r0 in range(0, N, chunk_size):
         r1 = min(N, r0 + chunk_size)
         n = r1 - r0
@@ -46,10 +51,15 @@ def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
         logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
         logprob_kernels.logprobs_forward(logits, labels[r0:r1], row_slice(temperature, r0, r1), inv_temperature,
                                          ignore_index, logp, entropy, lse)
+        all_logp[r0:r1] = logp
+        old = logp if old_logprobs is None else old_logprobs[r0:r1]  # on-policy: every ratio is exactly 1
+        advantage = advantages[r0:r1]
+        if sampler_logprobs is not None:
+            advantage = advantage * truncated_weights(old, sampler_logprobs[r0:r1], valid[r0:r1], is_cap)
         grad_logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         chunk_partials = torch.zeros(loss_kernels.num_programs(n), len(PARTIALS), dtype=torch.float32,
                                      device=hidden.device)
-        loss_kernels.ppo_loss_forward(logp, old_logprobs[r0:r1], advantages[r0:r1], weights[r0:r1],
+        loss_kernels.ppo_loss_forward(logp, old, advantage, weights[r0:r1],
                                       valid[r0:r1], row_slice(ref_logprobs, r0, r1), entropy, clip_low, clip_high,
                                       dual_clip, kl_coef, kl_estimator, grad_logp, chunk_partials)
         partials.append(chunk_partials)
@@ -60,21 +70,21 @@ def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
             grads.add(r0, r1, logits[0], hidden[r0:r1], w, valid[r0:r1])  # logits now hold their gradient
     if not partials:
         partials.append(torch.zeros(1, len(PARTIALS), dtype=torch.float32, device=hidden.device))
-    return (*summarize(torch.cat(partials), kl_coef, entropy_coef), *grads.results())
+    return (*summarize(torch.cat(partials), kl_coef, entropy_coef), all_logp, *grads.results())
 
 
 @_linear_ppo_loss.register_fake
 def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, old_logprobs, advantages,
       weights, valid, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_estimator, entropy_coef,
-      chunk_size, backend, need_hidden, need_weight, need_bias):
+      sampler_logprobs, is_cap, chunk_size, backend, need_hidden, need_weight, need_bias):
     f32 = dict(dtype=torch.float32)
-    return (hidden.new_empty((), **f32), hidden.new_empty(len(STATS), **f32),
+    return (hidden.new_empty((), **f32), hidden.new_empty(len(STATS), **f32), hidden.new_empty(hidden.shape[0], **f32),
             *InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias))
 
 
 def _setup_context(ctx, inputs, output):
-    _, stats, grad_hidden, grad_weight, grad_bias = output
-    ctx.mark_non_differentiable(stats, grad_hidden, grad_weight, grad_bias)
+    _, stats, logprobs, grad_hidden, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(stats, logprobs, grad_hidden, grad_weight, grad_bias)
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
 
 
@@ -82,7 +92,7 @@ def _backward(ctx, grad_loss, *_unused):
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
     scaled = [(grad_loss * g).to(g.dtype) if needed else None
               for g, needed in zip((grad_hidden, grad_weight, grad_bias), ctx.needs_input_grad[:3])]
-    return (*scaled, *([None] * 20))
+    return (*scaled, *([None] * 22))
 
 
 torch.library.register_autograd(_linear_ppo_loss, _backward, setup_context=_setup_context)
@@ -90,12 +100,13 @@ torch.library.register_autograd(_linear_ppo_loss, _backward, setup_context=_setu
 
 def linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                     temperature: Optional[Tensor], inv_temperature: float, ignore_index: int, spec,
-                    chunk_size: int, backend: str) -> tuple:
-    """``(loss, stats vector)`` for flattened, validated inputs; ``spec`` is a ``LossSpec``."""
+                    sampler_logprobs: Optional[Tensor], is_cap: float, chunk_size: int, backend: str) -> tuple:
+    """``(loss, stats vector, logprobs (N,))`` for flattened, validated inputs; ``spec`` is a
+    ``LossSpec`` (its ``old_logprobs`` None: on-policy)."""
     grad = torch.is_grad_enabled()
     return _linear_ppo_loss(
         hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, spec.old_logprobs,
         spec.advantages, spec.weights, spec.valid, spec.ref_logprobs, spec.clip_low, spec.clip_high, spec.dual_clip,
-        spec.kl_coef, spec.kl_estimator, spec.entropy_coef, chunk_size, backend,
+        spec.kl_coef, spec.kl_estimator, spec.entropy_coef, sampler_logprobs, is_cap, chunk_size, backend,
         grad and hidden.requires_grad, grad and weight.requires_grad,
-        grad and bias is not None and bias.requires_grad)[:2]
+        grad and bias is not None and bias.requires_grad)[:3]

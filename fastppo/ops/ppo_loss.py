@@ -84,7 +84,7 @@ torch.library.register_autograd(_ppo_loss, _backward, setup_context=_setup_conte
 class LossSpec:
     """A PPO loss's validated arguments, flattened to ``(N,)`` token tensors for the kernels."""
 
-    old_logprobs: Tensor
+    old_logprobs: Optional[Tensor]  # None: on-policy, the pass's own (ppo_loss_from_hidden only)
     advantages: Tensor
     weights: Tensor  # fp32 aggregation weight per token
     valid: Tensor  # bool
@@ -114,6 +114,7 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
               dual_clip: Optional[float], kl_coef: float, kl_estimator: str, entropy_coef: float, agg: str,
               num_tokens) -> LossSpec:
     """Check the loss arguments against the token shape of ``like`` and flatten them."""
+    checks.check_tensor(advantages, "advantages")
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("ref_logprobs", ref_logprobs)):
         if x is not None:
             _check_token_tensor(x, name, like, like_name)
@@ -134,7 +135,8 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
     stat_names += ["dual_clipfrac"] * (dual_clip is not None)
     weights = checks.poison(aggregation_weights(valid, agg, num_tokens), invalid)  # NaN where mask is not 0/1
     return LossSpec(
-        old_logprobs=checks.as_tokens(old_logprobs.detach()), advantages=checks.as_tokens(advantages.detach()),
+        old_logprobs=None if old_logprobs is None else checks.as_tokens(old_logprobs.detach()),
+        advantages=checks.as_tokens(advantages.detach()),
         weights=checks.as_tokens(weights), valid=checks.as_tokens(valid),
         ref_logprobs=None if ref_logprobs is None else checks.as_tokens(ref_logprobs.detach()),
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual, kl_coef=kl_coef,
@@ -172,6 +174,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     ``entropy`` (= agg(entropy)) when given, ``dual_clipfrac`` with dual clipping.
     """
     checks.check_floating(logprobs, "logprobs")
+    checks.check_tensor(old_logprobs, "old_logprobs")
     if entropy is not None:
         _check_token_tensor(entropy, "entropy", logprobs, "logprobs")
     spec = loss_spec(logprobs, "logprobs", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,

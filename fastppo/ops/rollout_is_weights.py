@@ -8,7 +8,9 @@ token's policy-gradient term by ``min(pi_old / pi_sampler, cap)``.
 
 Because the weight is positive, scaling the PPO term by it is the same as scaling the token's
 advantage: ``w * max(-A r, -A clip(r)) = max(-(wA) r, -(wA) clip(r))`` and likewise for the dual
-clip, so the loss kernels need no extra input; the trainer multiplies the advantages.
+clip, so the loss kernels need no extra input: the weights multiply the advantages (inside
+``ppo_loss_from_hidden`` when it is given ``sampler_logprobs``, where the old log-probs may be the
+pass's own).
 """
 
 import torch
@@ -32,6 +34,10 @@ def rollout_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Ten
     checks.check_same_device(old_logprobs.device, "old_logprobs", sampler_logprobs=sampler_logprobs)
     cap = checks.check_number(cap, "cap", above=1)
     valid, invalid = checks.check_mask(mask, old_logprobs, "old_logprobs")
+    return checks.poison(truncated_weights(old_logprobs, sampler_logprobs, valid, cap), invalid)
+
+
+def truncated_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, valid: Tensor, cap: float) -> Tensor:
+    """The weights of checked arguments (``valid`` bool); also used inside the fused loss."""
     log_ratio = (old_logprobs.detach().float() - sampler_logprobs.detach().float()).clamp(-20.0, 20.0)
-    weights = torch.where(valid, log_ratio.exp().clamp(max=cap), 0.0)  # NaN survives clamp and exp
-    return checks.poison(weights, invalid)
+    return torch.where(valid, log_ratio.exp().clamp(max=cap), 0.0)  # NaN survives clamp and exp

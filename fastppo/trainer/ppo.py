@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden, ppo_policy_loss,
+from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden,
                    rollout_is_weights, token_rewards, value_loss)
 from ..rollout import Sampler
 from . import checkpoint, plot, tasks
@@ -86,9 +86,13 @@ def layout(rollout, pad_id: int, device) -> tuple:
 
 
 def response_hidden(model, batch: Batch) -> Tensor:
-    """Last hidden states at the positions that predict the response tokens: (B, R, H)."""
+    """Last hidden states at the positions that predict the response tokens: (B, R, H), in the
+    autocast dtype under autocast (the fused ops accumulate in fp32 whatever it is)."""
     hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                               use_cache=False).last_hidden_state
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # the final norm hands back fp32: the LM head computes in bf16 too
+        hidden = hidden.to(torch.get_autocast_dtype(device))
     return hidden.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
@@ -352,26 +356,26 @@ class PPOTrainer:
 
     def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor, on_policy: bool) -> tuple:
         """The minibatch's loss and stats. ``on_policy``: its old log-probs are this forward's own,
-        detached (set on ``mb``), so no separate pass computed them."""
+        detached (set on ``mb``), so no separate pass computed them. With ``rollout_is_cap`` the
+        loss weights each token by the truncated importance weight of old over sampler log-probs."""
         c = self.config
         with self.precision.autocast():
             hidden = response_hidden(self.policy, mb)
         weight, bias = head_params(self.policy, hidden)
-        terms = dict(clip_eps=c.algo.clip_eps, entropy_coef=c.algo.entropy_coef,
-                     ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
-                     kl_estimator=c.algo.kl_estimator, num_tokens=tokens)
+        cap = c.rollout.rollout_is_cap
+        loss, stats, old = ppo_loss_from_hidden(
+            hidden, weight, mb.response_ids, None if on_policy else mb.old_logprobs, mb.advantages, mb.mask,
+            bias=bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps, entropy_coef=c.algo.entropy_coef,
+            ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
+            kl_estimator=c.algo.kl_estimator, num_tokens=tokens, return_logprobs=True,
+            sampler_logprobs=None if cap is None else mb.sampler_logprobs, rollout_is_cap=cap)
         if on_policy:
-            logp, entropy = linear_token_logprobs(hidden, weight, response_labels(mb), bias=bias,
-                                                  temperature=c.rollout.temperature, return_entropy=True)
-            mb.old_logprobs = logp.detach()
-            advantages, is_stats = self._importance_weighted(mb)
-            loss, stats = ppo_policy_loss(logp, mb.old_logprobs, advantages, mb.mask,
-                                          entropy=entropy if c.algo.entropy_coef else entropy.detach(), **terms)
-        else:
-            advantages, is_stats = self._importance_weighted(mb)
-            loss, stats = ppo_loss_from_hidden(hidden, weight, mb.response_ids, mb.old_logprobs, advantages, mb.mask,
-                                               bias=bias, temperature=c.rollout.temperature, **terms)
-        stats.update(is_stats)
+            mb.old_logprobs = old
+        if cap is not None:  # the weights the loss applied, for the logs
+            weights = rollout_is_weights(mb.old_logprobs, mb.sampler_logprobs, mb.mask, cap)
+            count = mb.mask.sum().clamp(min=1)
+            stats.update(rollout_is_weight=weights.sum() / count,
+                         rollout_is_capped=((weights >= cap) & mb.mask).sum() / count)
         if self.critic is not None:
             with self.precision.autocast():
                 values = response_values(self.critic, mb)
@@ -380,18 +384,6 @@ class PPOTrainer:
             loss = loss + c.algo.vf_coef * vf
             stats.update(vf_stats)
         return loss, stats
-
-    def _importance_weighted(self, mb: Batch) -> tuple:
-        """``(advantages, stats)``: with ``rollout_is_cap``, the advantages times the truncated
-        importance weights of the trainer's old log-probs over the sampler's (a positive weight on
-        the advantage is a weight on the token's PPO term; see ``rollout_is_weights``)."""
-        cap = self.config.rollout.rollout_is_cap
-        if cap is None:
-            return mb.advantages, {}
-        weights = rollout_is_weights(mb.old_logprobs, mb.sampler_logprobs, mb.mask, cap)
-        count = mb.mask.sum().clamp(min=1)
-        return mb.advantages * weights, {"rollout_is_weight": weights.sum() / count,
-                                         "rollout_is_capped": ((weights >= cap) & mb.mask).sum() / count}
 
     def _optimizers(self) -> list:
         return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
