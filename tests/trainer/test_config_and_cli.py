@@ -29,6 +29,16 @@ from tests.trainer.test_trainer import config, untrained
     (dict(iterations=True), "config field iterations must be an integer, got bool True"),
     (dict(kl_target="high"), "config field kl_target must be a number or null"),
     (dict(seed=-1), "config field seed must be >= 0"),
+    (dict(lora_rank=0), "config field lora_rank must be >= 1, got 0"),
+    (dict(lora_rank=-4), "config field lora_rank must be >= 1, got -4"),
+    (dict(lora_alpha=16.0), "config field lora_alpha must be > 0, with lora_rank"),
+    (dict(lora_target_modules="q_proj"), "config field lora_target_modules needs lora_rank"),
+    (dict(merge_lora=True), "config field merge_lora needs lora_rank"),
+    (dict(rollout_is_cap=1.0), "config field rollout_is_cap must be > 1, got 1.0"),
+    (dict(rollout_is_cap=0.5), "config field rollout_is_cap must be > 1"),
+    (dict(save_dtype="bf32"), "config field save_dtype must be one of .*'bfloat16'.*, got 'bf32'"),
+    (dict(rollout_dtype="half"), "config field rollout_dtype must be one of"),
+    (dict(autocast="yes"), "config field autocast must be true or false or null"),
 ])
 def test_config_values_are_checked_by_type_and_range(tmp_path, fields, match):
     with pytest.raises(UsageError, match=match):
@@ -60,6 +70,14 @@ def test_a_cli_error_is_one_line_and_exit_2_and_debug_shows_the_traceback(tmp_pa
     assert result.stderr == "fastppo train: error: config field lr must be a finite number, got inf\n"
     with pytest.raises(UsageError):
         fastppo_main(["train", "--lr", "inf", "--debug"])
+
+
+def test_bad_lora_and_precision_options_are_one_line_errors_at_start_up(tmp_path, capsys):
+    for argv in (["--lora-rank", "0"], ["--rollout-is-cap", "1"], ["--save-dtype", "bfloat"]):
+        assert fastppo_main(["train", "--out", str(tmp_path / "run"), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("fastppo train: error: config field") and "\n" not in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_bool_option_alone_means_true():
