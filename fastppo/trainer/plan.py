@@ -142,7 +142,7 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
         kept = m.layers * block + outside
         how = f"{m.layers} blocks x {tokens:,} tokens per minibatch"
     lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
-    chunk = default_chunk_size(responses, m.vocab, torch.device(device_type))
+    chunk = default_chunk_size(responses, m.vocab)
     lines.append(Line("loss head", 4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden),
                       f"fp32 logits chunk {chunk} x {m.vocab:,}, head gradient, hidden gradient"))
     if world_size > 1:

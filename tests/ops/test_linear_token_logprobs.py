@@ -102,11 +102,10 @@ def test_memory_is_bounded_by_the_chunk(backend, device):
 
 
 def test_default_chunk_size():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert default_chunk_size(10, 151936, cpu) == 10  # never more rows than there are
-    assert default_chunk_size(100_000, 151936, cpu) == 16  # 2**22 // 151936 = 27 -> 16
-    assert default_chunk_size(100_000, 151936, cuda) == 256  # 2**26 // 151936 = 441 -> 256
-    assert default_chunk_size(100_000, 10**9, cuda) == 1
+    assert default_chunk_size(10, 151936) == 10  # never more rows than there are
+    assert default_chunk_size(100_000, 151936) == 256  # 2**26 // 151936 = 441 -> 256
+    assert default_chunk_size(100_000, 49152) == 1024  # 2**26 // 49152 = 1365 -> 1024
+    assert default_chunk_size(100_000, 10**9) == 1
 
 
 def test_only_hidden_needs_grad(backend, device):
