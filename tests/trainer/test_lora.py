@@ -145,3 +145,18 @@ def test_lora_without_peft_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_peft)
     with pytest.raises(UsageError, match=r"pip install 'fastppo\[lora\]'"):
         lora_trainer(tmp_path)
+
+
+def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients(tmp_path):
+    grads = []
+    for checkpointing in (False, True):
+        trainer, _ = lora_trainer(tmp_path / str(checkpointing), save=False, gradient_checkpointing=checkpointing)
+        perturb_adapters(trainer)
+        _, batch = rolled_out(trainer)
+        trainer.policy.train()
+        loss, _ = trainer._loss(batch, False, batch.mask.sum(), on_policy=True)
+        loss.backward()
+        grads.append([p.grad for p in trainer.policy.parameters() if p.requires_grad])
+    assert all(g is not None for g in grads[1]) and any(g.abs().sum() > 0 for g in grads[1])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain, rtol=1e-6, atol=1e-8)
