@@ -58,9 +58,8 @@ class LiveBytes(TorchDispatchMode):
 
     Storages, not tensors, are counted (a view, or an in-place op's result, adds nothing: it is
     its input's memory), each until its last tensor is freed (a weak reference to the storage
-    tells). The Triton interpreter stages each kernel argument as
-    a byte tensor of the same size, which is not a second buffer of the op's own: under it this
-    overcounts.
+    tells). The Triton interpreter stages each kernel argument as a byte tensor of the same size,
+    which is not a second buffer of the op's own: under it ``peak`` overcounts.
     """
 
     def __init__(self):

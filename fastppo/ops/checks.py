@@ -48,6 +48,14 @@ def check_same_device(device: torch.device, owner: str, **others) -> None:
             raise ValueError(f"{name} is on {x.device} but {owner} is on {device}")
 
 
+def check_token_tensor(x, name: str, like: torch.Tensor, like_name: str) -> None:
+    """``x`` is a floating tensor of exactly ``like``'s shape (no broadcasting), on its device."""
+    check_floating(x, name)
+    if x.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {like_name} has {tuple(like.shape)}")
+    check_same_device(like.device, like_name, **{name: x})
+
+
 def check_integer(x, name: str) -> None:
     """``x`` is a tensor of integer ids: not bool (True is no token id), not floating."""
     check_tensor(x, name)

@@ -85,11 +85,7 @@ def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_log
     if (sampler_logprobs is None) != (rollout_is_cap is None):
         raise ValueError("sampler_logprobs and rollout_is_cap go together: give both or neither")
     if sampler_logprobs is not None:
-        checks.check_floating(sampler_logprobs, "sampler_logprobs")
-        if sampler_logprobs.shape != labels.shape:
-            raise ValueError(f"sampler_logprobs has shape {tuple(sampler_logprobs.shape)} but labels has "
-                             f"{tuple(labels.shape)}")
-        checks.check_same_device(labels.device, "labels", sampler_logprobs=sampler_logprobs)
+        checks.check_token_tensor(sampler_logprobs, "sampler_logprobs", labels, "labels")
         sampler_logprobs = checks.as_tokens(sampler_logprobs.detach())
         rollout_is_cap = checks.check_number(rollout_is_cap, "rollout_is_cap", above=1)
     loss, stats, logprobs = linear_ppo_loss(args.hidden, weight, bias, args.labels, args.temperature,

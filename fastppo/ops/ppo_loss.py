@@ -102,13 +102,6 @@ class LossSpec:
         return {name: every[name] for name in self.stat_names}
 
 
-def _check_token_tensor(x, name: str, like: Tensor, like_name: str) -> None:
-    checks.check_floating(x, name)
-    if x.shape != like.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but {like_name} has {tuple(like.shape)}")
-    checks.check_same_device(like.device, like_name, **{name: x})
-
-
 def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
               ref_logprobs: Optional[Tensor], has_entropy: bool, clip_eps: float, clip_eps_high: Optional[float],
               dual_clip: Optional[float], kl_coef: float, kl_estimator: str, entropy_coef: float, agg: str,
@@ -117,7 +110,7 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
     checks.check_tensor(advantages, "advantages")
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("ref_logprobs", ref_logprobs)):
         if x is not None:
-            _check_token_tensor(x, name, like, like_name)
+            checks.check_token_tensor(x, name, like, like_name)
     valid, invalid = checks.check_mask(mask, like, like_name)
     clip_low = checks.check_number(clip_eps, "clip_eps", minimum=0.0)
     clip_high = clip_low if clip_eps_high is None else checks.check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
@@ -176,7 +169,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     checks.check_floating(logprobs, "logprobs")
     checks.check_tensor(old_logprobs, "old_logprobs")
     if entropy is not None:
-        _check_token_tensor(entropy, "entropy", logprobs, "logprobs")
+        checks.check_token_tensor(entropy, "entropy", logprobs, "logprobs")
     spec = loss_spec(logprobs, "logprobs", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
                      has_entropy=entropy is not None, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
                      dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,

@@ -27,11 +27,7 @@ def rollout_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Ten
     inputs are constants of the update.
     """
     checks.check_floating(old_logprobs, "old_logprobs")
-    checks.check_floating(sampler_logprobs, "sampler_logprobs")
-    if sampler_logprobs.shape != old_logprobs.shape:
-        raise ValueError(f"sampler_logprobs has shape {tuple(sampler_logprobs.shape)} but old_logprobs has "
-                         f"{tuple(old_logprobs.shape)}")
-    checks.check_same_device(old_logprobs.device, "old_logprobs", sampler_logprobs=sampler_logprobs)
+    checks.check_token_tensor(sampler_logprobs, "sampler_logprobs", old_logprobs, "old_logprobs")
     cap = checks.check_number(cap, "cap", above=1)
     valid, invalid = checks.check_mask(mask, old_logprobs, "old_logprobs")
     return checks.poison(truncated_weights(old_logprobs, sampler_logprobs, valid, cap), invalid)

@@ -88,13 +88,11 @@ def _plan(args) -> int:
         except (OSError, ValueError):
             raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give "
                              "--plan-prompt-tokens") from None
-        rows = (tasks.load_prompts(config.data.prompts)[0] if config.data.prompts
-                else tasks.TASKS[config.data.task][0](seed=config.run.seed))
+        rows, _ = tasks.configured_prompts(config.data, config.run.seed)
         tokens = max(len(tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in rows)
     if tokens < 1:
         raise UsageError(f"--plan-prompt-tokens must be >= 1, got {tokens}")
-    device = config.run.device
-    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+    device_type = torch.device(config.device).type
     world = args.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
     reward_config = AutoConfig.from_pretrained(config.data.reward_model) if config.data.reward_model else None
     lines = memory_plan(config, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,

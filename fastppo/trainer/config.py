@@ -197,6 +197,15 @@ class TrainConfig:
         return self.model.critic if self.model.critic is not None else self.algo.estimator == "gae"
 
     @property
+    def device(self) -> str:
+        """``run.device`` with ``auto`` resolved: CUDA when available, else the CPU."""
+        import torch
+
+        if self.run.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.run.device
+
+    @property
     def old_logprobs_from_update(self) -> bool:
         """Whether the old log-probs are the update's own (detached): true when the update is exactly
         on-policy (one epoch, one optimizer step per rollout, so the policy the update sees is the

@@ -37,14 +37,21 @@ def _require_peft():
     return peft
 
 
-def projection_names(model) -> list:
-    """The distinct names of the model's linear layers that LoRA may adapt (the LM head excluded)."""
+def adaptable_layers(model, targets="all-linear"):
+    """``(name, module)`` of the linear layers LoRA adapts for PEFT's ``targets`` ("all-linear", or
+    leaf names from :func:`lora_targets`): every linear or GPT-2 Conv1D layer but the LM head."""
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings()
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, (nn.Linear, Conv1D)) and module is not head}
-    return sorted(names)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Conv1D)) and module is not head:
+            if targets == "all-linear" or name.rsplit(".", 1)[-1] in targets:
+                yield name, module
+
+
+def projection_names(model) -> list:
+    """The distinct names of the model's linear layers that LoRA may adapt (the LM head excluded)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in adaptable_layers(model)})
 
 
 def lora_targets(model, target_modules: Optional[str]):

@@ -23,7 +23,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .precision import Precision, stored_dtype
 
@@ -69,18 +68,11 @@ def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> Model
     intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
     lora_params = lora_tensors = 0
     if lora_rank is not None:
-        from transformers.pytorch_utils import Conv1D
+        from .lora import adaptable_layers, lora_targets
 
-        from .lora import lora_targets
-
-        targets = lora_targets(model, lora_target_modules)  # "all-linear", or the checked leaf names
-        head = model.get_output_embeddings()
-        for name, module in model.named_modules():
-            if module is head or not isinstance(module, (nn.Linear, Conv1D)):
-                continue
-            if targets == "all-linear" or name.rsplit(".", 1)[-1] in targets:
-                lora_params += lora_rank * sum(module.weight.shape)
-                lora_tensors += 2
+        for _, module in adaptable_layers(model, lora_targets(model, lora_target_modules)):
+            lora_params += lora_rank * sum(module.weight.shape)  # A (r, in) and B (out, r)
+            lora_tensors += 2
     return ModelShape(params=sum(p.numel() for p in params), tensors=len(params),
                       backbone_params=sum(p.numel() for p in backbone), backbone_tensors=len(backbone),
                       vocab=model.get_output_embeddings().weight.shape[0], hidden=hidden, intermediate=intermediate,

@@ -158,8 +158,7 @@ class PPOTrainer:
         self.config = config
         torch.manual_seed(config.run.seed)
         self.rng = random.Random(config.run.seed)
-        device = config.run.device
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        device = config.device
         self.ranks = Ranks(torch.device(device).type)
         if config.data.prompts and reward_fn is None and not (config.data.reward or config.data.reward_model):
             raise UsageError("--prompts needs --reward (or --reward-model): the task's reward does not know your "
@@ -184,14 +183,11 @@ class PPOTrainer:
         disable_dropout(policy)
         check_causal(policy, config.model.model or "(the default model)")
         self.device = next(policy.parameters()).device
-        task_prompts, task_reward = tasks.TASKS[config.data.task] if config.data.task in tasks.TASKS else (None, None)
+        task_reward = tasks.TASKS[config.data.task][1] if config.data.task in tasks.TASKS else None
         if prompts is not None:
             origins = [f"prompt {i}" for i in range(len(prompts))]
-        elif config.data.prompts:
-            prompts, origins = tasks.load_prompts(config.data.prompts)
         else:
-            prompts = task_prompts(seed=config.run.seed)
-            origins = [f"task {config.data.task}, prompt {i}" for i in range(len(prompts))]
+            prompts, origins = tasks.configured_prompts(config.data, config.run.seed)
         self.prompts, longest = self._fitting_prompts(prompts, origins)
         self.fields = tasks.field_names(self.prompts)  # every row's reward call gets all of them
         if reward_fn is None and config.data.reward_model:

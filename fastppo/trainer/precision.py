@@ -43,8 +43,9 @@ class Precision:
     @classmethod
     def of(cls, autocast: Optional[bool], rollout: str, save: str, device_type: str,
            stored: torch.dtype) -> "Precision":
-        """From the config's ``autocast`` (None: on CUDA only), ``rollout_dtype`` and ``save_dtype``
-        (``"auto"``: bf16 on CUDA, fp32 elsewhere; the checkpoint's own dtype), on ``device_type``."""
+        """From the config's ``autocast`` (None: on CUDA only), ``rollout_dtype`` (``"auto"``: bf16 on
+        CUDA, fp32 elsewhere) and ``save_dtype`` (``"auto"``: ``stored``, the checkpoint's own), on
+        ``device_type``."""
         cuda = device_type == "cuda"
         compute = torch.bfloat16 if (cuda if autocast is None else autocast) else None
         rollout_dtype = (torch.bfloat16 if cuda else torch.float32) if rollout == "auto" else DTYPES[rollout]

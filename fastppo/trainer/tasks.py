@@ -63,6 +63,15 @@ def arithmetic_prompts(count: int = 2048, seed: int = 0) -> list:
 TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "vowels": (vowels_prompts, vowels_reward)}
 
 
+def configured_prompts(data, seed: int) -> tuple:
+    """``(rows, origins)`` of a run: the ``--prompts`` file's (see :func:`load_prompts`), else the
+    built-in task's, drawn with ``seed``."""
+    if data.prompts:
+        return load_prompts(data.prompts)
+    rows = TASKS[data.task][0](seed=seed)
+    return rows, [f"task {data.task}, prompt {i}" for i in range(len(rows))]
+
+
 def load_prompts(path: str) -> tuple:
     """``(rows, origins)`` of a JSONL file: the JSON objects with a non-empty string 'prompt', and
     ``"path:line"`` of each; any other line (blank ones aside) is an error naming it."""
