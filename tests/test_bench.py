@@ -62,5 +62,6 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
     assert [r["trainer"] for r in result["rows"]] == ["fastppo train", "TRL GRPOTrainer"]
     for row in result["rows"]:
         assert row["iterations"] == 3 and row["seconds_median"] > 0 and row["tokens_per_s"] > 0
-        assert 0 <= row["reward_at_cutoff"] <= 1 and 1 <= row["iterations_by_cutoff"] <= 3
+        # 0 when the other trainer's whole run ended before this one's first iteration did
+        assert 0 <= row["reward_at_cutoff"] <= 1 and 0 <= row["iterations_by_cutoff"] <= 3
     assert math.isfinite(result["speedup"]) and result["speedup"] > 0

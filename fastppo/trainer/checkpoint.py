@@ -32,6 +32,7 @@ from .config import RESUMABLE, TrainConfig
 from .errors import UsageError
 
 STATE_FILE = "trainer_state.pt"
+SHARDS = "shards"  # a sharded run's models and optimizers, in torch.distributed.checkpoint's format
 MANIFEST_FILE = "MANIFEST.sha256"
 _LEFTOVER = re.compile(r"\.(.+)\.(tmp|old)-\d+")
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
@@ -117,30 +118,46 @@ def clear_leftovers(directory: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_atomically(target: Path, write: Callable[[Path], None]) -> Path:
+def save_atomically(target: Path, write: Callable[[Path], None], ranks=None) -> Path:
     """Call ``write(directory)`` on a temporary directory, add the manifest, make it ``target`` in
-    one rename."""
+    one rename. With ``ranks`` (a sharded save) every rank calls this and writes its part into
+    rank 0's temporary directory; rank 0 alone makes it ``target``."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    clear_leftovers(target.parent)
+    main = ranks is None or ranks.main
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     old = target.parent / f".{target.name}.old-{os.getpid()}"
-    tmp.mkdir()
+    if main:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        clear_leftovers(target.parent)
+        tmp.mkdir()
+    if ranks is not None:  # rank 0's names
+        tmp, old = ranks.gather((tmp, old) if main else None)[0]
     try:
         write(tmp)
-        write_manifest(tmp)
-        for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
-            _fsync(path)
-        _fsync(tmp)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync(target.parent)
+        if ranks is not None:
+            ranks.barrier()  # every part is written
+        if main:
+            _commit(tmp, old, target)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if ranks is not None:
+        ranks.barrier()  # no rank goes on before target is in place
     return target
+
+
+def _commit(tmp: Path, old: Path, target: Path) -> None:
+    """The written ``tmp`` with its manifest, flushed to disk and renamed to ``target``."""
+    write_manifest(tmp)
+    for path in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
+        _fsync(path)
+    _fsync(tmp)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -226,13 +243,34 @@ def rng_state(trainer) -> dict:
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(trainer.device) if cuda else None}
 
 
+def _sharded_state(trainer) -> dict:
+    """The sharded models' and optimizers' state dicts (each rank's shards), keyed for DCP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state = {}
+    for name, model, optimizer in (("policy", trainer.policy, trainer.optimizer),
+                                   ("critic", trainer.critic, trainer.critic_optimizer)):
+        if model is not None:
+            state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
+    return state
+
+
 def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) -> None:
     """Models plus everything the next iteration depends on, so a resumed run is the same run.
-    ``rng`` holds every rank's random states (default: this process's)."""
-    trainer.save(directory, masters=True)
+    ``rng`` holds every rank's random states (default: this process's). A sharded run's models and
+    optimizers go to ``SHARDS``, each rank writing its own shards (every rank calls this)."""
+    sharded = trainer.sharded
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_sharded_state(trainer), checkpoint_id=str(Path(directory) / SHARDS))
+        if not trainer.ranks.main:
+            return
+    else:
+        trainer.save(directory, masters=True)
     torch.save({
-        "iteration": next_iteration, "optimizer": trainer.optimizer.state_dict(),
-        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer else None,
+        "iteration": next_iteration, "optimizer": None if sharded else trainer.optimizer.state_dict(),
+        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer and not sharded else None,
         "schedules": [s.state_dict() for s in trainer.schedules], "kl_coef": trainer.kl.coef,
         "skipped_steps": trainer.skipped_steps, "steps": trainer.steps, "rng": rng or [rng_state(trainer)],
     }, Path(directory) / STATE_FILE)
@@ -249,14 +287,17 @@ def load_state(trainer, directory: Path) -> int:
         raise WorldSizeMismatch(f"{directory} was written by {len(state['rng'])} rank(s); resume with as many, "
                                 f"not {trainer.ranks.world}")
     # in place: the optimizer and sampler keep their tensors
-    if trainer.lora is not None:
-        trainer.lora.load_adapter(Path(directory) / "policy")
+    if trainer.sharded:
+        _load_sharded(trainer, Path(directory) / SHARDS)
     else:
-        trainer.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(Path(directory) / "policy").state_dict())
-    if trainer.critic is not None:
-        trainer.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
-        trainer.critic_optimizer.load_state_dict(state["critic_optimizer"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+        if trainer.lora is not None:
+            trainer.lora.load_adapter(Path(directory) / "policy")
+        else:
+            trainer.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(Path(directory) / "policy").state_dict())
+        if trainer.critic is not None:
+            trainer.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
+            trainer.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
     for schedule, schedule_state in zip(trainer.schedules, state["schedules"]):
         schedule.load_state_dict(schedule_state)
     trainer.kl.coef, trainer.skipped_steps = state["kl_coef"], state["skipped_steps"]
@@ -269,6 +310,19 @@ def load_state(trainer, directory: Path) -> int:
     if rng["cuda"] is not None and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], trainer.device)
     return state["iteration"]
+
+
+def _load_sharded(trainer, shards: Path) -> None:
+    """Each rank's shards of the models and optimizers, from what :func:`save_state` wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _sharded_state(trainer)
+    dcp.load(state, checkpoint_id=str(shards))
+    for name, model, optimizer in (("policy", trainer.policy, trainer.optimizer),
+                                   ("critic", trainer.critic, trainer.critic_optimizer)):
+        if model is not None:
+            set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optimizer"])
 
 
 def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:

@@ -99,5 +99,7 @@ def _plan(args) -> int:
                         reward_model_config=reward_config)
     available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
     print(render(lines, available, f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
-                                   f"tokens, {world} rank(s), each holding whole copies"), end="")
+                                   f"tokens, {world} rank(s), "
+                                   + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies")),
+          end="")
     return 0

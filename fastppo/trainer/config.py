@@ -53,6 +53,16 @@ class LoRAConfig:
 
 
 @dataclass
+class ShardingConfig:
+    fsdp: bool = _doc("shard the policy, critic and reference over the ranks torchrun starts (FSDP2): each rank "
+                      "holds 1/N of the weights, gradients and AdamW state", False)
+    fsdp_reshard_after_forward: bool = _doc("free each block's gathered weights after its forward and gather "
+                                            "them again for the backward (false: keep them, one gather less)", True)
+    fsdp_offload: bool = _doc("keep the sharded fp32 weights, gradients and AdamW state of the trained models in "
+                              "CPU memory, the optimizer step on the CPU (CUDA only)", False)
+
+
+@dataclass
 class DataConfig:
     task: str = _doc("built-in task (prompts and reward) when --prompts is not given: arithmetic "
                      "('17+25=' -> '42', reward 1 when exact) or vowels", "arithmetic")
@@ -131,7 +141,7 @@ class RunConfig:
                            "fastppo run directory); without it such a directory is refused", False)
 
 
-SECTIONS = (ModelConfig, LoRAConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
+SECTIONS = (ModelConfig, LoRAConfig, ShardingConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline")
 # Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
 RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
@@ -162,6 +172,7 @@ def _typed(f: dataclasses.Field, value, source: str):
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -172,7 +183,7 @@ class TrainConfig:
         return {f.name: getattr(section, f.name) for section in self._sections() for f in dataclasses.fields(section)}
 
     def _sections(self):
-        return (self.model, self.lora, self.data, self.rollout, self.algo, self.optim, self.run)
+        return (self.model, self.lora, self.sharding, self.data, self.rollout, self.algo, self.optim, self.run)
 
     @classmethod
     def from_flat(cls, values, source: str = "") -> "TrainConfig":
@@ -266,6 +277,8 @@ class TrainConfig:
              "must be > 0, with lora_rank"),
             ("lora_target_modules", lora.lora_target_modules is None or lora.lora_rank, "needs lora_rank"),
             ("merge_lora", not lora.merge_lora or lora.lora_rank, "needs lora_rank"),
+            ("fsdp_offload", not self.sharding.fsdp_offload or (self.sharding.fsdp and self.device.startswith("cuda")),
+             "needs --fsdp and a CUDA device (on the CPU there is nowhere to offload to)"),
         ]
         for name, ok, requirement in rules:
             if not ok:

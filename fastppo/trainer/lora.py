@@ -95,9 +95,12 @@ class LoRA:
         """While active, the model is the base model: the reference of a LoRA run."""
         return self.peft_model.disable_adapter()
 
-    def save_adapter(self, directory) -> None:
-        """The adapter in PEFT format (``adapter_config.json``, ``adapter_model.safetensors``), fp32."""
-        self.peft_model.save_pretrained(str(directory))
+    def save_adapter(self, directory, state_dict: dict = None) -> None:
+        """The adapter in PEFT format (``adapter_config.json``, ``adapter_model.safetensors``), fp32;
+        from ``state_dict`` (the model's, gathered from its shards) when given."""
+        if state_dict is not None:  # PEFT picks the adapter's entries out of the wrapper's names
+            state_dict = {f"base_model.model.{k}": v for k, v in state_dict.items()}
+        self.peft_model.save_pretrained(str(directory), state_dict=state_dict)
 
     @torch.no_grad()
     def load_adapter(self, directory) -> None:
@@ -110,19 +113,21 @@ class LoRA:
             raise ValueError(f"{directory}: adapter weights this model has no place for: {result.unexpected_keys[:3]}")
 
     @torch.no_grad()
-    def merged_state_dict(self, dtype: torch.dtype) -> dict:
-        """The base model's state dict with each adapter folded into its layer, in ``dtype``."""
+    def merged_state_dict(self, dtype: torch.dtype, state_dict: dict = None) -> dict:
+        """The base model's state dict with each adapter folded into its layer (W + scale x B A), in
+        ``dtype``; from ``state_dict`` (the model's, gathered from its shards) when given."""
         from peft.tuners.lora import LoraLayer
 
+        state = self.model.state_dict() if state_dict is None else state_dict
         merged = {}
         for name, module in self.model.named_modules():
             if isinstance(module, LoraLayer):
-                base = module.get_base_layer()
-                delta = module.get_delta_weight(ADAPTER).to(torch.float32)
-                merged[f"{name}.weight"] = (base.weight.float() + delta).to(dtype)
-                if base.bias is not None:
-                    merged[f"{name}.bias"] = base.bias.to(dtype)
-        for key, value in self.model.state_dict().items():
+                a, b = (state[f"{name}.lora_{side}.{ADAPTER}.weight"].float() for side in "AB")
+                delta = (b @ a) * module.scaling[ADAPTER]  # (out, in)
+                if module.fan_in_fan_out:  # GPT-2's Conv1D stores (in, out)
+                    delta = delta.T
+                merged[f"{name}.weight"] = (state[f"{name}.base_layer.weight"].float() + delta).to(dtype)
+        for key, value in state.items():
             if ".lora_" in key:
                 continue
             plain = key.replace(".base_layer.", ".")
@@ -130,7 +135,8 @@ class LoRA:
                 merged[plain] = value.to(dtype) if value.is_floating_point() else value
         return merged
 
-    def save_merged(self, directory, dtype: torch.dtype) -> None:
-        """A plain Hugging Face model of base + adapter in ``dtype``, loadable without PEFT."""
-        save_model(self.model, directory, dtype, self.merged_state_dict(dtype))
+    def save_merged(self, directory, dtype: torch.dtype, state_dict: dict = None) -> None:
+        """A plain Hugging Face model of base + adapter in ``dtype``, loadable without PEFT (from
+        ``state_dict``, as :meth:`merged_state_dict`)."""
+        save_model(self.model, directory, dtype, self.merged_state_dict(dtype, state_dict))
 

@@ -8,6 +8,7 @@ of the built-in arithmetic task). ``tiny_policy`` builds the same architecture u
 import copy
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -117,11 +118,13 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
         p.data = p.data.to(dtype)
 
 
-def copy_in_dtype(model: nn.Module, dtype: torch.dtype) -> tuple:
-    """``(copy, pairs)``: a copy of ``model`` whose parameters are new tensors in ``dtype``, frozen,
-    made without a full-precision intermediate; ``pairs`` lists ``(copy's, original)`` parameters.
-    Tied weights stay tied (both names map to one new tensor); buffers keep their dtype."""
-    new = {id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in model.parameters()}
+def copy_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple:
+    """``(copy, pairs)``: a copy of ``model`` whose parameters are new tensors in ``dtype`` (None:
+    each its own), frozen, made without a full-precision intermediate; ``pairs`` lists ``(copy's,
+    original)`` parameters. Tied weights stay tied (both names map to one new tensor); buffers keep
+    their dtype."""
+    new = {id(p): nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
+           for p in model.parameters()}
     duplicate = copy.deepcopy(model, memo=dict(new)).eval()
     return duplicate, [(new[id(p)], p) for p in model.parameters()]
 
@@ -135,8 +138,8 @@ def save_model(model, directory, dtype: torch.dtype, state_dict: dict = None) ->
     """``model.save_pretrained(directory)`` with the weights (default: the model's) in ``dtype`` and
     its config.json saying so: transformers records the in-memory dtype, which for fp32 master
     weights is not the one saved."""
-    if state_dict is None:
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     model.save_pretrained(str(directory), state_dict=state_dict)
     path = Path(directory) / "config.json"
     config = json.loads(path.read_text())
@@ -185,12 +188,16 @@ class Critic(nn.Module):
 
     HEAD_FILE = "value_head.safetensors"
 
-    def save_pretrained(self, path) -> None:
-        """The backbone in Hugging Face format, the scalar head beside it in safetensors."""
+    def save_pretrained(self, path, state_dict: dict = None) -> None:
+        """The backbone in Hugging Face format, the scalar head beside it in safetensors; from
+        ``state_dict`` (a sharded critic's, gathered) when given."""
         from safetensors.torch import save_file
 
-        self.backbone.save_pretrained(path)
-        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(Path(path) / self.HEAD_FILE))
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        part = {name: {k.removeprefix(f"{name}."): v for k, v in state_dict.items() if k.startswith(f"{name}.")}
+                for name in ("backbone", "head")}
+        self.backbone.save_pretrained(path, state_dict=part["backbone"])
+        save_file({k: v.contiguous() for k, v in part["head"].items()}, str(Path(path) / self.HEAD_FILE))
 
     @classmethod
     def from_pretrained(cls, path) -> "Critic":

@@ -14,9 +14,12 @@ counted from the options, each line with its dtype:
   block's worth more for the backward's working gradients, and the fused loss head's fp32
   logits chunk and weight gradient.
 
-Every rank holds whole copies (data parallelism, no sharding yet), so a rank's plan is one
-device's, whatever the world size; with more than one rank the gradient all-reduce adds a flat
-copy of the gradients.
+Without ``--fsdp`` every rank holds whole copies, so a rank's plan is one device's whatever the
+world size; with more than one rank the gradient all-reduce adds a flat copy of the gradients.
+With ``--fsdp`` (``sharding.py``) the weights, gradients, AdamW moments, reference and critic are
+1/N per rank (FSDP's padding aside), and the plan adds what is gathered: the blocks in the compute
+dtype (one at a time, or all of them through the backward without reshard-after-forward), each
+model's root with its LM head, and the whole rollout copy, which is held during the rollout only.
 """
 
 import os
@@ -96,24 +99,38 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
     m = model_shape(model_config, lora.lora_rank, lora.lora_target_modules)
     compute = _size(precision.compute or torch.float32)
     rollout, frozen = _size(precision.rollout), _size(precision.frozen)
+    fsdp = config.sharding.fsdp
+    shards = world_size if fsdp else 1
+    per_rank = f" / {shards} ranks" if fsdp else ""
     lines = []
     if lora.lora_rank is None:
         trainable, tensors = m.params, m.tensors
-        lines.append(Line("policy weights", 4 * m.params, f"{m.params:,} fp32 master weights"))
+        lines.append(Line("policy weights", 4 * m.params // shards, f"{m.params:,} fp32 master weights{per_rank}"))
     else:
         trainable, tensors = m.lora_params, m.lora_tensors
-        lines.append(Line("policy weights", rollout * m.params + 4 * m.lora_params,
-                          f"{m.params:,} frozen in {str(precision.rollout)[6:]} + {m.lora_params:,} fp32 adapter"))
-    lines += [Line("gradients", 4 * trainable, f"{trainable:,} fp32"),
-              Line("AdamW state", 8 * trainable + 4 * tensors, f"2 fp32 moments + a step per tensor ({tensors})")]
-    if lora.lora_rank is None and precision.rollout != torch.float32:
-        lines.append(Line("rollout copy", rollout * m.params, f"{m.params:,} in {str(precision.rollout)[6:]}"))
+        lines.append(Line("policy weights", (rollout * m.params + 4 * m.lora_params) // shards,
+                          f"{m.params:,} frozen in {str(precision.rollout)[6:]} + {m.lora_params:,} fp32 adapter"
+                          f"{per_rank}"))
+    lines += [Line("gradients", 4 * trainable // shards, f"{trainable:,} fp32{per_rank}"),
+              Line("AdamW state", 8 * trainable // shards + 4 * tensors,
+                   f"2 fp32 moments{per_rank} + a step per tensor ({tensors})")]
+    if fsdp or (lora.lora_rank is None and precision.rollout != torch.float32):
+        when = ", during the rollout only" if fsdp else ""
+        lines.append(Line("rollout copy", rollout * m.params, f"{m.params:,} in {str(precision.rollout)[6:]}{when}"))
     if a.kl_coef > 0 and lora.lora_rank is None:
-        lines.append(Line("reference", frozen * m.params, f"{m.params:,} in {str(precision.frozen)[6:]}"))
+        lines.append(Line("reference", frozen * m.params // shards,
+                          f"{m.params:,} in {str(precision.frozen)[6:]}{per_rank}"))
     if config.uses_critic:
         n = m.backbone_params + m.hidden + 1
-        lines.append(Line("critic + its gradients and AdamW state", 16 * n + 4 * (m.backbone_tensors + 2),
-                          f"{n:,} fp32, trained in full"))
+        lines.append(Line("critic + its gradients and AdamW state", 16 * n // shards + 4 * (m.backbone_tensors + 2),
+                          f"{n:,} fp32, trained in full{per_rank}"))
+    if fsdp:
+        block = (m.backbone_params - m.vocab * m.hidden) // m.layers  # the embedding table is not a block's
+        gathered = 1 if config.sharding.fsdp_reshard_after_forward else m.layers
+        root = m.params - m.layers * block
+        lines.append(Line("gathered weights", compute * (gathered * block + root),
+                          f"{gathered} block(s) of {block:,} + the root's {root:,} (embeddings, norm, LM head), "
+                          f"in the compute dtype"))
     if reward_model_config is not None:
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
@@ -137,7 +154,7 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
     chunk = default_chunk_size(responses, m.vocab)
     lines.append(Line("loss head", 4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden),
                       f"fp32 logits chunk {chunk} x {m.vocab:,}, head gradient, hidden gradient"))
-    if world_size > 1:
+    if world_size > 1 and not fsdp:
         lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients"))
     return lines
 

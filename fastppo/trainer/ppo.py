@@ -35,7 +35,7 @@ from torch import Tensor
 from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden,
                    rollout_is_weights, token_rewards, value_loss)
 from ..rollout import Sampler
-from . import checkpoint, plot, tasks
+from . import checkpoint, plot, sharding, tasks
 from .config import TrainConfig
 from .distributed import Ranks
 from .errors import UsageError
@@ -88,8 +88,7 @@ def layout(rollout, pad_id: int, device) -> tuple:
 def response_hidden(model, batch: Batch) -> Tensor:
     """Last hidden states at the positions that predict the response tokens: (B, R, H), in the
     autocast dtype under autocast (the fused ops accumulate in fp32 whatever it is)."""
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              use_cache=False).last_hidden_state
+    hidden = sharding.last_hidden_state(model, batch.input_ids, batch.attention_mask)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):  # the final norm hands back fp32: the LM head computes in bf16 too
         hidden = hidden.to(torch.get_autocast_dtype(device))
@@ -216,10 +215,14 @@ class PPOTrainer:
                 if model is not None:
                     enable_checkpointing(model)
         r = config.rollout
+        self.sharded = config.sharding.fsdp
         # LoRA's frozen base is already in the rollout dtype: decode through the wrapped layers.
-        self.rollout_weights = RolloutWeights(policy, None if self.lora is not None else self.precision.rollout)
+        self.rollout_weights = RolloutWeights(policy, None if self.lora is not None else self.precision.rollout,
+                                              gathered=self.sharded)  # made whole, before sharding
+        if self.sharded:
+            self._shard()
         self.sampler = Sampler(self.rollout_weights.model, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
-                               max_seq_len=longest + r.max_new_tokens)
+                               max_seq_len=longest + r.max_new_tokens, cuda_graphs=not self.sharded)
         o = config.optim
         self.optimizer = adamw([p for p in policy.parameters() if p.requires_grad], o.lr)
         self.critic_optimizer = adamw(list(self.critic.parameters()), o.critic_lr) if self.critic else None
@@ -227,6 +230,24 @@ class PPOTrainer:
                           for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
         self.skipped_steps = 0
         self.steps = 0  # optimizer steps attempted, skipped ones included
+
+    def _shard(self) -> None:
+        """The policy, critic and reference sharded over the ranks (``sharding.py``)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.ranks.world == 1:
+            raise UsageError("--fsdp shards over the ranks torchrun starts, and this is one process: launch with "
+                             "torchrun --nproc_per_node=N (N >= 2)")
+        s = self.config.sharding
+        mesh = init_device_mesh(self.device.type, (self.ranks.world,))
+        models = [(self.policy, True), (self.critic, False)]
+        if self.reference is not None and self.reference is not self.policy:
+            models.append((self.reference, True))
+        for model, hidden_states in models:
+            if model is not None:
+                sharding.shard(model, mesh=mesh, compute_dtype=self.precision.compute,
+                               reshard_after_forward=s.fsdp_reshard_after_forward, offload=s.fsdp_offload,
+                               hidden_states=hidden_states)
 
     def _fitting_prompts(self, prompts: list, origins: list) -> tuple:
         """``(prompts, longest)``: the prompts that fit the model's context with max_new_tokens, and
@@ -269,6 +290,7 @@ class PPOTrainer:
                                         stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
                                         num_samples_per_prompt=r.samples_per_prompt,
                                         seed=(self.config.run.seed * 100_003 + iteration) * world + rank)
+        self.rollout_weights.release()  # a gathered copy gives its memory back to the update
         n = r.samples_per_prompt
         completions = [tok.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
                                   skip_special_tokens=True) for i in range(len(rollout.prompt_ids))]
@@ -293,6 +315,8 @@ class PPOTrainer:
                     batch.ref_logprobs = response_logprobs(self.reference, batch, c.rollout.temperature)
             if self.critic is not None:
                 batch.values = response_values(self.critic, batch) * mask
+        for model in (self.policy, self.reference, self.critic):
+            sharding.reshard(model)  # no backward follows these passes to free the gathered roots
         if c.algo.estimator == "gae":
             # Without old log-probs here the KL weight is 0 (old_logprobs_from_update): any will do.
             behaviour = batch.old_logprobs if batch.old_logprobs is not None else batch.sampler_logprobs
@@ -344,7 +368,9 @@ class PPOTrainer:
                     if on_policy:
                         batch.old_logprobs[index] = mb.old_logprobs
                     logs.append({k: float(v) for k, v in stats.items()})
-                self.ranks.sum_gradients(p for opt in self._optimizers() for g in opt.param_groups for p in g["params"])
+                if not self.sharded:  # FSDP's backward has reduce-scattered them
+                    self.ranks.sum_gradients(p for opt in self._optimizers() for g in opt.param_groups
+                                             for p in g["params"])
                 self._step()
         for model in models:
             model.eval()
@@ -389,8 +415,13 @@ class PPOTrainer:
             opt.zero_grad(set_to_none=True)
 
     def _step(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         params = [p for opt in self._optimizers() for group in opt.param_groups for p in group["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(norm, DTensor):  # sharded gradients: the norm's square is summed over ranks
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.config.optim.max_grad_norm, norm)
         self.steps += 1
         if not torch.isfinite(norm):
             self.skipped_steps += 1  # a non-finite gradient would poison the weights: skip the step
@@ -480,18 +511,20 @@ class PPOTrainer:
         if self.steps and self.skipped_steps == self.steps:
             raise TrainingFailed(f"all {self.steps} optimizer steps were skipped for non-finite gradients: the policy "
                                  "never changed (look at the rewards, the learning rate and the loss coefficients)")
-        if main and self.config.run.save:
-            self.save(out)  # each part atomically
+        if self.config.run.save:
+            self.save(out)  # each part atomically, by rank 0
         if main and plot.available():
             plot.plot_run(out)
         self.ranks.barrier()
         return history
 
     def checkpoint(self, out: Path, done: int) -> None:
-        """``out/checkpoint-{done}`` from rank 0, with every rank's random states."""
+        """``out/checkpoint-{done}`` from rank 0 (and every rank's shards), with every rank's random states."""
         rng = self.ranks.gather(checkpoint.rng_state(self))
+        if self.sharded or self.ranks.main:  # sharded: every rank writes its shards
+            checkpoint.save_atomically(out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng),
+                                       self.ranks if self.sharded else None)
         if self.ranks.main:
-            checkpoint.save_atomically(out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng))
             checkpoint.prune_checkpoints(out, self.config.run.keep_checkpoints)
         self.ranks.barrier()
 
@@ -499,8 +532,13 @@ class PPOTrainer:
         """The policy (and tokenizer) in Hugging Face format under ``out/policy``, the critic beside it;
         each written atomically. The policy's weights are in ``save_dtype``, or fp32 with ``masters``
         (a checkpoint). With LoRA ``policy/`` is the adapter in PEFT format, and with ``merge_lora``
-        (not for a checkpoint) ``policy-merged/`` the model with the adapter merged in."""
+        (not for a checkpoint) ``policy-merged/`` the model with the adapter merged in. Every rank
+        calls it: a sharded model is gathered whole to rank 0, which alone writes."""
         dtype = torch.float32 if masters else self.precision.save
+        gathered = {name: sharding.full_state_dict(model) if self.sharded else None
+                    for name, model in (("policy", self.policy), ("critic", self.critic)) if model is not None}
+        if not self.ranks.main:
+            return
 
         def with_tokenizer(save):
             def write(directory):
@@ -509,14 +547,16 @@ class PPOTrainer:
             return write
 
         if self.lora is None:
-            checkpoint.save_atomically(Path(out) / "policy", with_tokenizer(lambda d: save_model(self.policy, d, dtype)))
+            checkpoint.save_atomically(Path(out) / "policy",
+                                       with_tokenizer(lambda d: save_model(self.policy, d, dtype, gathered["policy"])))
         else:
-            checkpoint.save_atomically(Path(out) / "policy", with_tokenizer(self.lora.save_adapter))
+            checkpoint.save_atomically(Path(out) / "policy",
+                                       with_tokenizer(lambda d: self.lora.save_adapter(d, gathered["policy"])))
             if self.config.lora.merge_lora and not masters:
                 checkpoint.save_atomically(Path(out) / "policy-merged",
-                                           with_tokenizer(lambda d: self.lora.save_merged(d, dtype)))
+                                           with_tokenizer(lambda d: self.lora.save_merged(d, dtype, gathered["policy"])))
         if self.critic is not None:
-            checkpoint.save_atomically(Path(out) / "critic", self.critic.save_pretrained)
+            checkpoint.save_atomically(Path(out) / "critic", lambda d: self.critic.save_pretrained(d, gathered["critic"]))
 
     # checkpoints and resume (the details: checkpoint.py) ---------------------------------------
 

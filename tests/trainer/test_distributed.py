@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import zlib
 
 import pytest
 import torch
@@ -12,14 +13,16 @@ import torch.nn.functional as F
 from fastppo.rollout import Rollout
 from fastppo.trainer import PPOTrainer, TrainConfig
 
-FIELDS = dict(task="vowels", samples_per_prompt=4, minibatches=1, ppo_epochs=1, iterations=1, save=False)
+FIELDS = dict(task="arithmetic", samples_per_prompt=4, minibatches=1, ppo_epochs=1, iterations=1, save=False)
 
 
 def prompt_by_prompt(generate):
-    """``generate`` made greedy and run one prompt at a time, so a prompt's rows are the same however
-    prompts are split across ranks (a batched decode may round differently at another batch size)."""
+    """``generate`` run one prompt at a time, seeded by the prompt's tokens, so a prompt's rows are
+    the same however prompts are split across ranks (a batched decode may round differently at
+    another batch size), and its samples still differ (a group of equal samples has no advantage)."""
     def rollout(prompts, **options):
-        parts = [generate([prompt], **{**options, "temperature": 0.0}) for prompt in prompts]
+        parts = [generate([prompt], **{**options, "seed": zlib.crc32(bytes(str(list(prompt)), "ascii"))})
+                 for prompt in prompts]
         width = max(part.response_ids.shape[1] for part in parts)
 
         def stack(field, fill):  # (rows, width): each part right-padded to the widest response
@@ -37,7 +40,7 @@ def prompt_by_prompt(generate):
 
 
 def one_update(config: TrainConfig) -> dict:
-    """Run one iteration with greedy rollouts (identical however rows are split) and return the
+    """Run one iteration with rollouts identical however rows are split and return the
     gradient of its single optimizer step and its metrics."""
     trainer = PPOTrainer(config)
     trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)

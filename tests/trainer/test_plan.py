@@ -77,6 +77,26 @@ def test_checkpointing_and_lora_shrink_the_plan():
     assert totals["lora"] < totals["checkpointing"] < totals["full"]
 
 
+def test_fsdp_divides_what_is_sharded_by_the_world_size_and_adds_what_is_gathered():
+    from transformers import AutoConfig
+
+    qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-7b")
+    fields = dict(prompts_per_iteration=8, samples_per_prompt=8, max_new_tokens=1024, estimator="gae", kl_coef=0.02)
+    plans = {name: {line.name: line for line in memory_plan(config(Path("/unused"), **fields, **extra), qwen,
+                                                             prompt_tokens=512, device_type="cuda", world_size=8)}
+             for name, extra in {"ddp": {}, "fsdp": {"fsdp": True},
+                                 "fsdp kept": {"fsdp": True, "fsdp_reshard_after_forward": False}}.items()}
+    ddp, fsdp = plans["ddp"], plans["fsdp"]
+    for name in ("policy weights", "gradients", "reference"):
+        assert fsdp[name].bytes == ddp[name].bytes // 8
+    assert fsdp["AdamW state"].bytes < ddp["AdamW state"].bytes / 7  # the step counters stay whole
+    assert "gradient all-reduce bucket" in ddp and "gradient all-reduce bucket" not in fsdp
+    assert fsdp["rollout copy"].bytes == ddp["rollout copy"].bytes and "rollout only" in fsdp["rollout copy"].how
+    # every block gathered through the backward instead of one at a time
+    block = 2 * 233_057_920  # one of Qwen2.5-7B's 28 blocks in bf16
+    assert plans["fsdp kept"]["gathered weights"].bytes - fsdp["gathered weights"].bytes == 27 * block
+
+
 def test_the_command_prints_a_plan_and_trains_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert fastppo_main(["train", "--plan", "--out", str(out), "--plan-device-memory", "1"]) == 0

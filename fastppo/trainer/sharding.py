@@ -1,0 +1,111 @@
+"""Sharded data parallelism with FSDP2: every model's weights, gradients and AdamW state split over ranks.
+
+``--fsdp`` wraps each transformer block of the policy, the critic and the reference with PyTorch's
+``fully_shard``, then each model's root (embeddings, final norm, LM head, value head). A block's
+weights are all-gathered just before its forward and freed after it (``--fsdp-reshard-after-forward``;
+off keeps them to the backward, one all-gather instead of two at the cost of holding the gathered
+blocks), and its gradients are reduce-scattered in the backward. Each rank holds 1/N of the fp32
+masters, their gradients and their AdamW moments.
+
+The fused loss reads the LM head's weight directly, outside any module's forward. So each model's
+last hidden states come from :func:`last_hidden_state`, which for a sharded model runs as an FSDP
+forward of the root: the root's parameters are gathered for it and, being the root's, stay gathered
+through the backward, whose end reduce-scatters the head's gradient like any other. That gathers the
+head once per minibatch (V x H in the compute dtype: 0.47 GB for a 152k x 1536 bf16 head) and keeps it
+while the loss runs. A vocabulary-parallel head (each rank scoring every rank's tokens against its
+slice of the vocabulary, the log-sum-exp combined by an all-reduce) would hold 1/N of the head and move
+the hidden states instead (N x tokens x H, 0.13 GB for 2 ranks of 8192 tokens at H 4096, against the
+head's 1.2 GB there), but it needs the loss kernels to reduce across ranks inside a chunk; it is not
+built.
+
+Gradients are summed over ranks, not averaged: every rank's loss is already a token mean over all
+ranks' tokens (``distributed.py``), as in the unsharded path. FSDP's sum is asked for explicitly
+(divide factor 1, forced SUM), the same collective with gloo and NCCL.
+"""
+
+import types
+
+import torch
+from torch import nn
+
+_FORWARD = "fastppo_last_hidden_state"  # the FSDP-registered forward of a sharded model
+
+
+def _backbone_hidden(model, input_ids, attention_mask):
+    """(B, L, H): the backbone's last hidden states (after its final norm)."""
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+def last_hidden_state(model, input_ids, attention_mask):
+    """(B, L, H): the model's last hidden states; for a sharded model, run as FSDP's forward of its
+    root, so ``model.get_output_embeddings().weight`` is the gathered head until the backward (or
+    :func:`reshard`) frees it."""
+    forward = getattr(model, _FORWARD, None)
+    return _backbone_hidden(model, input_ids, attention_mask) if forward is None else forward(input_ids, attention_mask)
+
+
+def blocks(model: nn.Module) -> list:
+    """The model's transformer blocks: the modules of the classes that ``_no_split_modules`` names
+    (transformers' own list of what must not be split across devices) in the model or the Hugging
+    Face models inside it (a critic's backbone)."""
+    names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if not found:
+        raise ValueError(f"--fsdp: {type(model).__name__} names no transformer block class in _no_split_modules")
+    return found
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard(model: nn.Module, *, mesh, compute_dtype: torch.dtype, reshard_after_forward: bool, offload: bool,
+          hidden_states: bool) -> nn.Module:
+    """``model`` sharded in place over the world: its blocks, then its root. ``compute_dtype``: the
+    dtype the gathered weights are cast to (FSDP's mixed precision; gradients reduced in fp32).
+    ``hidden_states``: register :func:`last_hidden_state` as a forward (for models whose LM head the
+    fused loss reads)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    trained = any(p.requires_grad for p in model.parameters())
+    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+                   reshard_after_forward=reshard_after_forward, offload_policy=CPUOffloadPolicy() if offload and trained
+                   else None)
+    options = {k: v for k, v in options.items() if v is not None}
+    for block in blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **{**options, "reshard_after_forward": False})  # the root stays gathered to the backward
+    for module in model.modules():
+        if is_sharded(module):
+            module.set_gradient_divide_factor(1.0)  # a sum: each rank's loss is over the global token count
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM, which gloo has too
+    if hidden_states:
+        setattr(model, _FORWARD, types.MethodType(_backbone_hidden, model))
+        register_fsdp_forward_method(model, _FORWARD)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free a sharded model's gathered root after a no-grad pass (a backward would have)."""
+    if is_sharded(model):
+        model.reshard()
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The whole state dict on the CPU of rank 0 (empty elsewhere); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def resident_bytes(tensors) -> int:
+    """Bytes of storage this rank holds for ``tensors`` (a DTensor's local shard), each storage once."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for t in tensors:
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

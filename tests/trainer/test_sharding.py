@@ -1,0 +1,209 @@
+"""FSDP2 sharding on two gloo ranks: the update, the resume, the saved model and the memory of one
+unsharded rank that sees the whole batch."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastppo.trainer import PPOTrainer, TrainConfig, sharding
+from fastppo.trainer.models import Critic
+
+from .test_distributed import FIELDS, _spawn, _train_worker, prompt_by_prompt
+
+
+def updated_weights(config: TrainConfig) -> dict:
+    """One iteration with rollouts identical however rows are split: the whole gradient of its
+    one optimizer step and the policy's and critic's whole weights after it (on rank 0; every rank
+    must call this)."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = PPOTrainer(config)
+    trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)
+    models = {"policy": trainer.policy, "critic": trainer.critic}
+    grads, step = {}, trainer._step
+
+    def step_recording_gradients():  # the whole gradient of the step, gathered from the shards
+        for part, model in models.items():
+            grads[part] = model and {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                                     for name, p in model.named_parameters() if p.requires_grad}
+        step()
+
+    trainer._step = step_recording_gradients
+    metrics = trainer.iteration(0)
+    whole = (lambda m: sharding.full_state_dict(m)) if trainer.sharded else (lambda m: m.state_dict())
+    return {"weights": {part: model and whole(model) for part, model in models.items()}, "grads": grads,
+            "metrics": metrics}
+
+
+def _environment(rank):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    torch.set_default_device("cpu")
+
+
+def _update_worker(rank, port, out_dir, fields):
+    _environment(rank)
+    os.environ["MASTER_PORT"] = str(port)
+    config = TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True}).validate()
+    result = updated_weights(config)
+    if rank == 0:
+        torch.save(result, f"{out_dir}/sharded.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("options", [{"estimator": "grpo"}, {"estimator": "gae"},
+                                     {"estimator": "grpo", "lora_rank": 4},
+                                     {"estimator": "gae", "gradient_checkpointing": True}], ids=str)
+def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, options):
+    fields = {**FIELDS, "kl_coef": 0.02, **options}
+    _spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    single = updated_weights(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
+                                                   "device": "cpu"}).validate())
+    assert any(g.abs().sum() > 0 for g in single["grads"]["policy"].values())  # a step that moves the policy
+    for kind in ("grads", "weights"):  # the step's summed gradient, then the weights it made
+        for part, expected in single[kind].items():
+            if expected is None:
+                continue
+            assert_same_weights(sharded[kind][part], expected)
+    assert sharded["metrics"]["reward_mean"] == pytest.approx(single["metrics"]["reward_mean"])
+
+
+def test_two_sharded_ranks_resumed_after_two_iterations_equal_four_straight(tmp_path):
+    """Bitwise: the same world size reduces in the same order, and every rank's random states, the
+    shards of the weights and of both AdamW states come back."""
+    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "save": True, "fsdp": True}
+    _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 4}, 0)
+    _spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
+    assert (tmp_path / "split" / "run" / "checkpoint-2" / "shards" / ".metadata").is_file()
+    _spawn(_train_worker, str(tmp_path / "split"), None, 4)
+    rows = [[{k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
+             for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
+            for d in ("straight", "split")]
+    assert len(rows[0]) == 4 and rows[0] == rows[1]
+    for part, name in (("policy", "model.safetensors"), ("critic", "model.safetensors"),
+                       ("critic", Critic.HEAD_FILE)):
+        weights = [load_file(str(tmp_path / d / "run" / part / name)) for d in ("straight", "split")]
+        assert weights[0].keys() == weights[1].keys()
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), (part, name)
+
+
+def _save_worker(rank, port, out_dir, fields):
+    _environment(rank)
+    os.environ["MASTER_PORT"] = str(port)
+    trained(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True}).validate())
+    torch.distributed.destroy_process_group()
+
+
+def trained(config: TrainConfig) -> None:
+    """``config``'s run, its rollouts identical however rows are split."""
+    trainer = PPOTrainer(config)
+    trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)
+    trainer.train()
+
+
+def assert_same_weights(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_consolidated_models_load_with_from_pretrained_and_equal_the_unsharded_run(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "iterations": 2, "save": True, "save_dtype": "float32"}
+    _spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
+    trained(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"),
+                                   "device": "cpu"}).validate())
+    policies = [AutoModelForCausalLM.from_pretrained(tmp_path / d / "run" / "policy") for d in ("sharded", "one")]
+    assert type(policies[0]).__name__ == "LlamaForCausalLM"  # not FSDP's subclass of it
+    critics = [Critic.from_pretrained(tmp_path / d / "run" / "critic") for d in ("sharded", "one")]
+    for sharded, single in (policies, critics):
+        assert_same_weights(sharded.state_dict(), single.state_dict())
+
+
+def test_a_sharded_lora_run_saves_the_adapter_and_the_merged_model_of_the_unsharded_run(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    fields = {**FIELDS, "lora_rank": 4, "merge_lora": True, "iterations": 2, "save": True, "save_dtype": "float32"}
+    _spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
+    trained(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"),
+                                   "device": "cpu"}).validate())
+    adapters = [load_file(str(tmp_path / d / "run" / "policy" / "adapter_model.safetensors")) for d in ("sharded", "one")]
+    assert adapters[0] and all("lora_" in name for name in adapters[0])
+    assert_same_weights(*adapters)
+    merged = [AutoModelForCausalLM.from_pretrained(tmp_path / d / "run" / "policy-merged").state_dict()
+              for d in ("sharded", "one")]
+    assert_same_weights(*merged)
+
+
+def _killed_worker(rank, port, out_dir, fields):
+    """Trains with a checkpoint each iteration; rank 0 dies while checkpoint-2 is being made whole."""
+    from fastppo.trainer import checkpoint
+
+    _environment(rank)
+    os.environ["MASTER_PORT"] = str(port)
+    commit = checkpoint._commit
+
+    def dying_commit(tmp, old, target):
+        if target.name == "checkpoint-2":
+            os._exit(9)  # every shard is written, the manifest and the rename are not
+        commit(tmp, old, target)
+
+    checkpoint._commit = dying_commit
+    PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate()).train()
+
+
+def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
+    import torch.multiprocessing as mp
+
+    fields = {**FIELDS, "prompts_per_iteration": 2, "fsdp": True, "iterations": 3, "save_every": 1,
+              "keep_checkpoints": 0}
+    with pytest.raises(mp.ProcessExitedException):
+        _spawn(_killed_worker, str(tmp_path), fields)
+    run = tmp_path / "run"
+    assert (run / "checkpoint-1").is_dir() and not (run / "checkpoint-2").exists()
+    assert any(p.name.startswith(".checkpoint-2.tmp-") for p in run.iterdir())  # the shards of the kill
+    _spawn(_train_worker, str(tmp_path), None, 3)
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "checkpoint"))) == [
+        "checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def resident_bytes(trainer) -> dict:
+    """The storage this rank holds, measured from the live tensors: the models' weights with the
+    AdamW states, and the rollout copy's weights."""
+    models = [trainer.policy, trainer.critic, trainer.reference]
+    tensors = [p for model in models if model is not None for p in model.parameters()]
+    for optimizer in trainer._optimizers():
+        tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    rollout = [] if trainer.rollout_weights.shared else list(trainer.rollout_weights.model.parameters())
+    return {"trained": sharding.resident_bytes(tensors), "rollout": sharding.resident_bytes(rollout)}
+
+
+def _memory_worker(rank, port, out_dir, fields):
+    _environment(rank)
+    os.environ["MASTER_PORT"] = str(port)
+    trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True})
+                         .validate())
+    trainer.iteration(0)
+    torch.save(resident_bytes(trainer), f"{out_dir}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(tmp_path):
+    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "rollout_dtype": "bfloat16"}
+    _spawn(_memory_worker, str(tmp_path), fields)
+    single = PPOTrainer(TrainConfig.from_flat({**fields, "out": str(tmp_path / "one"), "device": "cpu"}).validate())
+    single.iteration(0)
+    whole = resident_bytes(single)
+    assert whole["rollout"] > 0  # unsharded, the bf16 copy stays between rollouts
+    for rank in range(2):
+        held = torch.load(tmp_path / f"rank{rank}.pt")
+        # half, give or take FSDP's padding of rows to a multiple of the world size and the AdamW
+        # step counters every rank keeps whole
+        assert held["trained"] == pytest.approx(whole["trained"] / 2, rel=0.02), (held, whole)
+        assert held["rollout"] == 0  # gathered for the rollout, freed for the update
