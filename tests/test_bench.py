@@ -65,3 +65,14 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
         # 0 when the other trainer's whole run ended before this one's first iteration did
         assert 0 <= row["reward_at_cutoff"] <= 1 and 0 <= row["iterations_by_cutoff"] <= 3
     assert math.isfinite(result["speedup"]) and result["speedup"] > 0
+
+
+def test_sharding_runs_both_modes_on_two_ranks(tmp_path, capsys):
+    assert bench_main(["--sharding", "--hidden", "64", "--layers", "2", "--iterations", "1",
+                       "--json", str(tmp_path / "s.json")]) == 0
+    assert "| --fsdp | 1 |" in capsys.readouterr().out
+    modes = json.loads((tmp_path / "s.json").read_text())["modes"]
+    for replicated, sharded in zip(modes["replicated"], modes["--fsdp"]):
+        assert sharded["trained"] < 0.6 * replicated["trained"]
+        assert replicated["rollout"] > 0 and sharded["rollout"] == 0 and sharded["seconds"] > 0
+        assert 0 < sharded["peak"] < replicated["peak"]

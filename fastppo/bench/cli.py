@@ -24,18 +24,25 @@ def main(argv=None) -> int:
     versus.add_argument("--versus-trl", action="store_true",
                         help="train with fastppo and with TRL's GRPOTrainer side by side instead of the op tables")
     versus.add_argument("--model", help="local Hugging Face causal LM (default: the shipped tiny model)")
-    versus.add_argument("--iterations", type=int, default=40)
+    versus.add_argument("--iterations", type=int, help="iterations of each run (default: 40; 3 with --sharding)")
     versus.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
     versus.add_argument("--samples", type=int, default=8, help="samples per prompt")
     versus.add_argument("--max-new-tokens", type=int, default=8)
     versus.add_argument("--lr", type=float, default=5e-4)
     versus.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="both trainers in bf16 mixed precision (default: on CUDA only)")
+    sharded = parser.add_argument_group("sharded against replicated data parallelism (--sharding)")
+    sharded.add_argument("--sharding", action="store_true",
+                         help="one PPO iteration on 2 gloo ranks with and without --fsdp instead of the op tables")
+    sharded.add_argument("--hidden", type=int, default=512, help="hidden size of the random Llama")
+    sharded.add_argument("--layers", type=int, default=8, help="layers of the random Llama")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.versus_trl:
         return _versus_trl(args)
+    if args.sharding:
+        return _sharding(args)
 
     def write(meta, rows):
         for path, render in ((args.json, to_json), (args.markdown, markdown)):
@@ -51,15 +58,27 @@ def main(argv=None) -> int:
 
 
 def _versus_trl(args) -> int:
-    import json
-
     from .runner import machine
     from .versus_trl import compare, markdown as versus_markdown
 
     device = torch.device(args.device)
     result = compare(args.model, device, prompts=args.prompts, samples=args.samples,
-                     max_new_tokens=args.max_new_tokens, lr=args.lr, iterations=args.iterations, bf16=args.bf16)
-    table = versus_markdown(result, machine(device))
+                     max_new_tokens=args.max_new_tokens, lr=args.lr, iterations=args.iterations or 40, bf16=args.bf16)
+    return _report(args, result, versus_markdown(result, machine(device)))
+
+
+def _sharding(args) -> int:
+    from .runner import machine
+    from .sharding import compare, markdown as sharding_markdown
+
+    result = compare(hidden=args.hidden, layers=args.layers, iterations=args.iterations or 3)
+    return _report(args, result, sharding_markdown(result, machine(torch.device("cpu"))))
+
+
+def _report(args, result: dict, table: str) -> int:
+    """Print ``table``; write it and ``result`` where --markdown and --json say."""
+    import json
+
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

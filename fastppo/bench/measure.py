@@ -51,6 +51,18 @@ def time_call(call, device: torch.device, *, quick: bool = False, smoke: bool = 
     return Timing(times[len(times) // 2], times[0], times[-1])
 
 
+def _storage_address(t):
+    """The address of ``t``'s storage; None for what is not a plain tensor with memory (a DTensor
+    wrapper, a storage FSDP has freed)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else None
+    except RuntimeError:
+        return None
+
+
 class LiveBytes(TorchDispatchMode):
     """The peak bytes of tensors created inside the mode and alive at once (``peak``; the CPU's
     counterpart of the CUDA allocator's peak), and the largest one (``largest``), looking inside
@@ -78,9 +90,9 @@ class LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {_storage_address(t) for t in tree_flatten((args, kwargs))[0]}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if _storage_address(t) is not None and t.device.type == "cpu":
                 self.largest = max(self.largest, t.numel() * t.element_size())
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in inputs:  # an in-place op's or a view's output is its input's memory

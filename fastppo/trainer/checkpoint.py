@@ -32,6 +32,7 @@ from .config import RESUMABLE, TrainConfig
 from .errors import UsageError
 
 STATE_FILE = "trainer_state.pt"
+WORLD_FILE = "world.json"  # the number of ranks that wrote a checkpoint
 SHARDS = "shards"  # a sharded run's models and optimizers, in torch.distributed.checkpoint's format
 MANIFEST_FILE = "MANIFEST.sha256"
 _LEFTOVER = re.compile(r"\.(.+)\.(tmp|old)-\d+")
@@ -268,6 +269,7 @@ def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) 
             return
     else:
         trainer.save(directory, masters=True)
+    (Path(directory) / WORLD_FILE).write_text(json.dumps({"world_size": trainer.ranks.world}))
     torch.save({
         "iteration": next_iteration, "optimizer": None if sharded else trainer.optimizer.state_dict(),
         "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer and not sharded else None,
@@ -276,16 +278,22 @@ def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) 
     }, Path(directory) / STATE_FILE)
 
 
+def check_world_size(directory: Path, world: int) -> None:
+    """Refuse a checkpoint written by another number of ranks than ``world``: its random states
+    are per rank, and a sharded one's shards are cut for that many."""
+    written = json.loads((Path(directory) / WORLD_FILE).read_text())["world_size"]
+    if written != world:
+        raise WorldSizeMismatch(f"{directory} was written by {written} rank(s); resume with as many, not {world}")
+
+
 def load_state(trainer, directory: Path) -> int:
     """Load what :func:`save_state` wrote into ``trainer``; return the iteration to continue at."""
     from transformers import AutoModelForCausalLM
 
     from .models import Critic
 
+    check_world_size(directory, trainer.ranks.world)
     state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
-    if len(state["rng"]) != trainer.ranks.world:
-        raise WorldSizeMismatch(f"{directory} was written by {len(state['rng'])} rank(s); resume with as many, "
-                                f"not {trainer.ranks.world}")
     # in place: the optimizer and sampler keep their tensors
     if trainer.sharded:
         _load_sharded(trainer, Path(directory) / SHARDS)
@@ -351,6 +359,9 @@ def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
         raise UsageError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
                          f"only {', '.join(sorted(RESUMABLE))} may change")
     config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
+    saved_checkpoints = numbered_checkpoints(run_dir)
+    if saved_checkpoints:  # before any loading: every checkpoint of a run has its world size
+        check_world_size(saved_checkpoints[-1][1], int(os.environ.get("WORLD_SIZE", "1")))
     trainer = trainer_class(config, resuming=True)
     for _, path in reversed(numbered_checkpoints(run_dir)):
         try:

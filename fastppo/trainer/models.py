@@ -184,7 +184,8 @@ class Critic(nn.Module):
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1)  # (B, L)
+        # (B, L), a new tensor rather than a view of the head's (B, L, 1) output (FSDP warns of those)
+        return hidden @ self.head.weight[0] + self.head.bias[0]
 
     HEAD_FILE = "value_head.safetensors"
 

@@ -40,7 +40,8 @@ class RolloutWeights:
             return
         self.model, pairs = copy_in_dtype(policy, dtype)
         self._targets, self._sources = [list(side) for side in zip(*pairs)]
-        if gathered:  # by name: sharding replaces the policy's parameters with new ones
+        if gathered:  # by name, holding none of the policy's whole tensors: sharding replaces them
+            self._sources = []
             self._by_name = dict(self.model.named_parameters(remove_duplicate=False))
             self.release()
 
@@ -60,7 +61,8 @@ class RolloutWeights:
         for name, source in self.policy.named_parameters():
             target = self._by_name[name]
             target.untyped_storage().resize_(target.numel() * target.element_size())
-            target.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
+            # cast on the shard, gather in the rollout dtype: half the bytes of gathering fp32
+            target.copy_(source.to(target.dtype).full_tensor() if isinstance(source, DTensor) else source)
 
     def release(self) -> None:
         """Free a gathered copy's storage until the next :meth:`refresh` (no-op otherwise)."""

@@ -105,7 +105,7 @@ def test_toml_is_read_with_tomli_where_tomllib_is_missing(tmp_path):
 
 
 def test_every_step_skipped_fails_the_run_loudly(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *_, **__: torch.tensor(float("nan")))
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda *_, **__: torch.tensor(float("nan")))
     with pytest.warns(UserWarning, match="optimizer step 1 skipped"), pytest.raises(TrainingFailed, match="all 2"):
         untrained(tmp_path, iterations=2, save=False).train()
     out = tmp_path / "cli"

@@ -135,10 +135,10 @@ def test_two_rank_resume_is_exact(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_torchrun_end_to_end(tmp_path, nodes):
+@pytest.mark.parametrize("nodes, sharded", [(1, False), (2, False), (2, True)])
+def test_torchrun_end_to_end(tmp_path, nodes, sharded):
     """The real launcher: two ranks on one node, or two one-rank "nodes" meeting through torchrun's
-    c10d rendezvous (as on a cluster, with both nodes on this machine)."""
+    c10d rendezvous (as on a cluster, with both nodes on this machine), with or without --fsdp."""
     import subprocess
     import sys
 
@@ -146,7 +146,7 @@ def test_torchrun_end_to_end(tmp_path, nodes):
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={2 // nodes}"]
     launch += (["--standalone"] if nodes == 1 else
                ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=test"])
-    train = ["-m", "fastppo", "train", "--iterations", "3", "--device", "cpu", "--out", str(run)]
+    train = ["-m", "fastppo", "train", "--iterations", "3", "--device", "cpu", "--out", str(run)] + ["--fsdp"] * sharded
     processes = [subprocess.Popen(launch + train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for _ in range(nodes)]
     outputs = [p.communicate(timeout=300)[0] for p in processes]
@@ -155,3 +155,9 @@ def test_torchrun_end_to_end(tmp_path, nodes):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
     state = torch.load(run / "checkpoint-3" / "trainer_state.pt", weights_only=False)
     assert len(state["rng"]) == 2  # both ranks' random states
+    if sharded:  # each rank's shards, and the whole model from rank 0
+        assert sorted(p.name for p in (run / "checkpoint-3" / "shards").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                          "__1_0.distcp"]
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(run / "policy")

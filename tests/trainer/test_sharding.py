@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fastppo.bench.sharding import resident_bytes
 from fastppo.trainer import PPOTrainer, TrainConfig, sharding
+from fastppo.trainer.errors import UsageError
 from fastppo.trainer.models import Critic
 
 from .test_distributed import FIELDS, _spawn, _train_worker, prompt_by_prompt
@@ -171,17 +173,17 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_to_resume_f
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "checkpoint"))) == [
         "checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    with pytest.raises(UsageError, match=r"written by 2 rank\(s\); resume with as many, not 1"):
+        PPOTrainer.resume(run)
 
 
-def resident_bytes(trainer) -> dict:
-    """The storage this rank holds, measured from the live tensors: the models' weights with the
-    AdamW states, and the rollout copy's weights."""
-    models = [trainer.policy, trainer.critic, trainer.reference]
-    tensors = [p for model in models if model is not None for p in model.parameters()]
-    for optimizer in trainer._optimizers():
-        tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    rollout = [] if trainer.rollout_weights.shared else list(trainer.rollout_weights.model.parameters())
-    return {"trained": sharding.resident_bytes(tensors), "rollout": sharding.resident_bytes(rollout)}
+def test_fsdp_needs_ranks_to_shard_over_and_offload_needs_cuda(tmp_path, capsys):
+    from fastppo.cli import main
+
+    assert main(["train", "--fsdp", "--iterations", "1", "--device", "cpu", "--out", str(tmp_path / "a")]) == 2
+    assert "--fsdp shards over the ranks torchrun starts" in capsys.readouterr().err
+    assert main(["train", "--fsdp", "--fsdp-offload", "--device", "cpu", "--out", str(tmp_path / "b")]) == 2
+    assert "fsdp_offload needs --fsdp and a CUDA device" in capsys.readouterr().err
 
 
 def _memory_worker(rank, port, out_dir, fields):
