@@ -55,7 +55,7 @@ def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
     return directory
 
 
-def _tensor_bytes() -> int:
+def live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive in the process (a DTensor's by its local shard)."""
     from torch.distributed.tensor import DTensor
 
@@ -83,7 +83,7 @@ def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: st
         start = time.perf_counter()
         trainer.iteration(i)
         seconds.append(time.perf_counter() - start)
-    before = _tensor_bytes()
+    before = live_tensor_bytes()
     with LiveBytes() as during:  # one more iteration, untimed: the mode sees every op
         trainer.iteration(iterations + 1)
     result = {**resident_bytes(trainer), "seconds": statistics.median(seconds[1:]), "peak": before + during.peak,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastppo.bench.sharding import resident_bytes
+from fastppo.bench.sharding import live_tensor_bytes, resident_bytes
 from fastppo.trainer import PPOTrainer, TrainConfig, sharding
 from fastppo.trainer.errors import UsageError
 from fastppo.trainer.models import Critic
@@ -189,23 +189,24 @@ def test_fsdp_needs_ranks_to_shard_over_and_offload_needs_cuda(tmp_path, capsys)
 def _memory_worker(rank, port, out_dir, fields):
     _environment(rank)
     os.environ["MASTER_PORT"] = str(port)
-    trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True})
-                         .validate())
+    trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
     trainer.iteration(0)
-    torch.save(resident_bytes(trainer), f"{out_dir}/rank{rank}.pt")
+    measured = {**resident_bytes(trainer), "process": live_tensor_bytes()}
+    torch.save(measured, f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
 def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(tmp_path):
     fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "rollout_dtype": "bfloat16"}
-    _spawn(_memory_worker, str(tmp_path), fields)
-    single = PPOTrainer(TrainConfig.from_flat({**fields, "out": str(tmp_path / "one"), "device": "cpu"}).validate())
-    single.iteration(0)
-    whole = resident_bytes(single)
-    assert whole["rollout"] > 0  # unsharded, the bf16 copy stays between rollouts
-    for rank in range(2):
-        held = torch.load(tmp_path / f"rank{rank}.pt")
+    measured = {}
+    for mode, fsdp in (("replicated", False), ("sharded", True)):
+        (tmp_path / mode).mkdir()
+        _spawn(_memory_worker, str(tmp_path / mode), {**fields, "fsdp": fsdp})
+        measured[mode] = [torch.load(tmp_path / mode / f"rank{rank}.pt") for rank in range(2)]
+    for whole, held in zip(measured["replicated"], measured["sharded"]):
         # half, give or take FSDP's padding of rows to a multiple of the world size and the AdamW
         # step counters every rank keeps whole
         assert held["trained"] == pytest.approx(whole["trained"] / 2, rel=0.02), (held, whole)
-        assert held["rollout"] == 0  # gathered for the rollout, freed for the update
+        assert whole["rollout"] > 0 and held["rollout"] == 0  # gathered for the rollout, freed for the update
+        # every tensor the process holds: nothing else keeps the models whole
+        assert held["process"] < 0.55 * whole["process"], (held, whole)
