@@ -9,14 +9,16 @@ masters, their gradients and their AdamW moments.
 
 The fused loss reads the LM head's weight directly, outside any module's forward. So each model's
 last hidden states come from :func:`last_hidden_state`, which for a sharded model runs as an FSDP
-forward of the root: the root's parameters are gathered for it and, being the root's, stay gathered
-through the backward, whose end reduce-scatters the head's gradient like any other. That gathers the
-head once per minibatch (V x H in the compute dtype: 0.47 GB for a 152k x 1536 bf16 head) and keeps it
-while the loss runs. A vocabulary-parallel head (each rank scoring every rank's tokens against its
-slice of the vocabulary, the log-sum-exp combined by an all-reduce) would hold 1/N of the head and move
-the hidden states instead (N x tokens x H, 0.13 GB for 2 ranks of 8192 tokens at H 4096, against the
-head's 1.2 GB there), but it needs the loss kernels to reduce across ranks inside a chunk; it is not
-built.
+forward of the root, and the root is wrapped not to reshard after its forward: its parameters stay
+gathered through the backward, whose end reduce-scatters the head's gradient like any other. That
+gathers the head once per minibatch (V x H in the compute dtype: 0.47 GB for a 152k x 1536 bf16
+head) and keeps it while the loss runs. Leaving the head unsharded instead would keep it whole on
+every rank with its fp32 gradient and AdamW moments (16 bytes a parameter: 8.7 GB for Qwen2.5-7B's
+152k x 3584 head). A vocabulary-parallel head (each rank scoring every rank's tokens against its
+slice of the vocabulary, the log-sum-exp combined by an all-reduce) would hold 1/N of the head and
+move the hidden states instead (N x tokens x H: 0.13 GB for 2 ranks of 8192 tokens at H 4096,
+against the head's 1.2 GB there), but it needs the loss kernels to reduce across ranks inside a
+chunk; it is not built.
 
 Gradients are summed over ranks, not averaged: every rank's loss is already a token mean over all
 ranks' tokens (``distributed.py``), as in the unsharded path. FSDP's sum is asked for explicitly
@@ -27,6 +29,8 @@ import types
 
 import torch
 from torch import nn
+
+from .errors import UsageError
 
 _FORWARD = "fastppo_last_hidden_state"  # the FSDP-registered forward of a sharded model
 
@@ -51,7 +55,7 @@ def blocks(model: nn.Module) -> list:
     names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
-        raise ValueError(f"--fsdp: {type(model).__name__} names no transformer block class in _no_split_modules")
+        raise UsageError(f"--fsdp: {type(model).__name__} names no transformer block class in _no_split_modules")
     return found
 
 
@@ -67,8 +71,11 @@ def shard(model: nn.Module, *, mesh, compute_dtype: torch.dtype, reshard_after_f
     dtype the gathered weights are cast to (FSDP's mixed precision; gradients reduced in fp32).
     ``hidden_states``: register :func:`last_hidden_state` as a forward (for models whose LM head the
     fused loss reads)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
 
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):  # torch 2.8 added it
+        raise UsageError(f"--fsdp needs torch >= 2.8 (FSDP's summed reductions); this is torch {torch.__version__}")
     trained = any(p.requires_grad for p in model.parameters())
     options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
                    reshard_after_forward=reshard_after_forward, offload_policy=CPUOffloadPolicy() if offload and trained

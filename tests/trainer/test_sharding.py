@@ -56,10 +56,32 @@ def _update_worker(rank, port, out_dir, fields):
     torch.distributed.destroy_process_group()
 
 
+def completion_length(prompts, completions, **_):
+    """A reward that any model earns unevenly: a random one's samples differ in length."""
+    return [len(c) / 8 for c in completions]
+
+
+def tied_model(directory: Path) -> str:
+    """A random tiny Llama whose LM head is its embedding table, with the shipped tokenizer."""
+    from fastppo.trainer.models import load_policy, tiny_policy
+
+    _, tokenizer = load_policy(None)
+    model = tiny_policy(tokenizer, seed=0)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.mark.parametrize("options", [{"estimator": "grpo"}, {"estimator": "gae"},
                                      {"estimator": "grpo", "lora_rank": 4},
-                                     {"estimator": "gae", "gradient_checkpointing": True}], ids=str)
+                                     {"estimator": "gae", "gradient_checkpointing": True},
+                                     {"estimator": "grpo", "tied": True}], ids=str)
 def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, options):
+    options = dict(options)
+    if options.pop("tied", False):  # the head's gradient and the embedding's are one
+        options.update(model=tied_model(tmp_path / "tied"), reward=f"{__name__}:completion_length")
     fields = {**FIELDS, "kl_coef": 0.02, **options}
     _spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
