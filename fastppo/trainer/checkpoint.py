@@ -278,10 +278,17 @@ def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) 
     }, Path(directory) / STATE_FILE)
 
 
-def check_world_size(directory: Path, world: int) -> None:
+def check_world_size(directory: Path, world: int, state: dict = None) -> None:
     """Refuse a checkpoint written by another number of ranks than ``world``: its random states
-    are per rank, and a sharded one's shards are cut for that many."""
-    written = json.loads((Path(directory) / WORLD_FILE).read_text())["world_size"]
+    are per rank, and a sharded one's shards are cut for that many. A checkpoint from before
+    ``WORLD_FILE`` counts its ranks' random states in ``state`` (unchecked without it)."""
+    path = Path(directory) / WORLD_FILE
+    if path.is_file():
+        written = json.loads(path.read_text())["world_size"]
+    elif state is not None:
+        written = len(state["rng"])
+    else:
+        return
     if written != world:
         raise WorldSizeMismatch(f"{directory} was written by {written} rank(s); resume with as many, not {world}")
 
@@ -292,8 +299,8 @@ def load_state(trainer, directory: Path) -> int:
 
     from .models import Critic
 
-    check_world_size(directory, trainer.ranks.world)
     state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+    check_world_size(directory, trainer.ranks.world, state)
     # in place: the optimizer and sampler keep their tensors
     if trainer.sharded:
         _load_sharded(trainer, Path(directory) / SHARDS)

@@ -347,6 +347,22 @@ def test_resume_is_exact(tmp_path, estimator, kl_coef):
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_without_its_world_file_resumes_counting_its_random_states(tmp_path, monkeypatch):
+    """Checkpoints written before world.json existed: their ranks are their random states."""
+    from fastppo.trainer.checkpoint import WORLD_FILE, WorldSizeMismatch, write_manifest
+
+    PPOTrainer(config(tmp_path, iterations=2, save_every=1)).train()
+    run = tmp_path / "run"
+    for number in (1, 2):
+        (run / f"checkpoint-{number}" / WORLD_FILE).unlink()
+        write_manifest(run / f"checkpoint-{number}")
+    trainer, start = PPOTrainer.resume(run, {"iterations": 3})
+    assert start == 2
+    monkeypatch.setattr(trainer.ranks, "world", 2)
+    with pytest.raises(WorldSizeMismatch, match=r"written by 1 rank\(s\); resume with as many, not 2"):
+        trainer.load_checkpoint(run / "checkpoint-2")
+
+
 def test_resume_refuses_changed_math_and_skips_a_broken_checkpoint(tmp_path):
     untrained(tmp_path, iterations=4, save_every=2).train()
     run = tmp_path / "run"
