@@ -21,6 +21,10 @@ class Ranks:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.owns_group = self.world > 1 and not dist.is_initialized()
+        if self.world > 1 and device_type == "cuda":
+            # each rank's own GPU as the current one: NCCL's barriers and FSDP's gather buffers and
+            # streams go to the current device, which is otherwise GPU 0 on every rank
+            torch.cuda.set_device(self.local_rank)
         if self.owns_group:
             # torch._dynamo, when first imported after the process group exists (transformers
             # imports it while loading a model), keeps a reference to the group that
