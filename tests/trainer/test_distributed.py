@@ -39,6 +39,13 @@ def prompt_by_prompt(generate):
     return rollout
 
 
+def rank_environment(rank, port):
+    """Rank ``rank`` of two, as torchrun would set it up."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_default_device("cpu")
+
+
 def one_update(config: TrainConfig) -> dict:
     """Run one iteration with rollouts identical however rows are split and return the
     gradient of its single optimizer step and its metrics."""
@@ -52,9 +59,7 @@ def one_update(config: TrainConfig) -> dict:
 
 
 def _worker(rank, port, out_dir, fields):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_default_device("cpu")
+    rank_environment(rank, port)
     config = TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate()
     result = one_update(config)
     torch.save(result, f"{out_dir}/rank{rank}.pt")
@@ -75,9 +80,7 @@ def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, estimato
 
 
 def _train_worker(rank, port, out_dir, fields, resume_to):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_default_device("cpu")
+    rank_environment(rank, port)
     if resume_to:
         trainer, start = PPOTrainer.resume(f"{out_dir}/run", {"iterations": resume_to})
         trainer.train(start)
@@ -87,9 +90,7 @@ def _train_worker(rank, port, out_dir, fields, resume_to):
 
 
 def _threads_worker(rank, port, out_dir, fields):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_default_device("cpu")
+    rank_environment(rank, port)
     one_update(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
     torch.distributed.destroy_process_group()
     threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]

@@ -14,7 +14,7 @@ from fastppo.trainer import PPOTrainer, TrainConfig, sharding
 from fastppo.trainer.errors import UsageError
 from fastppo.trainer.models import Critic
 
-from .test_distributed import FIELDS, _spawn, _train_worker, prompt_by_prompt
+from .test_distributed import FIELDS, _spawn, _train_worker, prompt_by_prompt, rank_environment
 
 
 def updated_weights(config: TrainConfig) -> dict:
@@ -36,19 +36,13 @@ def updated_weights(config: TrainConfig) -> dict:
 
     trainer._step = step_recording_gradients
     metrics = trainer.iteration(0)
-    whole = (lambda m: sharding.full_state_dict(m)) if trainer.sharded else (lambda m: m.state_dict())
+    whole = sharding.full_state_dict if trainer.sharded else (lambda m: m.state_dict())
     return {"weights": {part: model and whole(model) for part, model in models.items()}, "grads": grads,
             "metrics": metrics}
 
 
-def _environment(rank):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    torch.set_default_device("cpu")
-
-
 def _update_worker(rank, port, out_dir, fields):
-    _environment(rank)
-    os.environ["MASTER_PORT"] = str(port)
+    rank_environment(rank, port)
     config = TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True}).validate()
     result = updated_weights(config)
     if rank == 0:
@@ -116,8 +110,7 @@ def test_two_sharded_ranks_resumed_after_two_iterations_equal_four_straight(tmp_
 
 
 def _save_worker(rank, port, out_dir, fields):
-    _environment(rank)
-    os.environ["MASTER_PORT"] = str(port)
+    rank_environment(rank, port)
     trained(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True}).validate())
     torch.distributed.destroy_process_group()
 
@@ -168,8 +161,7 @@ def _killed_worker(rank, port, out_dir, fields):
     """Trains with a checkpoint each iteration; rank 0 dies while checkpoint-2 is being made whole."""
     from fastppo.trainer import checkpoint
 
-    _environment(rank)
-    os.environ["MASTER_PORT"] = str(port)
+    rank_environment(rank, port)
     commit = checkpoint._commit
 
     def dying_commit(tmp, old, target):
@@ -209,8 +201,7 @@ def test_fsdp_needs_ranks_to_shard_over_and_offload_needs_cuda(tmp_path, capsys)
 
 
 def _memory_worker(rank, port, out_dir, fields):
-    _environment(rank)
-    os.environ["MASTER_PORT"] = str(port)
+    rank_environment(rank, port)
     trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
     trainer.iteration(0)
     measured = {**resident_bytes(trainer), "process": live_tensor_bytes()}
