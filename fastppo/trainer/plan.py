@@ -18,8 +18,9 @@ Without ``--fsdp`` every rank holds whole copies, so a rank's plan is one device
 world size; with more than one rank the gradient all-reduce adds a flat copy of the gradients.
 With ``--fsdp`` (``sharding.py``) the weights, gradients, AdamW moments, reference and critic are
 1/N per rank (FSDP's padding aside), and the plan adds what is gathered: the blocks in the compute
-dtype (one at a time, or all of them through the backward without reshard-after-forward), each
-model's root with its LM head, and the whole rollout copy, which is held during the rollout only.
+dtype (one at a time, or all of them through the backward without reshard-after-forward), the
+policy's root with its LM head in the masters' dtype, and the whole rollout copy, which is held
+during the rollout only.
 """
 
 import os
@@ -128,9 +129,10 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
         block = (m.backbone_params - m.vocab * m.hidden) // m.layers  # the embedding table is not a block's
         gathered = 1 if config.sharding.fsdp_reshard_after_forward else m.layers
         root = m.params - m.layers * block
-        lines.append(Line("gathered weights", compute * (gathered * block + root),
-                          f"{gathered} block(s) of {block:,} + the root's {root:,} (embeddings, norm, LM head), "
-                          f"in the compute dtype"))
+        own = rollout if lora.lora_rank is not None else 4  # LoRA's frozen base is in the rollout dtype
+        lines.append(Line("gathered weights", compute * gathered * block + own * root,
+                          f"{gathered} block(s) of {block:,} in the compute dtype + the root's {root:,} "
+                          f"(embeddings, norm, LM head) in its own"))
     if reward_model_config is not None:
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
