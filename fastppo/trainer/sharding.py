@@ -23,8 +23,8 @@ compute dtype for the loss as on one device) and keeps it while the loss runs. L
 every rank with its fp32 gradient and AdamW moments (16 bytes a parameter: 8.7 GB for Qwen2.5-7B's
 152k x 3584 head). A vocabulary-parallel head (each rank scoring every rank's tokens against its
 slice of the vocabulary, the log-sum-exp combined by an all-reduce) would hold 1/N of the head and
-move the hidden states instead (N x tokens x H: 0.13 GB for 2 ranks of 8192 tokens at H 4096,
-against the head's 1.2 GB there), but it needs the loss kernels to reduce across ranks inside a
+move the hidden states instead (N x tokens x H: 0.13 GB for 2 ranks of 8192 bf16 tokens at H 4096,
+against the head's 2.5 GB there), but it needs the loss kernels to reduce across ranks inside a
 chunk; it is not built.
 
 Gradients are summed over ranks, not averaged: every rank's loss is already a token mean over all
