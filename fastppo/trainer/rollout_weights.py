@@ -61,8 +61,10 @@ class RolloutWeights:
         for name, source in self.policy.named_parameters():
             target = self._by_name[name]
             target.untyped_storage().resize_(target.numel() * target.element_size())
-            # cast on the shard, gather in the rollout dtype: half the bytes of gathering fp32
-            target.copy_(source.to(target.dtype).full_tensor() if isinstance(source, DTensor) else source)
+            # cast on the shard (brought from the CPU under --fsdp-offload), gather in the rollout
+            # dtype: half the bytes of gathering fp32
+            shard = source.to(device=target.device, dtype=target.dtype) if isinstance(source, DTensor) else None
+            target.copy_(source if shard is None else shard.full_tensor())
 
     def release(self) -> None:
         """Free a gathered copy's storage until the next :meth:`refresh` (no-op otherwise)."""
