@@ -79,8 +79,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 def shard(model: nn.Module, *, mesh, compute_dtype: torch.dtype, reshard_after_forward: bool, offload: bool,
           hidden_states: bool) -> nn.Module:
-    """``model`` sharded in place over the world: its blocks, then its root. ``compute_dtype``: the
-    dtype the gathered weights are cast to (FSDP's mixed precision; gradients reduced in fp32).
+    """``model`` sharded in place over ``mesh``: its blocks, then its root. ``compute_dtype``: the
+    dtype the blocks' linear weights are gathered in (FSDP's mixed precision; None: their own);
+    gradients are reduced in fp32.
     ``hidden_states``: register :func:`last_hidden_state` as a forward (for models whose LM head the
     fused loss reads)."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard,
@@ -113,9 +114,11 @@ def shard(model: nn.Module, *, mesh, compute_dtype: torch.dtype, reshard_after_f
 
 
 def reshard(model: nn.Module) -> None:
-    """Free a sharded model's gathered root after a no-grad pass (a backward would have)."""
-    if is_sharded(model):
-        model.reshard()
+    """Free what a no-grad pass left gathered (a backward would have): a sharded model's root, and
+    its blocks when they are kept from forward to backward."""
+    for module in model.modules() if model is not None else ():
+        if is_sharded(module):
+            module.reshard()
 
 
 def full_state_dict(model: nn.Module) -> dict:

@@ -209,8 +209,13 @@ def _memory_worker(rank, port, out_dir, fields):
     torch.distributed.destroy_process_group()
 
 
-def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(tmp_path):
-    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "rollout_dtype": "bfloat16"}
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(tmp_path,
+                                                                                       reshard_after_forward):
+    """Also when blocks are kept gathered from their forward to their backward: the no-grad passes
+    (the reference's has no backward at all) free them."""
+    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "rollout_dtype": "bfloat16",
+              "fsdp_reshard_after_forward": reshard_after_forward}
     measured = {}
     for mode, fsdp in (("replicated", False), ("sharded", True)):
         (tmp_path / mode).mkdir()
