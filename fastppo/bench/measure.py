@@ -101,6 +101,18 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of storage held for ``tensors`` in this process (a DTensor's by its local shard), each
+    storage once."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for t in tensors:
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def peak_memory_bytes(call, device: torch.device) -> int:
     """Peak bytes allocated above the starting point during ``call()``: from the CUDA caching
     allocator on CUDA, from :class:`LiveBytes` on the CPU."""

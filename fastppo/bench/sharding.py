@@ -22,14 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .measure import LiveBytes
+from .measure import LiveBytes, storage_bytes
 
 
 def resident_bytes(trainer) -> dict:
     """The storage this rank holds, from the live tensors: the models' weights with the AdamW
     states (``trained``), and the rollout copy's weights (``rollout``)."""
-    from ..trainer.sharding import resident_bytes as storage_bytes
-
     models = [trainer.policy, trainer.critic, trainer.reference]
     tensors = [p for model in models if model is not None for p in model.parameters()]
     for optimizer in trainer._optimizers():
@@ -58,8 +56,6 @@ def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive in the process (a DTensor's by its local shard)."""
     from torch.distributed.tensor import DTensor
-
-    from ..trainer.sharding import resident_bytes as storage_bytes
 
     gc.collect()
     tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]

@@ -126,14 +126,3 @@ def full_state_dict(model: nn.Module) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def resident_bytes(tensors) -> int:
-    """Bytes of storage this rank holds for ``tensors`` (a DTensor's local shard), each storage once."""
-    from torch.distributed.tensor import DTensor
-
-    storages = {}
-    for t in tensors:
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
