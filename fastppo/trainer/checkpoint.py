@@ -29,6 +29,7 @@ import numpy
 import torch
 
 from .config import RESUMABLE, TrainConfig
+from .distributed import world_size
 from .errors import UsageError
 
 STATE_FILE = "trainer_state.pt"
@@ -368,7 +369,7 @@ def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
     config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
     saved_checkpoints = numbered_checkpoints(run_dir)
     if saved_checkpoints:  # before any loading: every checkpoint of a run has its world size
-        check_world_size(saved_checkpoints[-1][1], int(os.environ.get("WORLD_SIZE", "1")))
+        check_world_size(saved_checkpoints[-1][1], world_size())
     trainer = trainer_class(config, resuming=True)
     for _, path in reversed(numbered_checkpoints(run_dir)):
         try:

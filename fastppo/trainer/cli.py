@@ -64,12 +64,11 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    import os
-
     import torch
     from transformers import AutoConfig
 
     from . import tasks
+    from .distributed import world_size
     from .models import DEFAULT_MODEL
     from .plan import GiB, device_memory, memory_plan, render
 
@@ -93,7 +92,7 @@ def _plan(args) -> int:
     if tokens < 1:
         raise UsageError(f"--plan-prompt-tokens must be >= 1, got {tokens}")
     device_type = torch.device(config.device).type
-    world = args.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.plan_world_size or world_size()
     reward_config = AutoConfig.from_pretrained(config.data.reward_model) if config.data.reward_model else None
     lines = memory_plan(config, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
                         reward_model_config=reward_config)

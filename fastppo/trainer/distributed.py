@@ -15,9 +15,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+def world_size() -> int:
+    """The number of ranks torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class Ranks:
     def __init__(self, device_type: str):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.world = world_size()
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.owns_group = self.world > 1 and not dist.is_initialized()
