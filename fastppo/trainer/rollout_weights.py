@@ -39,9 +39,10 @@ class RolloutWeights:
             self.model, self._targets, self._sources = policy, [], []
             return
         self.model, pairs = copy_in_dtype(policy, dtype)
-        self._targets, self._sources = [list(side) for side in zip(*pairs)]
-        if gathered:  # by name, holding none of the policy's whole tensors: sharding replaces them
-            self._sources = []
+        self._targets = [target for target, _ in pairs]
+        # gathered: by name, holding none of the policy's whole tensors, which sharding replaces
+        self._sources = [] if gathered else [source for _, source in pairs]
+        if gathered:
             self._by_name = dict(self.model.named_parameters(remove_duplicate=False))
             self.release()
 
