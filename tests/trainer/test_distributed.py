@@ -47,15 +47,29 @@ def rank_environment(rank, port):
 
 
 def one_update(config: TrainConfig) -> dict:
-    """Run one iteration with rollouts identical however rows are split and return the
-    gradient of its single optimizer step and its metrics."""
+    """One iteration with rollouts identical however rows are split: the whole gradient of its
+    one optimizer step, the policy's and the critic's whole weights after it (a sharded run's on
+    rank 0; every rank must call this) and its metrics."""
+    from torch.distributed.tensor import DTensor
+
+    from fastppo.trainer import sharding
+
     trainer = PPOTrainer(config)
     trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)
-    grads = []
-    step = trainer._step
-    trainer._step = lambda: (grads.append([p.grad.clone() for p in trainer.policy.parameters()]), step())
+    models = {"policy": trainer.policy, "critic": trainer.critic}
+    grads, step = {}, trainer._step
+
+    def step_recording_gradients():  # the whole gradient of the step, gathered from any shards
+        for part, model in models.items():
+            grads[part] = model and {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                                     for name, p in model.named_parameters() if p.requires_grad}
+        step()
+
+    trainer._step = step_recording_gradients
     metrics = trainer.iteration(0)
-    return {"grads": grads[0], "metrics": metrics}
+    whole = sharding.full_state_dict if trainer.sharded else (lambda m: m.state_dict())
+    return {"weights": {part: model and whole(model) for part, model in models.items()}, "grads": grads,
+            "metrics": metrics}
 
 
 def _worker(rank, port, out_dir, fields):
@@ -73,7 +87,7 @@ def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, estimato
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = one_update(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
                                                "device": "cpu"}).validate())
-    for g0, g1, g in zip(ranks[0]["grads"], ranks[1]["grads"], single["grads"]):
+    for g0, g1, g in zip(*(run["grads"]["policy"].values() for run in (*ranks, single))):
         torch.testing.assert_close(g0, g1)  # every rank holds the same, summed gradient ...
         torch.testing.assert_close(g0, g.cpu(), rtol=1e-4, atol=1e-6)  # ... the gradient of the whole batch
     assert ranks[0]["metrics"]["reward_mean"] == pytest.approx(single["metrics"]["reward_mean"])

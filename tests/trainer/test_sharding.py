@@ -10,41 +10,17 @@ import torch
 from safetensors.torch import load_file
 
 from fastppo.bench.sharding import live_tensor_bytes, resident_bytes
-from fastppo.trainer import PPOTrainer, TrainConfig, sharding
+from fastppo.trainer import PPOTrainer, TrainConfig
 from fastppo.trainer.errors import UsageError
 from fastppo.trainer.models import Critic
 
-from .test_distributed import FIELDS, _spawn, _train_worker, prompt_by_prompt, rank_environment
-
-
-def updated_weights(config: TrainConfig) -> dict:
-    """One iteration with rollouts identical however rows are split: the whole gradient of its
-    one optimizer step and the policy's and critic's whole weights after it (on rank 0; every rank
-    must call this)."""
-    from torch.distributed.tensor import DTensor
-
-    trainer = PPOTrainer(config)
-    trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)
-    models = {"policy": trainer.policy, "critic": trainer.critic}
-    grads, step = {}, trainer._step
-
-    def step_recording_gradients():  # the whole gradient of the step, gathered from the shards
-        for part, model in models.items():
-            grads[part] = model and {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-                                     for name, p in model.named_parameters() if p.requires_grad}
-        step()
-
-    trainer._step = step_recording_gradients
-    metrics = trainer.iteration(0)
-    whole = sharding.full_state_dict if trainer.sharded else (lambda m: m.state_dict())
-    return {"weights": {part: model and whole(model) for part, model in models.items()}, "grads": grads,
-            "metrics": metrics}
+from .test_distributed import FIELDS, _spawn, _train_worker, one_update, prompt_by_prompt, rank_environment
 
 
 def _update_worker(rank, port, out_dir, fields):
     rank_environment(rank, port)
     config = TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True}).validate()
-    result = updated_weights(config)
+    result = one_update(config)
     if rank == 0:
         torch.save(result, f"{out_dir}/sharded.pt")
     torch.distributed.destroy_process_group()
@@ -79,7 +55,7 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
     fields = {**FIELDS, "kl_coef": 0.02, **options}
     _spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
-    single = updated_weights(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
+    single = one_update(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
                                                    "device": "cpu"}).validate())
     assert any(g.abs().sum() > 0 for g in single["grads"]["policy"].values())  # a step that moves the policy
     for kind in ("grads", "weights"):  # the step's summed gradient, then the weights it made
@@ -232,7 +208,7 @@ def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rol
 
 def _gradient_worker(rank, port, out_dir, fields):
     rank_environment(rank, port)
-    result = updated_weights(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
+    result = one_update(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
     if rank == 0:
         torch.save(result["grads"], f"{out_dir}/grads.pt")
     torch.distributed.destroy_process_group()
