@@ -15,6 +15,7 @@ from .ops import (
     ppo_policy_loss,
     rollout_is_weights,
     sample_tokens,
+    sequence_ppo_loss,
     token_logprobs,
     token_rewards,
     value_loss,

@@ -69,8 +69,9 @@ def _weights(policy_factory=None) -> int:
 def _phases_case(device) -> Case:
     def make():
         trainer = _trainer(device, {})
-        rollout, scores, _, _ = trainer.rollout(0)
-        return {"trainer": trainer, "rollout": rollout, "scores": scores, "batch": trainer.prepare(rollout, scores)}
+        scored = trainer.rollout(0)
+        return {"trainer": trainer, "rollout": scored.rollout, "scores": scored.scores,
+                "batch": trainer.prepare(scored.rollout, scored.scores)}
 
     contenders = [
         Contender("rollout (sampler + reward)", lambda x: x["trainer"].rollout(0)),

@@ -52,8 +52,8 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
     from ..trainer.models import load_policy
 
     policy, tokenizer = load_policy(model)
-    task_prompts, reward = tasks.TASKS["arithmetic"]
-    rows = [{"prompt": row["prompt"]} for row in task_prompts(seed=seed)]
+    task = tasks.TASKS["arithmetic"]
+    rows, reward = task.prompts(seed=seed), task.reward
 
     def score(prompts, completions, **_):
         return reward(prompts, completions)

@@ -8,11 +8,12 @@ from .linear_token_logprobs import linear_token_logprobs
 from .ppo_loss import ppo_policy_loss
 from .rollout_is_weights import rollout_is_weights
 from .sampling import sample_tokens
+from .sequence_ppo_loss import sequence_ppo_loss
 from .token_logprobs import token_logprobs
 from .value_loss import value_loss
 
 __all__ = [
     "token_logprobs", "linear_token_logprobs",
-    "ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "value_loss", "kl_penalty",
+    "ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "sequence_ppo_loss", "value_loss", "kl_penalty",
     "gae", "masked_whiten", "group_advantages", "token_rewards", "sample_tokens", "rollout_is_weights",
 ]

@@ -8,6 +8,9 @@ the fused losses compute ``w`` once and get each token's gradient from it direct
 * ``seq-mean-token-mean``: the mean over rows with a valid token of each row's token mean.
 * ``seq-mean-token-sum``: the mean over all B rows of each row's token sum.
 * ``seq-mean-token-sum-norm``: the total sum over B * T (a constant normaliser, as Dr. GRPO).
+
+:func:`denominator` names each mode's normaliser, so a trainer that splits a batch into
+minibatches (or ranks) can rescale each part's loss to the whole batch's.
 """
 
 import torch
@@ -16,6 +19,24 @@ from torch import Tensor
 from . import checks
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def denominator(valid: Tensor, agg: str, width=None) -> Tensor:
+    """The number ``agg`` divides by over ``valid`` (``(B, T)`` bool), as an fp32 0-dim tensor:
+    the valid tokens (token-mean), the rows with a valid token (seq-mean-token-mean), the rows
+    (seq-mean-token-sum) or rows x ``width`` (seq-mean-token-sum-norm; ``width`` defaults to T,
+    a trainer passes its generation budget). Summed over a batch's parts, it is the whole's."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    m = valid.float()
+    if agg == "token-mean":
+        return m.sum()
+    if m.dim() != 2:
+        raise ValueError(f"agg={agg!r} needs (B, T) token tensors, got shape {tuple(m.shape)}")
+    B, T = m.shape
+    if agg == "seq-mean-token-mean":
+        return (m.sum(dim=1) > 0).sum().float()
+    return m.new_tensor(float(B if agg == "seq-mean-token-sum" else B * (T if width is None else width)))
 
 
 def aggregation_weights(valid: Tensor, agg: str, num_tokens=None) -> Tensor:
@@ -42,11 +63,5 @@ def aggregation_weights(valid: Tensor, agg: str, num_tokens=None) -> Tensor:
         raise ValueError(f"num_tokens applies to agg='token-mean' only, not agg={agg!r}")
     if m.dim() != 2:
         raise ValueError(f"agg={agg!r} needs (B, T) token tensors, got shape {tuple(m.shape)}")
-    B, T = m.shape
-    if agg == "seq-mean-token-mean":
-        row_tokens = m.sum(dim=1, keepdim=True)  # (B, 1)
-        rows = (row_tokens > 0).sum().clamp(min=1)
-        return m / row_tokens.clamp(min=1.0) / rows
-    if agg == "seq-mean-token-sum":
-        return m / max(B, 1)
-    return m / max(B * T, 1)
+    per_row = m / m.sum(dim=1, keepdim=True).clamp(min=1.0) if agg == "seq-mean-token-mean" else m  # (B, T)
+    return per_row / denominator(valid, agg).clamp(min=1.0)

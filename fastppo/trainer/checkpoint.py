@@ -239,9 +239,9 @@ def metrics_before(path: Path, start: int) -> list:
 # trainer state ----------------------------------------------------------------------------------
 
 def rng_state(trainer) -> dict:
-    """The trainer's prompt order, and the global generators a reward function may draw from."""
+    """The global generators a reward function may draw from."""
     cuda = trainer.device.type == "cuda"
-    return {"python": trainer.rng.getstate(), "python_global": random.getstate(), "numpy": numpy.random.get_state(),
+    return {"python_global": random.getstate(), "numpy": numpy.random.get_state(),
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(trainer.device) if cuda else None}
 
 
@@ -276,6 +276,7 @@ def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) 
         "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer and not sharded else None,
         "schedules": [s.state_dict() for s in trainer.schedules], "kl_coef": trainer.kl.coef,
         "skipped_steps": trainer.skipped_steps, "steps": trainer.steps, "rng": rng or [rng_state(trainer)],
+        "prompts_drawn": trainer.prompts_drawn,
     }, Path(directory) / STATE_FILE)
 
 
@@ -318,8 +319,10 @@ def load_state(trainer, directory: Path) -> int:
         schedule.load_state_dict(schedule_state)
     trainer.kl.coef, trainer.skipped_steps = state["kl_coef"], state["skipped_steps"]
     trainer.steps = state.get("steps", 0)
+    # A checkpoint from before the epoch order drew its prompts at random: continue an epoch order.
+    trainer.prompts_drawn = state.get("prompts_drawn", state["iteration"] * trainer.config.rollout.prompts_per_iteration
+                                      * trainer.ranks.world)
     rng = state["rng"][trainer.ranks.rank]
-    trainer.rng.setstate(rng["python"])
     random.setstate(rng["python_global"])
     numpy.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])

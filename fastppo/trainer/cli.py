@@ -46,6 +46,19 @@ def main(argv=None) -> int:
         return 1
 
 
+def exit_after_sharding(code: int) -> None:
+    """Exit now, without the interpreter's teardown. After ``fully_shard`` something inside torch
+    keeps the gloo process group alive past ``destroy_process_group``, and its threads, still
+    joinable when the interpreter destroys them at exit, abort the process ("terminate called
+    without an active exception"): a run that wrote everything would report a crash. Everything
+    is on disk and closed by then (each save atomic, the logs flushed)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _train(args) -> int:
     if args.resume:
         trainer, start = PPOTrainer.resume(args.resume, given_fields(args))
@@ -60,6 +73,14 @@ def _train(args) -> int:
         last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])
         print(f"mean reward: first 5 iterations {first:.3f}, last 5 {last:.3f} ({len(history)} iterations); "
               f"metrics in {trainer.config.run.out}/metrics.jsonl")
+        if len(trainer.evaluations) >= 2:
+            before, after = trainer.evaluations[0], trainer.evaluations[-1]
+            k = trainer.config.eval.eval_samples
+            print(f"held-out ({len(trainer.eval_prompts)} prompts): greedy {before['eval/greedy']:.3f} -> "
+                  f"{after['eval/greedy']:.3f}, pass@{k} {before[f'eval/pass@{k}']:.3f} -> "
+                  f"{after[f'eval/pass@{k}']:.3f} (iteration {before['iteration']} -> {after['iteration']})")
+    if trainer.sharded:
+        exit_after_sharding(0)
     return 0
 
 
@@ -67,7 +88,7 @@ def _plan(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from . import tasks
+    from . import data, tasks
     from .distributed import world_size
     from .models import DEFAULT_MODEL
     from .plan import GiB, device_memory, memory_plan, render
@@ -87,13 +108,17 @@ def _plan(args) -> int:
         except (OSError, ValueError):
             raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give "
                              "--plan-prompt-tokens") from None
-        rows, _ = tasks.configured_prompts(config.data, config.run.seed)
-        tokens = max(len(tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in rows)
+        rows, origins = (data.read_rows(config.data.prompts) if config.data.prompts
+                         else tasks.task_rows(config.data.task, config.run.seed))
+        try:
+            tokens = max(len(ids) for ids in data.load(rows, origins, tokenizer, config.data).ids)
+        except UsageError as error:
+            raise UsageError(f"{error} (with the tokenizer of --model {path}; or give --plan-prompt-tokens)") from None
     if tokens < 1:
         raise UsageError(f"--plan-prompt-tokens must be >= 1, got {tokens}")
     device_type = torch.device(config.device).type
     world = args.plan_world_size or world_size()
-    reward_config = AutoConfig.from_pretrained(config.data.reward_model) if config.data.reward_model else None
+    reward_config = AutoConfig.from_pretrained(config.reward.reward_model) if config.reward.reward_model else None
     lines = memory_plan(config, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
                         reward_model_config=reward_config)
     available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)

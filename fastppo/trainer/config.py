@@ -64,17 +64,50 @@ class ShardingConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _doc("built-in task (prompts and reward) when --prompts is not given: arithmetic "
-                     "('17+25=' -> '42', reward 1 when exact) or vowels", "arithmetic")
-    prompts: Optional[str] = _doc("JSONL file, one object per line with a 'prompt' field; the other fields "
-                                  "are passed to the reward function")
-    reward: Optional[str] = _doc("reward function 'module:function', called as f(prompts, completions, "
-                                 "**fields) -> one real number per completion; required with --prompts "
-                                 "unless --reward-model is given; default: the task's")
-    reward_model: Optional[str] = _doc("local Hugging Face sequence-classification model scoring prompt + "
-                                       "completion (its first logit), instead of a reward function")
+    task: str = _doc("built-in task (prompts, reward and held-out prompts) when --prompts is not given: "
+                     "arithmetic ('17+25=' -> '42', reward 1 when exact) or vowels", "arithmetic")
+    prompts: Optional[str] = _doc("local prompt file: .jsonl, .json (a list of objects), .parquet or .csv, one "
+                                  "row per prompt; the other fields of a row are passed to the reward functions")
+    prompt_field: str = _doc("the column holding the prompt: a string, used as is, or a list of chat messages "
+                             "({role, content}) rendered with the chat template", "prompt")
+    field_map: Optional[list[str]] = _doc("renames of the other columns for the reward functions, column=name "
+                                          "(e.g. solution=answer)")
+    chat: bool = _doc("render string prompts with the chat template too, as one user message", False)
+    system_prompt: Optional[str] = _doc("a system message opening every chat prompt")
+    chat_template: Optional[str] = _doc("a Jinja chat template file used instead of the tokenizer's")
+    max_prompt_tokens: Optional[int] = _doc("drop (and count) prompts longer than this many tokens at start-up; "
+                                            "default: no limit beyond the model's context")
     drop_long_prompts: bool = _doc("drop (and count) prompts too long for the model's context with "
                                    "max_new_tokens; without it such a prompt is an error naming its line", False)
+
+
+@dataclass
+class RewardConfig:
+    reward: Optional[list[str]] = _doc("reward functions, each 'module:function' called as f(prompts, completions, "
+                                       "**fields) -> one real number per completion, or a built-in verifier: gsm8k, "
+                                       "math, boxed or format (fastppo.rewards); the score is their weighted sum; "
+                                       "default: the task's")
+    reward_weights: Optional[list[float]] = _doc("one weight per reward (--reward, then --reward-model); "
+                                                 "default: 1 each")
+    reward_model: Optional[str] = _doc("local Hugging Face sequence-classification model scoring prompt + "
+                                       "completion (its first logit), one more reward")
+    format_pattern: Optional[str] = _doc("regular expression the whole completion must match for the format "
+                                         "reward; default: <think>...</think><answer>...</answer>")
+    overlong_buffer: int = _doc("DAPO's soft overlong penalty: a response longer than max_new_tokens minus this "
+                                "many tokens loses overlong_penalty x its share of the buffer it used (0: off)", 0)
+    overlong_penalty: float = _doc("the overlong penalty at max_new_tokens", 1.0)
+
+
+@dataclass
+class EvalConfig:
+    evaluate: bool = _doc("score the held-out prompts (--eval-prompts, or a built-in task's) at the start, every "
+                          "--eval-every iterations and at the end", True)
+    eval_prompts: Optional[str] = _doc("held-out prompt file (the formats and fields of --prompts) scored at the "
+                                       "start, every --eval-every iterations and at the end; default: the task's "
+                                       "held-out prompts, none with --prompts")
+    eval_every: int = _doc("evaluate every this many iterations as well (0: at the start and the end only)", 0)
+    eval_samples: int = _doc("samples per held-out prompt at the rollout temperature, for mean@K and pass@K "
+                             "(greedy accuracy is one sample at temperature 0)", 4)
 
 
 @dataclass
@@ -83,7 +116,15 @@ class RolloutConfig:
     samples_per_prompt: int = _doc("responses sampled per prompt (the group for GRPO/RLOO)", 8)
     max_new_tokens: int = _doc("most tokens per response", 8)
     temperature: float = _doc("sampling temperature, also used when log-probs are recomputed", 1.0)
+    top_k: int = _doc("sample among the k most likely tokens only (0: all)", 0)
+    top_p: float = _doc("sample within the smallest set of tokens of this total probability (1: all)", 1.0)
+    stop: Optional[list[str]] = _doc("strings that end a response besides the end-of-sequence token; the response "
+                                     "keeps the stop string and its mask ends there")
     no_stop_penalty: float = _doc("added to the score of a response that never produced the stop token", 0.0)
+    filter_groups: bool = _doc("DAPO's dynamic sampling: leave out groups whose scores are all equal (no "
+                               "advantage) and sample more prompts until the batch is full", False)
+    filter_groups_attempts: int = _doc("most batches sampled per iteration with filter_groups; a batch still short "
+                                       "is filled with equal-score groups", 4)
     rollout_dtype: str = _doc("dtype of the weights the sampler decodes with, a copy refreshed before each "
                               "rollout: auto (bfloat16 on CUDA, the fp32 masters themselves elsewhere), "
                               "bfloat16, float16 or float32", "auto")
@@ -94,7 +135,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    estimator: str = _doc("advantages: gae (with a critic), grpo, dr_grpo, rloo or reinforce_baseline", "grpo")
+    estimator: str = _doc("advantages: gae (with a critic), grpo, dr_grpo, rloo, reinforce_baseline or "
+                          "reinforce_pp (REINFORCE++); see fastppo/trainer/estimators.py", "grpo")
     gamma: float = _doc("discount (gae)", 1.0)
     lam: float = _doc("GAE lambda (gae)", 0.95)
     kl_coef: float = _doc("weight of the KL to the reference model (in the reward for gae, in the loss otherwise)", 0.0)
@@ -103,6 +145,15 @@ class AlgoConfig:
                                       "default: a fixed kl_coef")
     kl_horizon: int = _doc("horizon of the adaptive KL controller, in sequences", 10_000)
     clip_eps: float = _doc("PPO clip range", 0.2)
+    clip_eps_high: Optional[float] = _doc("upper clip range, 1 + this (DAPO's clip-higher); default: clip_eps")
+    dual_clip: Optional[float] = _doc("dual-clip bound c > 1 on the loss of negative advantages; default: off")
+    agg: Optional[str] = _doc("how per-token losses become one: token-mean, seq-mean-token-mean, seq-mean-token-sum "
+                              "or seq-mean-token-sum-norm (over rows x max_new_tokens); default: the estimator's "
+                              "(token-mean; dr_grpo: seq-mean-token-sum-norm)")
+    sequence_ratio: bool = _doc("GSPO: one importance ratio per response (the geometric mean of its tokens'), "
+                                "clipped per response, the loss a mean over responses; GSPO's clip ranges are "
+                                "about 3e-4 and 4e-4 (--clip-eps, --clip-eps-high); needs a group estimator", False)
+    mask_truncated: bool = _doc("leave responses that hit max_new_tokens out of the loss", False)
     entropy_coef: float = _doc("entropy bonus", 0.0)
     vf_coef: float = _doc("value-loss weight (gae)", 0.5)
     vf_clip: float = _doc("value clip range (gae)", 0.2)
@@ -141,10 +192,12 @@ class RunConfig:
                            "fastppo run directory); without it such a directory is refused", False)
 
 
-SECTIONS = (ModelConfig, LoRAConfig, ShardingConfig, DataConfig, RolloutConfig, AlgoConfig, OptimConfig, RunConfig)
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline")
-# Fields a resumed run may change: how long it runs and how it saves, nothing that changes the math.
-RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints"}
+SECTIONS = (ModelConfig, LoRAConfig, ShardingConfig, DataConfig, RewardConfig, EvalConfig, RolloutConfig, AlgoConfig,
+            OptimConfig, RunConfig)
+# Fields a resumed run may change: how long it runs, how it saves and evaluates, nothing that changes
+# the math.
+RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints", "evaluate", "eval_prompts", "eval_every",
+             "eval_samples"}
 
 
 def _base_type(f: dataclasses.Field):
@@ -153,17 +206,36 @@ def _base_type(f: dataclasses.Field):
     return (args[0], True) if args else (f.type, False)
 
 
-def _typed(f: dataclasses.Field, value, source: str):
-    """``value`` as the field's type, or a ``UsageError`` naming the field (and ``source``)."""
-    kind, optional = _base_type(f)
-    if value is None and optional:
-        return None
+EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _scalar(kind, value):
+    """``value`` as ``kind`` (an int is a float, a bool is not an int), or None when it is not one."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
+    return None
+
+
+def _typed(f: dataclasses.Field, value, source: str):
+    """``value`` as the field's type, or a ``UsageError`` naming the field (and ``source``). A list
+    field takes a list of its items, or one item alone."""
+    kind, optional = _base_type(f)
+    if value is None and optional:
+        return None
+    item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+    if item is None:
+        typed = _scalar(kind, value)
+    elif isinstance(value, (list, tuple)):
+        typed = [_scalar(item, v) for v in value]
+        typed = typed if typed and None not in typed else None
+    else:
+        typed = None if _scalar(item, value) is None else [_scalar(item, value)]
+    if typed is not None:
+        return typed
     where = f" (in {source})" if source else ""
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    expected = EXPECTED[kind] if item is None else f"a non-empty list of {EXPECTED[item].removeprefix('a ')}s"
     raise UsageError(f"config field {f.name} must be {expected}{' or null' if optional else ''}, got "
                      f"{type(value).__name__} {value!r}{where}")
 
@@ -174,6 +246,8 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -183,7 +257,8 @@ class TrainConfig:
         return {f.name: getattr(section, f.name) for section in self._sections() for f in dataclasses.fields(section)}
 
     def _sections(self):
-        return (self.model, self.lora, self.sharding, self.data, self.rollout, self.algo, self.optim, self.run)
+        return (self.model, self.lora, self.sharding, self.data, self.reward, self.eval, self.rollout, self.algo,
+                self.optim, self.run)
 
     @classmethod
     def from_flat(cls, values, source: str = "") -> "TrainConfig":
@@ -204,8 +279,20 @@ class TrainConfig:
         return config
 
     @property
+    def estimator(self):
+        """The :class:`~fastppo.trainer.estimators.Estimator` of ``algo.estimator``."""
+        from .estimators import ESTIMATORS
+
+        return ESTIMATORS[self.algo.estimator]
+
+    @property
+    def agg(self) -> str:
+        """The loss aggregation: ``algo.agg``, else the estimator's; GSPO's is a mean over responses."""
+        return "seq-mean-token-mean" if self.algo.sequence_ratio else self.algo.agg or self.estimator.agg
+
+    @property
     def uses_critic(self) -> bool:
-        return self.model.critic if self.model.critic is not None else self.algo.estimator == "gae"
+        return self.model.critic if self.model.critic is not None else self.estimator.critic
 
     @property
     def device(self) -> str:
@@ -220,28 +307,55 @@ class TrainConfig:
     def old_logprobs_from_update(self) -> bool:
         """Whether the old log-probs are the update's own (detached): true when the update is exactly
         on-policy (one epoch, one optimizer step per rollout, so the policy the update sees is the
-        one that sampled) and nothing needs them before it (GAE's KL-shaped rewards do)."""
+        one that sampled) and nothing needs them before it (KL-shaped token rewards do)."""
         a = self.algo
         return (not a.recompute_old_logprobs and a.ppo_epochs == 1 and a.minibatches == a.grad_accumulation
-                and not (a.estimator == "gae" and a.kl_coef > 0))
+                and not (self.estimator.kl_in_reward and a.kl_coef > 0))
 
     def validate(self) -> "TrainConfig":
+        from ..ops.aggregation import AGG_MODES
+        from .estimators import ESTIMATORS
+        from .precision import ROLLOUT_DTYPES, SAVE_DTYPES
         from .tasks import TASKS
 
-        from .precision import ROLLOUT_DTYPES, SAVE_DTYPES
-
-        r, a, o, run, d, lora = self.rollout, self.algo, self.optim, self.run, self.data, self.lora
+        r, a, o, run, d, lora, rw, ev = (self.rollout, self.algo, self.optim, self.run, self.data, self.lora,
+                                         self.reward, self.eval)
         for name, value in self.flat().items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UsageError(f"config field {name} must be a finite number, got {value!r}")
+            for number in value if isinstance(value, list) else [value]:
+                if isinstance(number, float) and not math.isfinite(number):
+                    raise UsageError(f"config field {name} must be a finite number, got {value!r}")
+        rewards = len(rw.reward or ()) + bool(rw.reward_model) or 1  # else the task's one
         rules = [
-            ("task", d.task in TASKS or (d.prompts and (d.reward or d.reward_model)),
+            ("task", d.task in TASKS or (d.prompts and (rw.reward or rw.reward_model)),
              f"must be one of {tuple(TASKS)} unless --prompts and a reward are given"),
+            ("max_prompt_tokens", d.max_prompt_tokens is None or d.max_prompt_tokens >= 1, "must be >= 1"),
+            ("system_prompt", d.system_prompt != "", "must not be empty"),
+            ("reward_weights", rw.reward_weights is None or len(rw.reward_weights) == rewards,
+             f"must hold one weight per reward ({rewards}: those of --reward, then --reward-model)"),
+            ("overlong_buffer", 0 <= rw.overlong_buffer < r.max_new_tokens, "must be >= 0 and < max_new_tokens"),
+            ("overlong_penalty", rw.overlong_penalty >= 0, "must be >= 0"),
+            ("eval_every", ev.eval_every >= 0, "must be >= 0"),
+            ("eval_samples", ev.eval_samples >= 1, "must be >= 1"),
+            ("top_k", r.top_k >= 0, "must be >= 0"),
+            ("filter_groups", not r.filter_groups or (ESTIMATORS.get(a.estimator, ESTIMATORS["gae"]).baseline
+                                                      and r.samples_per_prompt >= 2),
+             "needs a group estimator (grpo, dr_grpo, rloo, reinforce_baseline) and samples_per_prompt >= 2"),
+            ("filter_groups_attempts", r.filter_groups_attempts >= 1, "must be >= 1"),
+            ("top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
+            ("stop", r.stop is None or all(r.stop), "must not hold an empty string"),
+            ("clip_eps_high", a.clip_eps_high is None or a.clip_eps_high > 0, "must be > 0"),
+            ("dual_clip", a.dual_clip is None or a.dual_clip > 1, "must be > 1"),
+            ("agg", a.agg is None or a.agg in AGG_MODES, f"must be one of {AGG_MODES}"),
+            ("sequence_ratio", not a.sequence_ratio or (ESTIMATORS.get(a.estimator, ESTIMATORS["gae"]).baseline
+                                                        and a.agg in (None, "seq-mean-token-mean")
+                                                        and a.dual_clip is None and r.rollout_is_cap is None),
+             "needs a group estimator (grpo, dr_grpo, rloo, reinforce_baseline), agg seq-mean-token-mean (its own), "
+             "and no dual_clip or rollout_is_cap"),
             ("prompts_per_iteration", r.prompts_per_iteration >= 1, "must be >= 1"),
             ("samples_per_prompt", r.samples_per_prompt >= 1, "must be >= 1"),
             ("max_new_tokens", r.max_new_tokens >= 1, "must be >= 1"),
             ("temperature", r.temperature > 0, "must be > 0"),
-            ("estimator", a.estimator in ESTIMATORS, f"must be one of {ESTIMATORS}"),
+            ("estimator", a.estimator in ESTIMATORS, f"must be one of {tuple(ESTIMATORS)}"),
             ("gamma", 0 <= a.gamma <= 1, "must be in [0, 1]"),
             ("lam", 0 <= a.lam <= 1, "must be in [0, 1]"),
             ("kl_coef", a.kl_coef >= 0, "must be >= 0"),
@@ -265,9 +379,10 @@ class TrainConfig:
             ("seed", run.seed >= 0, "must be >= 0"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
             ("keep_checkpoints", run.keep_checkpoints >= 0, "must be >= 0"),
-            ("critic", a.estimator != "gae" or self.uses_critic, "must be on for estimator=gae"),
+            ("critic", not ESTIMATORS.get(a.estimator, ESTIMATORS["grpo"]).critic or self.model.critic is not False,
+             f"must be on for estimator={a.estimator}"),
             ("critic_init", self.model.critic_init in ("policy", "reward_model"), "must be policy or reward_model"),
-            ("critic_init", self.model.critic_init != "reward_model" or self.data.reward_model,
+            ("critic_init", self.model.critic_init != "reward_model" or rw.reward_model,
              "reward_model needs --reward-model"),
             ("rollout_dtype", r.rollout_dtype in ROLLOUT_DTYPES, f"must be one of {ROLLOUT_DTYPES}"),
             ("rollout_is_cap", r.rollout_is_cap is None or r.rollout_is_cap > 1, "must be > 1"),
@@ -302,8 +417,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section.__name__)
         for f in dataclasses.fields(section):
             base = _base_type(f)[0]
+            listed = typing.get_origin(base) is list
+            if listed:  # --reward a b, or --reward a --reward b
+                base = typing.get_args(base)[0]
             kind = {bool: _parse_bool, int: int, float: float}.get(base, str)
-            flag = dict(nargs="?", const=True) if base is bool else {}
+            flag = dict(nargs="?", const=True) if base is bool else dict(nargs="+", action="extend") if listed else {}
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=argparse.SUPPRESS,
                                help=f"{f.metadata['help']} (default: {f.default})", **flag)
 

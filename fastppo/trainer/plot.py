@@ -1,4 +1,5 @@
-"""``fastppo plot RUN_DIR``: a PNG of a run's curves (reward, entropy, response length, KL or stop rate).
+"""``fastppo plot RUN_DIR``: a PNG of a run's curves (reward, held-out scores, entropy, response
+length, KL or stop rate).
 
 Uses matplotlib when it is installed (``pip install 'fastppo[plot]'``); the trainer writes
 ``plot.png`` at the end of a run when it can.
@@ -32,10 +33,19 @@ def plot_run(run_dir: Path, out: Path = None) -> Path:
     if not metrics.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a fastppo run directory")
     rows = [row for _, row in read_metrics(metrics)]
-    panels = PANELS + tuple(p for p in LAST_PANEL if rows and p[0] in rows[-1])[:1]
+    logged = {key for row in rows for key in row}
+    held_out = sorted(key for key in logged if key.startswith("eval/"))  # greedy, mean@K, pass@K
+    panels = [((key,), title) for key, title in PANELS]
+    if held_out:
+        panels.insert(1, (tuple(held_out), "held-out score (before each iteration)"))
+    panels += [((key,), title) for key, title in LAST_PANEL if key in logged][:1]
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for axis, (key, title) in zip(axes, panels):
-        axis.plot([r["iteration"] for r in rows if key in r], [r[key] for r in rows if key in r])
+    for axis, (keys, title) in zip(axes, panels):
+        for key in keys:
+            axis.plot([r["iteration"] for r in rows if key in r], [r[key] for r in rows if key in r],
+                      marker="o" if len(keys) > 1 else None, label=key.removeprefix("eval/"))
+        if len(keys) > 1:
+            axis.legend()
         axis.set_title(title)
         axis.set_xlabel("iteration")
     figure.tight_layout()

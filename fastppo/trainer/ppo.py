@@ -1,12 +1,13 @@
 """The PPO loop: rollouts, scores, advantages, clipped updates; fastppo's own ops at every step.
 
-One iteration: sample prompts -> ``Sampler`` rollouts on the live weights (a bf16 copy on CUDA,
-refreshed in place) -> scores -> no-grad passes for the reference log-probs and the values, and
-for the old log-probs unless the update is exactly on-policy (then they are the update's own,
-detached) -> advantages (GAE over KL-shaped token rewards with a critic; GRPO, Dr. GRPO, RLOO or
-REINFORCE-with-baseline without) -> ``ppo_epochs`` passes of minibatch updates with
-``ppo_loss_from_hidden`` and ``value_loss`` -> metrics. Log-probs come from hidden states with the
-fused linear ops, never full logits. Precision (fp32 masters, bf16 compute) is ``precision.py``'s.
+One iteration: the next prompts of the epoch order -> ``Sampler`` rollouts on the live weights (a
+bf16 copy on CUDA, refreshed in place) -> scores (``rollouts.py``) -> no-grad passes for the
+reference log-probs and the values, and for the old log-probs unless the update is exactly
+on-policy (then they are the update's own, detached) -> advantages as the estimator table says
+(``estimators.py``) -> ``ppo_epochs`` passes of minibatch updates with ``ppo_loss_from_hidden``
+(or GSPO's sequence loss) and ``value_loss`` -> metrics, and the held-out evaluation when it is
+due (``evaluation.py``). Log-probs come from hidden states with the fused linear ops, never full
+logits. Precision (fp32 masters, bf16 compute) is ``precision.py``'s; prompts are ``data.py``'s.
 
 The details that trip trainers up are explicit here: dropout is off in every model; the
 rollout temperature is used again when log-probs are recomputed; the stop token is part of the
@@ -20,7 +21,6 @@ skipped fails. Checkpoints, resume and the run directory's rules live in ``check
 import contextlib
 import json
 import math
-import random
 import signal
 import threading
 import time
@@ -33,9 +33,10 @@ import torch
 from torch import Tensor
 
 from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden,
-                   rollout_is_weights, token_rewards, value_loss)
+                   rollout_is_weights, sequence_ppo_loss, token_rewards, value_loss)
+from ..ops.aggregation import denominator
 from ..rollout import Sampler
-from . import checkpoint, plot, sharding, tasks
+from . import checkpoint, data, evaluation, plot, rollouts, sharding, tasks
 from .config import TrainConfig
 from .distributed import Ranks
 from .errors import UsageError
@@ -156,10 +157,9 @@ class PPOTrainer:
         """``resuming`` is for :meth:`resume`: the run directory then holds the run being continued."""
         self.config = config
         torch.manual_seed(config.run.seed)
-        self.rng = random.Random(config.run.seed)
         device = config.device
         self.ranks = Ranks(torch.device(device).type)
-        if config.data.prompts and reward_fn is None and not (config.data.reward or config.data.reward_model):
+        if config.data.prompts and reward_fn is None and not (config.reward.reward or config.reward.reward_model):
             raise UsageError("--prompts needs --reward (or --reward-model): the task's reward does not know your "
                              "prompts")
         if self.ranks.main:  # before any loading: a run that cannot write loses no time
@@ -182,23 +182,21 @@ class PPOTrainer:
         disable_dropout(policy)
         check_causal(policy, config.model.model or "(the default model)")
         self.device = next(policy.parameters()).device
-        task_reward = tasks.TASKS[config.data.task][1] if config.data.task in tasks.TASKS else None
-        if prompts is not None:
-            origins = [f"prompt {i}" for i in range(len(prompts))]
-        else:
-            prompts, origins = tasks.configured_prompts(config.data, config.run.seed)
-        self.prompts, longest = self._fitting_prompts(prompts, origins)
-        self.fields = tasks.field_names(self.prompts)  # every row's reward call gets all of them
-        if reward_fn is None and config.data.reward_model:
-            reward_fn = RewardModel(config.data.reward_model, self.device, self.precision.frozen)
-        self.reward_fn = reward_fn or (tasks.load_reward(config.data.reward) if config.data.reward else task_reward)
-        if self.reward_fn is None:
-            raise UsageError(f"no reward: task {config.data.task!r} is not built in and --reward is not given")
+        self.prompts, self.eval_prompts = data.configured(config, self.tokenizer, context_length(policy), prompts)
+        every = [p for p in (self.prompts, self.eval_prompts) if p is not None]
+        self.fields = list(dict.fromkeys(k for p in every for k in p.field_names()))  # each reward call gets all
+        self.rewards = tasks.configured_rewards(
+            config, reward_fn, lambda path: RewardModel(path, self.device, self.precision.frozen))
+        for loaded in every:
+            self.rewards.check_fields(loaded.fields, loaded.origins)
+        self.order = data.EpochOrder(len(self.prompts), config.run.seed)
+        self.prompts_drawn = 0  # the position in the epoch order, which a checkpoint keeps
+        longest = max(len(ids) for p in every for ids in p.ids)
         self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
         self.critic = None
         if config.uses_critic:  # from the full policy, before any LoRA wrapping: the critic trains in full
             from_rm = config.model.critic_init == "reward_model"
-            critic = Critic.from_reward_model(config.data.reward_model, policy) if from_rm else Critic.from_policy(policy)
+            critic = Critic.from_reward_model(config.reward.reward_model, policy) if from_rm else Critic.from_policy(policy)
             disable_dropout(critic)
             cast_parameters(critic, torch.float32)
             self.critic = critic.to(self.device)
@@ -221,8 +219,9 @@ class PPOTrainer:
                                               gathered=self.sharded)  # made whole, before sharding
         if self.sharded:
             self._shard()
-        self.sampler = Sampler(self.rollout_weights.model, max_batch_size=r.prompts_per_iteration * r.samples_per_prompt,
-                               max_seq_len=longest + r.max_new_tokens, cuda_graphs=not self.sharded)
+        batch = max(r.prompts_per_iteration * r.samples_per_prompt, config.eval.eval_samples)  # an eval prompt's K fit
+        self.sampler = Sampler(self.rollout_weights.model, max_batch_size=batch, max_seq_len=longest + r.max_new_tokens,
+                               cuda_graphs=not self.sharded)
         o = config.optim
         self.optimizer = adamw([p for p in policy.parameters() if p.requires_grad], o.lr)
         self.critic_optimizer = adamw(list(self.critic.parameters()), o.critic_lr) if self.critic else None
@@ -230,6 +229,7 @@ class PPOTrainer:
                           for opt in (self.optimizer, self.critic_optimizer) if opt is not None]
         self.skipped_steps = 0
         self.steps = 0  # optimizer steps attempted, skipped ones included
+        self.evaluations = []  # {"iteration", held-out metrics} of each evaluation
 
     def _shard(self) -> None:
         """The policy, critic and reference sharded over the ranks (``sharding.py``)."""
@@ -249,62 +249,28 @@ class PPOTrainer:
                                reshard_after_forward=s.fsdp_reshard_after_forward, offload=s.fsdp_offload,
                                hidden_states=hidden_states)
 
-    def _fitting_prompts(self, prompts: list, origins: list) -> tuple:
-        """``(prompts, longest)``: the prompts that fit the model's context with max_new_tokens, and
-        the longest one's token count. A prompt that does not fit is an error naming where it came
-        from, or with ``drop_long_prompts`` is dropped and counted."""
-        budget = self.config.rollout.max_new_tokens
-        context = context_length(self.policy)
-        kept, lengths = [], []
-        for row, origin in zip(prompts, origins):
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise UsageError(f"{origin}: a prompt row must be a dict with a non-empty string 'prompt'")
-            n = len(self.tokenizer(row["prompt"], add_special_tokens=False).input_ids)
-            if n == 0:
-                raise UsageError(f"{origin}: the prompt is no tokens at all")
-            if context is not None and n + budget > context:
-                if not self.config.data.drop_long_prompts:
-                    raise UsageError(f"{origin}: the prompt is {n} tokens, and with max_new_tokens={budget} that "
-                                     f"exceeds the model's context of {context} positions (--drop-long-prompts "
-                                     "drops such prompts)")
-                continue
-            kept.append(row)
-            lengths.append(n)
-        if len(kept) < len(prompts):
-            warnings.warn(f"dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than the model's "
-                          f"context of {context} positions less max_new_tokens={budget}")
-        if not kept:
-            raise UsageError(f"no prompt fits the model's context of {context} positions with max_new_tokens={budget}")
-        return kept, max(lengths)
-
     # one iteration ---------------------------------------------------------------------------
 
-    def rollout(self, iteration: int):
-        r, tok = self.config.rollout, self.tokenizer
-        # Every rank draws the same global sample and rolls out its own shard of it.
-        world, rank, per_rank = self.ranks.world, self.ranks.rank, r.prompts_per_iteration
-        rows = self.rng.sample(self.prompts, min(per_rank * world, len(self.prompts)))[rank * per_rank:(rank + 1) * per_rank]
-        self.rollout_weights.refresh()  # the sampler's copy catches up with the optimizer steps
-        prompt_ids = [tok(row["prompt"], add_special_tokens=False).input_ids for row in rows]
-        rollout = self.sampler.generate(prompt_ids, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                        stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
-                                        num_samples_per_prompt=r.samples_per_prompt,
-                                        seed=(self.config.run.seed * 100_003 + iteration) * world + rank)
-        self.rollout_weights.release()  # a gathered copy gives its memory back to the update
-        n = r.samples_per_prompt
-        completions = [tok.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
-                                  skip_special_tokens=True) for i in range(len(rollout.prompt_ids))]
-        prompts = [row["prompt"] for row in rows for _ in range(n)]
-        fields = {k: [row.get(k) for row in rows for _ in range(n)] for k in self.fields}
-        scores = torch.tensor(tasks.score(self.reward_fn, prompts, completions, fields), device=self.device)
-        no_stop = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
-        return rollout, scores + self.config.rollout.no_stop_penalty * no_stop, scores, no_stop
+    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int):
+        """``n`` responses per prompt with the run's sampling options (``rollouts.sample``)."""
+        return rollouts.sample(self, prompt_ids, temperature, n, seed)
+
+    def rollout(self, iteration: int) -> rollouts.Scored:
+        """This iteration's prompts, responses and scores (``rollouts.rollout``)."""
+        return rollouts.rollout(self, iteration)
 
     @torch.no_grad()
     def prepare(self, rollout, scores: Tensor) -> Batch:
-        c = self.config
+        """The rollout laid out for the update, with old and reference log-probs, values and
+        advantages as the estimator (``estimators.py``) defines them. With ``mask_truncated``, a
+        response that hit max_new_tokens keeps its score in its group's baseline but has no token
+        in the loss."""
+        c, estimator = self.config, self.config.estimator
         input_ids, attention_mask, positions = layout(rollout, self.tokenizer.pad_token_id, self.device)
         mask = rollout.response_mask.to(self.device)
+        if c.algo.mask_truncated:
+            truncated = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
+            mask = mask & ~truncated[:, None]
         batch = Batch(input_ids, attention_mask, positions, rollout.response_ids.to(self.device), mask,
                       rollout.logprobs.to(self.device))
         with self.precision.autocast():
@@ -317,18 +283,19 @@ class PPOTrainer:
                 batch.values = response_values(self.critic, batch) * mask
         for model in (self.policy, self.reference, self.critic):
             sharding.reshard(model)  # no backward follows these passes to free the gathered roots
-        if c.algo.estimator == "gae":
+        if estimator.kl_in_reward:
             # Without old log-probs here the KL weight is 0 (old_logprobs_from_update): any will do.
             behaviour = batch.old_logprobs if batch.old_logprobs is not None else batch.sampler_logprobs
             ref = batch.ref_logprobs if batch.ref_logprobs is not None else behaviour
             rewards = token_rewards(scores, behaviour, ref, mask, kl_coef=self.kl.coef, kl_estimator="k1")
-            advantages, batch.returns = gae(rewards, batch.values, mask, gamma=c.algo.gamma, lam=c.algo.lam)
-            batch.advantages = masked_whiten(advantages, mask, group=self.ranks.group)
+            if batch.values is not None:
+                advantages, batch.returns = gae(rewards, batch.values, mask, gamma=c.algo.gamma, lam=c.algo.lam)
+            else:  # REINFORCE++: the discounted reward-to-go, which is GAE with zero values and lambda 1
+                advantages, batch.returns = gae(rewards, torch.zeros_like(rewards), mask, gamma=c.algo.gamma, lam=1.0)
         else:
-            per_row = group_advantages(scores, c.rollout.samples_per_prompt, estimator=c.algo.estimator)
+            per_row = group_advantages(scores, c.rollout.samples_per_prompt, estimator=estimator.baseline)
             advantages = per_row.unsqueeze(1).expand_as(mask).float() * mask
-            whiten = c.algo.estimator == "reinforce_baseline"
-            batch.advantages = masked_whiten(advantages, mask, group=self.ranks.group) if whiten else advantages
+        batch.advantages = masked_whiten(advantages, mask, group=self.ranks.group) if estimator.whiten else advantages
         return batch
 
     def _lr_factor(self, iteration: int) -> float:
@@ -348,7 +315,7 @@ class PPOTrainer:
         models = [m for m in (self.policy, self.critic) if m is not None]
         for model in models:
             model.train()  # dropout is off; this is for gradient checkpointing, which needs it
-        kl_in_loss = c.algo.estimator != "gae" and batch.ref_logprobs is not None
+        kl_in_loss = not c.estimator.kl_in_reward and batch.ref_logprobs is not None
         on_policy = batch.old_logprobs is None
         if on_policy:
             batch.old_logprobs = torch.zeros_like(batch.sampler_logprobs)
@@ -359,11 +326,13 @@ class PPOTrainer:
             for first in range(0, len(minibatches), c.algo.grad_accumulation):
                 indices = minibatches[first:first + c.algo.grad_accumulation]
                 group = [batch.rows(index) for index in indices]
-                # each loss is a token mean over the whole step's tokens, on every rank
+                # each loss is normalised over the whole step, on every rank: by its tokens (the
+                # value loss, and token-mean), or by its rows (the seq-mean modes)
                 tokens = self.ranks.sum(sum(mb.mask.sum() for mb in group))
+                whole = self.ranks.sum(sum(denominator(mb.mask, c.agg, c.rollout.max_new_tokens) for mb in group))
                 self._zero_grad()
                 for index, mb in zip(indices, group):
-                    loss, stats = self._loss(mb, kl_in_loss, tokens, on_policy)
+                    loss, stats = self._loss(mb, kl_in_loss, tokens, on_policy, whole)
                     loss.backward()
                     if on_policy:
                         batch.old_logprobs[index] = mb.old_logprobs
@@ -376,28 +345,25 @@ class PPOTrainer:
             model.eval()
         return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
 
-    def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor, on_policy: bool) -> tuple:
-        """The minibatch's loss and stats. ``on_policy``: its old log-probs are this forward's own,
-        detached (set on ``mb``), so no separate pass computed them. With ``rollout_is_cap`` the
-        loss weights each token by the truncated importance weight of old over sampler log-probs."""
-        c = self.config
+    def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor, on_policy: bool, whole: Tensor = None) -> tuple:
+        """The minibatch's loss and stats. ``tokens``: the step's valid tokens (over every minibatch
+        and rank); ``whole``: the step's :func:`~fastppo.ops.aggregation.denominator` of ``agg``
+        (default: ``tokens`` for token-mean, else the minibatch's own), the policy loss being
+        rescaled from the minibatch's own to it. ``on_policy``: its old log-probs are this
+        forward's own, detached (set on ``mb``), so no separate pass computed them. With
+        ``rollout_is_cap`` the loss weights each token by the truncated importance weight of old
+        over sampler log-probs."""
+        c, agg = self.config, self.config.agg
+        if whole is None:
+            whole = tokens if agg == "token-mean" else denominator(mb.mask, agg, c.rollout.max_new_tokens)
         with self.precision.autocast():
             hidden = response_hidden(self.policy, mb)
-        weight, bias = head_params(self.policy, hidden)
-        cap = c.rollout.rollout_is_cap
-        loss, stats, old = ppo_loss_from_hidden(
-            hidden, weight, mb.response_ids, None if on_policy else mb.old_logprobs, mb.advantages, mb.mask,
-            bias=bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps, entropy_coef=c.algo.entropy_coef,
-            ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
-            kl_estimator=c.algo.kl_estimator, num_tokens=tokens, return_logprobs=True,
-            sampler_logprobs=None if cap is None else mb.sampler_logprobs, rollout_is_cap=cap)
-        if on_policy:
-            mb.old_logprobs = old
-        if cap is not None:  # the weights the loss applied, for the logs
-            weights = rollout_is_weights(mb.old_logprobs, mb.sampler_logprobs, mb.mask, cap)
-            count = mb.mask.sum().clamp(min=1)
-            stats.update(rollout_is_weight=weights.sum() / count,
-                         rollout_is_capped=((weights >= cap) & mb.mask).sum() / count)
+        if c.algo.sequence_ratio and not on_policy:
+            loss, stats = self._sequence_loss(mb, hidden, kl_in_loss)
+        else:
+            loss, stats = self._token_loss(mb, hidden, kl_in_loss, on_policy, whole if agg == "token-mean" else None)
+        if agg != "token-mean":  # from the minibatch's own normaliser to the step's
+            loss = loss * (denominator(mb.mask, agg).clamp(min=1.0) / whole.clamp(min=1.0))
         if self.critic is not None:
             with self.precision.autocast():
                 values = response_values(self.critic, mb)
@@ -406,6 +372,43 @@ class PPOTrainer:
             loss = loss + c.algo.vf_coef * vf
             stats.update(vf_stats)
         return loss, stats
+
+    def _token_loss(self, mb: Batch, hidden: Tensor, kl_in_loss: bool, on_policy: bool, num_tokens) -> tuple:
+        """The fused per-token PPO loss, aggregated over the minibatch as ``agg`` says, token-mean
+        over ``num_tokens`` (the step's: each token then weighs 1/N, as on one rank); on-policy,
+        GSPO's too (every sequence ratio is then 1: its loss is this one with seq-mean-token-mean)."""
+        c = self.config
+        weight, bias = head_params(self.policy, hidden)
+        cap = c.rollout.rollout_is_cap
+        loss, stats, old = ppo_loss_from_hidden(
+            hidden, weight, mb.response_ids, None if on_policy else mb.old_logprobs, mb.advantages, mb.mask,
+            bias=bias, temperature=c.rollout.temperature, clip_eps=c.algo.clip_eps, clip_eps_high=c.algo.clip_eps_high,
+            dual_clip=c.algo.dual_clip, entropy_coef=c.algo.entropy_coef,
+            ref_logprobs=mb.ref_logprobs if kl_in_loss else None, kl_coef=self.kl.coef if kl_in_loss else 0.0,
+            kl_estimator=c.algo.kl_estimator, agg=c.agg, num_tokens=num_tokens, return_logprobs=True,
+            sampler_logprobs=None if cap is None else mb.sampler_logprobs, rollout_is_cap=cap)
+        if on_policy:
+            mb.old_logprobs = old
+        if cap is not None:  # the weights the loss applied, for the logs
+            weights = rollout_is_weights(mb.old_logprobs, mb.sampler_logprobs, mb.mask, cap)
+            count = mb.mask.sum().clamp(min=1)
+            stats.update(rollout_is_weight=weights.sum() / count,
+                         rollout_is_capped=((weights >= cap) & mb.mask).sum() / count)
+        return loss, stats
+
+    def _sequence_loss(self, mb: Batch, hidden: Tensor, kl_in_loss: bool) -> tuple:
+        """GSPO's loss off-policy: each response's token log-probs from the fused linear op, then
+        :func:`~fastppo.ops.sequence_ppo_loss` over them, a mean over the minibatch's responses."""
+        c = self.config
+        weight, bias = head_params(self.policy, hidden)
+        logp, entropy = linear_token_logprobs(hidden, weight, response_labels(mb), bias=bias,
+                                              temperature=c.rollout.temperature, return_entropy=True)
+        per_row = mb.advantages.sum(1) / mb.mask.sum(1).clamp(min=1)  # the group advantage each token holds
+        return sequence_ppo_loss(logp, mb.old_logprobs, per_row, mb.mask, clip_eps=c.algo.clip_eps,
+                                 clip_eps_high=c.algo.clip_eps_high,
+                                 ref_logprobs=mb.ref_logprobs if kl_in_loss else None,
+                                 kl_coef=self.kl.coef if kl_in_loss else 0.0, kl_estimator=c.algo.kl_estimator,
+                                 entropy=entropy, entropy_coef=c.algo.entropy_coef)
 
     def _optimizers(self) -> list:
         return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
@@ -434,9 +437,9 @@ class PPOTrainer:
     def iteration(self, iteration: int) -> dict:
         start = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # this iteration's, before the schedule moves on
-        rollout, scores, raw_scores, no_stop = self.rollout(iteration)
+        scored = self.rollout(iteration)
         rolled = time.perf_counter()
-        batch = self.prepare(rollout, scores)
+        batch = self.prepare(scored.rollout, scored.scores)
         prepared = time.perf_counter()
         kl_coef = self.kl.coef  # the coefficient this iteration used
         stats = self.update(batch)  # after it, old_logprobs are set either way
@@ -450,12 +453,14 @@ class PPOTrainer:
         for schedule in self.schedules:
             schedule.step()
         done = time.perf_counter()
-        mask, sampler_logprobs = batch.mask, batch.sampler_logprobs
+        mask, sampler_logprobs, raw = batch.mask, batch.sampler_logprobs, scored.raw
         tokens = int(mask.sum())
         return self.ranks.mean_of({
-            "iteration": iteration, "reward_mean": float(raw_scores.mean()), "reward_std": float(raw_scores.std()),
-            "score_mean": float(scores.mean()), "response_length": float(mask.sum(1).float().mean()),
-            "stop_rate": float(1 - no_stop.float().mean()),
+            "iteration": iteration, "reward_mean": float(raw.mean()), "reward_std": float(raw.std()),
+            **{f"reward/{name}": float(values.mean()) for name, values in scored.each_reward.items()},
+            **scored.stats, "score_mean": float(scored.scores.mean()),
+            "response_length": float(scored.rollout.response_lens.float().mean()),
+            "stop_rate": float(1 - scored.no_stop.float().mean()),
             "logprob_mismatch": float(((sampler_logprobs - batch.old_logprobs).abs() * mask).sum() / max(tokens, 1)),
             **stats, "skipped_steps": self.skipped_steps, "lr": lr,
             "time_rollout": rolled - start,
@@ -486,15 +491,19 @@ class PPOTrainer:
         log = open(out / "metrics.jsonl", "a") if main else contextlib.nullcontext()
         with _stop_on_signals(stop), log, tqdm(range(start, self.config.run.iterations), desc="ppo", initial=start,
                                                total=self.config.run.iterations, disable=not main) as bar:
-            for i in bar:
-                metrics = self.iteration(i)
-                history.append(metrics)
+            def write(metrics):
                 if main:
                     log.write(json.dumps(metrics) + "\n")
                     log.flush()
                 if board is not None:
                     for key, value in metrics.items():
-                        board.add_scalar(key, value, i)
+                        board.add_scalar(key, value, metrics["iteration"])
+
+            for i in bar:
+                evaluated = self.evaluate(i) if self._evaluates_before(i) else {}
+                metrics = {**self.iteration(i), **evaluated}
+                history.append(metrics)
+                write(metrics)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 every, done = self.config.run.save_every, i + 1
@@ -506,6 +515,8 @@ class PPOTrainer:
                     raise TrainingInterrupted(f"stopped by {stop[0] if stop else 'a signal to another rank'} after "
                                               f"iteration {i}; checkpoint-{done} is saved; "
                                               f"resume with: fastppo train --resume {out}")
+            if self.eval_prompts is not None:  # the trained policy, in a row of its own
+                write({"iteration": self.config.run.iterations, **self.evaluate(self.config.run.iterations)})
         if board is not None:
             board.close()
         if self.steps and self.skipped_steps == self.steps:
@@ -517,6 +528,17 @@ class PPOTrainer:
             plot.plot_run(out)
         self.ranks.barrier()
         return history
+
+    def _evaluates_before(self, iteration: int) -> bool:
+        every = self.config.eval.eval_every
+        return self.eval_prompts is not None and (iteration == 0 or (every and iteration % every == 0))
+
+    def evaluate(self, iteration: int) -> dict:
+        """The held-out metrics (``evaluation.py``) of the policy before ``iteration``, also kept in
+        ``evaluations``."""
+        metrics = evaluation.evaluate(self, self.eval_prompts, self.config.eval.eval_samples, iteration)
+        self.evaluations.append({"iteration": iteration, **metrics})
+        return metrics
 
     def checkpoint(self, out: Path, done: int) -> None:
         """``out/checkpoint-{done}`` from rank 0 (and every rank's shards), with every rank's random states."""

@@ -1,4 +1,4 @@
-"""Built-in tasks (prompts and a programmatic reward) and loading user prompts and rewards.
+"""Built-in tasks (prompts, a programmatic reward, held-out prompts) and reward functions.
 
 A reward function is called as ``f(prompts, completions, **fields)`` with lists of strings and,
 for each field that any prompt row has besides ``prompt``, the list of its values (None for a
@@ -8,11 +8,11 @@ crash deep in the trainer.
 """
 
 import importlib
-import json
 import math
 import numbers
 import random
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,59 +59,50 @@ def arithmetic_prompts(count: int = 2048, seed: int = 0) -> list:
     return [{"prompt": arithmetic_example(rng)[0]} for _ in range(count)]
 
 
-# task name -> (prompt rows, reward function); the rows are dicts with at least 'prompt'
-TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "vowels": (vowels_prompts, vowels_reward)}
+def arithmetic_eval_prompts(count: int = 64, seed: int = 0) -> list:
+    """``count`` additions that :func:`arithmetic_prompts` (same seed) never draws: held out."""
+    seen = {row["prompt"] for row in arithmetic_prompts(seed=seed)}
+    unseen = sorted({f"{a}+{b}=" for a in range(50) for b in range(50)} - seen)
+    return [{"prompt": p} for p in random.Random(seed + 1).sample(unseen, min(count, len(unseen)))]
 
 
-def configured_prompts(data, seed: int) -> tuple:
-    """``(rows, origins)`` of a run: the ``--prompts`` file's (see :func:`load_prompts`), else the
-    built-in task's, drawn with ``seed``."""
-    if data.prompts:
-        return load_prompts(data.prompts)
-    rows = TASKS[data.task][0](seed=seed)
-    return rows, [f"task {data.task}, prompt {i}" for i in range(len(rows))]
+def vowels_eval_prompts(count: int = 64, seed: int = 0) -> list:
+    return vowels_prompts(count, seed + 1)
 
 
-def load_prompts(path: str) -> tuple:
-    """``(rows, origins)`` of a JSONL file: the JSON objects with a non-empty string 'prompt', and
-    ``"path:line"`` of each; any other line (blank ones aside) is an error naming it."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise UsageError(f"--prompts {path}: {error.strerror or error}") from None
-    rows, origins = [], []
-    for number, raw in enumerate(data.splitlines(), start=1):
+@dataclass(frozen=True)
+class Task:
+    prompts: Callable  # (seed=) -> rows, dicts with at least 'prompt'
+    reward: Callable
+    eval_prompts: Callable  # (seed=) -> rows held out from the training ones
+
+
+TASKS = {"arithmetic": Task(arithmetic_prompts, arithmetic_reward, arithmetic_eval_prompts),
+         "vowels": Task(vowels_prompts, vowels_reward, vowels_eval_prompts)}
+
+
+def task_rows(task: str, seed: int, held_out: bool = False) -> tuple:
+    """``(rows, origins)`` of a built-in task's training (or held-out) prompts, drawn with ``seed``."""
+    rows = (TASKS[task].eval_prompts if held_out else TASKS[task].prompts)(seed=seed)
+    kind = "held-out prompt" if held_out else "prompt"
+    return rows, [f"task {task}, {kind} {i}" for i in range(len(rows))]
+
+
+def load_reward(spec: str, format_pattern: str = None):
+    """The reward function named by ``spec``: a built-in of :mod:`fastppo.rewards` (``gsm8k``,
+    ``math``, ``boxed``, ``format``, the last with ``format_pattern``) or ``module:function``."""
+    from .. import rewards
+
+    if spec in rewards.BUILTIN:
+        if spec != "format":
+            return rewards.BUILTIN[spec]
         try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise UsageError(f"{path}:{number}: not UTF-8 text (byte {error.start} of the line)") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UsageError(f"{path}:{number}: each line must be a JSON object with a string 'prompt' field")
-        if not row["prompt"]:
-            raise UsageError(f"{path}:{number}: the prompt is empty")
-        rows.append(row)
-        origins.append(f"{path}:{number}")
-    if not rows:
-        raise UsageError(f"{path}: no prompts")
-    return rows, origins
-
-
-def field_names(rows: list) -> list:
-    """Every field besides 'prompt' that any row has, in order of first appearance."""
-    return list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
-
-
-def load_reward(spec: str):
-    """The function named by 'module:function'."""
+            return rewards.format_reward(format_pattern) if format_pattern is not None else rewards.format_reward()
+        except ValueError as error:
+            raise UsageError(f"--format-pattern: {error}") from None
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
-        raise UsageError(f"reward must be 'module:function', got {spec!r}")
+        raise UsageError(f"reward must be 'module:function' or one of {', '.join(rewards.BUILTIN)}, got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
@@ -120,6 +111,54 @@ def load_reward(spec: str):
     if not callable(fn):
         raise UsageError(f"reward {spec!r}: {module_name} has no function {name}")
     return fn
+
+
+def configured_rewards(config, reward_fn=None, reward_model=None) -> "Rewards":
+    """A run's rewards: ``reward_fn`` (the Python API's), else each ``--reward`` and the
+    ``--reward-model`` (made by ``reward_model(path)``), else the built-in task's; weighted by
+    ``--reward-weights``."""
+    c = config.reward
+    if reward_fn is not None:
+        named = [(getattr(reward_fn, "__name__", "reward"), reward_fn)]
+    else:
+        named = [(spec, load_reward(spec, c.format_pattern)) for spec in c.reward or ()]
+        if c.reward_model:
+            named.append(("reward_model", reward_model(c.reward_model)))
+    if not named:
+        task = config.data.task
+        if task not in TASKS:
+            raise UsageError(f"no reward: task {task!r} is not built in and --reward is not given")
+        named = [(task, TASKS[task].reward)]
+    return Rewards(named, c.reward_weights)
+
+
+class Rewards:
+    """Several reward functions and their weights: a completion's score is the weighted sum of
+    theirs (the trainer logs each function's mean under ``reward/<name>``)."""
+
+    def __init__(self, named: list, weights=None):
+        if weights is not None and len(weights) != len(named):
+            raise UsageError(f"--reward-weights has {len(weights)} weight(s) for {len(named)} reward(s) "
+                             f"({', '.join(name for name, _ in named)}): give one per reward")
+        self.named = named
+        self.weights = list(weights) if weights is not None else [1.0] * len(named)
+
+    def check_fields(self, fields: list, origins: list) -> None:
+        """Each function's ``needs`` (the fields a verifier reads) present in every row."""
+        for name, fn in self.named:
+            for needed in getattr(fn, "needs", ()):
+                for row, origin in zip(fields, origins):
+                    if row.get(needed) is None:
+                        raise UsageError(f"reward {name} needs an {needed!r} field in every row, and {origin} has "
+                                         f"none (map a column to it with --field-map column={needed})")
+
+    def __call__(self, prompts: list, completions: list, fields: dict) -> tuple:
+        """``(scores, each)``: the weighted sum per completion, and ``{name: scores}`` of each function."""
+        total, each = [0.0] * len(completions), {}
+        for (name, fn), weight in zip(self.named, self.weights):
+            each[name] = values = score(fn, prompts, completions, fields)
+            total = [t + weight * v for t, v in zip(total, values)]
+        return total, each
 
 
 def _real(value):

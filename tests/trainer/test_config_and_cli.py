@@ -128,7 +128,9 @@ VOWELS = "fastppo.trainer.tasks:vowels_reward"
 @pytest.mark.parametrize("rows,match", [
     ([{"prompt": "ab"}, {"prompt": ""}], r"p.jsonl:2: the prompt is empty"),
     ([{"prompt": "ab"}, b'{"prompt": "\xff\xfe"}'], r"p.jsonl:2: not UTF-8 text"),
-    ([{"prompt": "ab"}, {"prompt": 3}], r"p.jsonl:2: each line must be a JSON object"),
+    ([{"prompt": "ab"}, {"prompt": 3}], r"p.jsonl:2: a prompt must be a non-empty string or a non-empty list of chat "
+                                        r"messages, got int"),
+    ([{"prompt": "ab"}, [1, 2]], r"p.jsonl:2: each row must be an object of named fields, got list"),
 ])
 def test_bad_prompt_rows_are_refused_naming_file_and_line(tmp_path, rows, match):
     with pytest.raises(UsageError, match=match):
@@ -160,7 +162,7 @@ def test_every_field_any_row_has_reaches_the_reward(tmp_path):
 @pytest.mark.parametrize("value", [numpy.float32(0.5), numpy.int64(1), torch.tensor(0.25), True, 2])
 def test_rewards_may_be_any_real_number(tmp_path, value):
     trainer = PPOTrainer(config(tmp_path, save=False), reward_fn=lambda p, c, **_: [value] * len(c))
-    _, scores, _, _ = trainer.rollout(0)
+    scores = trainer.rollout(0).scores
     assert torch.all(scores == float(value))
 
 
@@ -186,7 +188,7 @@ def test_a_prompt_longer_than_the_context_is_refused_or_dropped(tmp_path):
         PPOTrainer(config(tmp_path, prompts=path, reward=VOWELS))
     with pytest.warns(UserWarning, match="dropped 1 of 3 prompts"):
         trainer = PPOTrainer(config(tmp_path, prompts=path, reward=VOWELS, drop_long_prompts=True))
-    assert [row["prompt"] for row in trainer.prompts] == ["ab", "de"]
+    assert trainer.prompts.texts == ["ab", "de"]
 
 
 def test_models_that_are_no_causal_lm_are_refused(tmp_path):

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from fastppo.rollout import Rollout
 from fastppo.trainer import PPOTrainer, TrainConfig
 
-FIELDS = dict(task="arithmetic", samples_per_prompt=4, minibatches=1, ppo_epochs=1, iterations=1, save=False)
+FIELDS = dict(task="arithmetic", samples_per_prompt=4, minibatches=1, ppo_epochs=1, iterations=1, save=False,
+              evaluate=False)
 
 
 def prompt_by_prompt(generate):
@@ -167,7 +168,10 @@ def test_torchrun_end_to_end(tmp_path, nodes, sharded):
     outputs = [p.communicate(timeout=300)[0] for p in processes]
     assert [p.returncode for p in processes] == [0] * nodes, outputs
     assert sum(out.count("mean reward: first 5 iterations") for out in outputs) == 1  # rank 0 alone reports
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]  # the last, the held-out score of the trained policy
+    assert "eval/greedy" in rows[0] and set(rows[-1]) == {"iteration", "eval/greedy", "eval/mean@4", "eval/pass@4"}
+    assert sum(out.count("held-out (64 prompts)") for out in outputs) == 1
     state = torch.load(run / "checkpoint-3" / "trainer_state.pt", weights_only=False)
     assert len(state["rng"]) == 2  # both ranks' random states
     if sharded:  # each rank's shards, and the whole model from rank 0

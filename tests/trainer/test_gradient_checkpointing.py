@@ -9,7 +9,8 @@ from tests.trainer.test_trainer import untrained
 
 def gradients_of_one_loss(tmp_path, checkpointing: bool) -> tuple:
     trainer = untrained(tmp_path, estimator="gae", kl_coef=0.0, save=False, gradient_checkpointing=checkpointing)
-    rollout, scores, _, _ = trainer.rollout(0)
+    scored = trainer.rollout(0)
+    rollout, scores = scored.rollout, scored.scores
     batch = trainer.prepare(rollout, scores)
     calls = []
     mlp = trainer.policy.model.layers[0].mlp  # inside a block: run again when the block is recomputed

@@ -25,7 +25,7 @@ def planned_and_measured(tmp_path, **fields):
         trainer = PPOTrainer(cfg, policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
         trainer.iteration(0)
         trainer.iteration(1)
-    longest = max(len(tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in trainer.prompts)
+    longest = max(len(ids) for ids in trainer.prompts.ids)
     lines = memory_plan(cfg, trainer.policy.config, prompt_tokens=longest, device_type="cpu")
     return {line.name: line.bytes for line in lines}, trainer, mode.peak
 

@@ -34,7 +34,8 @@ def direct_logprobs(model, batch, temperature):
 
 
 def rolled_out(trainer):
-    rollout, scores, _, _ = trainer.rollout(0)
+    scored = trainer.rollout(0)
+    rollout, scores = scored.rollout, scored.scores
     return scores, trainer.prepare(rollout, scores)
 
 

@@ -13,6 +13,7 @@ from fastppo.bench.sharding import live_tensor_bytes, resident_bytes
 from fastppo.trainer import PPOTrainer, TrainConfig
 from fastppo.trainer.errors import UsageError
 from fastppo.trainer.models import Critic
+from tests.oracles import relative_error
 
 from .test_distributed import FIELDS, _spawn, _train_worker, one_update, prompt_by_prompt, rank_environment
 
@@ -23,7 +24,7 @@ def _update_worker(rank, port, out_dir, fields):
     result = one_update(config)
     if rank == 0:
         torch.save(result, f"{out_dir}/sharded.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def completion_length(prompts, completions, **_):
@@ -58,11 +59,12 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
     single = one_update(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
                                                    "device": "cpu"}).validate())
     assert any(g.abs().sum() > 0 for g in single["grads"]["policy"].values())  # a step that moves the policy
-    for kind in ("grads", "weights"):  # the step's summed gradient, then the weights it made
-        for part, expected in single[kind].items():
-            if expected is None:
-                continue
-            assert_same_weights(sharded[kind][part], expected)
+    for part, expected in single["grads"].items():  # the step's summed gradient, within the numerics policy's 1e-5
+        for name, value in (expected or {}).items():
+            assert relative_error(sharded["grads"][part][name], value) <= 1e-5, name
+    for part, expected in single["weights"].items():  # then the weights it made
+        if expected is not None:
+            assert_same_weights(sharded["weights"][part], expected)
     assert sharded["metrics"]["reward_mean"] == pytest.approx(single["metrics"]["reward_mean"])
 
 
@@ -88,7 +90,7 @@ def test_two_sharded_ranks_resumed_after_two_iterations_equal_four_straight(tmp_
 def _save_worker(rank, port, out_dir, fields):
     rank_environment(rank, port)
     trained(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu", "fsdp": True}).validate())
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def trained(config: TrainConfig) -> None:
@@ -98,10 +100,22 @@ def trained(config: TrainConfig) -> None:
     trainer.train()
 
 
+def leave() -> None:
+    """End a sharded worker: the process group destroyed, then an exit without the interpreter's
+    teardown (see ``fastppo.trainer.cli.exit_after_sharding``)."""
+    from fastppo.trainer.cli import exit_after_sharding
+
+    torch.distributed.destroy_process_group()
+    exit_after_sharding(0)
+
+
 def assert_same_weights(got: dict, expected: dict) -> None:
+    """Equal within 1e-5: AdamW's first step is about lr x g / (|g| + eps), so an entry whose
+    gradient is near eps (1e-8) moves by a share of lr that a rounding of g changes (each rank
+    sums its tokens in another order); a wrong step would differ by about lr (5e-4)."""
     assert got.keys() == expected.keys()
     for name, value in got.items():
-        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_the_consolidated_models_load_with_from_pretrained_and_equal_the_unsharded_run(tmp_path):
@@ -182,7 +196,7 @@ def _memory_worker(rank, port, out_dir, fields):
     trainer.iteration(0)
     measured = {**resident_bytes(trainer), "process": live_tensor_bytes()}
     torch.save(measured, f"{out_dir}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
@@ -211,7 +225,7 @@ def _gradient_worker(rank, port, out_dir, fields):
     result = one_update(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
     if rank == 0:
         torch.save(result["grads"], f"{out_dir}/grads.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def test_under_bf16_autocast_sharded_ranks_compute_what_replicated_ranks_do(tmp_path):

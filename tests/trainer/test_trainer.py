@@ -12,7 +12,9 @@ from fastppo.trainer.tasks import vowels_reward
 
 
 def config(tmp_path, **fields):
-    return TrainConfig.from_flat({"out": str(tmp_path / "run"), "iterations": 3, **fields}).validate()
+    """Three iterations into ``tmp_path/run``; no held-out evaluation unless asked for."""
+    return TrainConfig.from_flat({"out": str(tmp_path / "run"), "iterations": 3, "evaluate": False,
+                                  **fields}).validate()
 
 
 def untrained(tmp_path, **fields):
@@ -34,7 +36,11 @@ def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
     out = tmp_path / "run"
     assert fastppo_main(["train", "--iterations", "3", "--out", str(out), "--estimator", "gae"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the held-out evaluation: before the first iteration, and after the last in a row of its own
+    rows, final = rows[:-1], rows[-1]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert set(final) == {"iteration", "eval/greedy", "eval/mean@4", "eval/pass@4"} and final["iteration"] == 3
+    assert "eval/greedy" in rows[0] and "eval/greedy" not in rows[1]
     for key in ("reward_mean", "reward_std", "approx_kl", "clipfrac", "entropy", "vf_loss", "response_length",
                 "stop_rate", "logprob_mismatch", "time_rollout", "time_forward", "time_update", "tokens_per_s"):
         assert all(key in r for r in rows), key
@@ -48,7 +54,8 @@ def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
     ids = torch.tensor([[3, 4, 5]], device=critic.head.weight.device)
     assert critic(ids, torch.ones_like(ids)).shape == (1, 3)
     assert "explained_variance" in rows[-1]
-    assert "reward" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mean reward: first 5 iterations" in printed and "held-out (64 prompts): greedy " in printed
 
 
 @pytest.mark.parametrize("estimator,kl_coef", [("grpo", 0.0), ("rloo", 0.05), ("gae", 0.02)])
@@ -74,7 +81,8 @@ def test_recomputed_logprobs_use_the_rollout_temperature(tmp_path):
 def test_stop_token_is_in_the_mask_and_never_stopping_is_penalised(tmp_path):
     trainer = PPOTrainer(config(tmp_path, max_new_tokens=6, no_stop_penalty=-1.0, save=False))
     eos = trainer.tokenizer.eos_token_id
-    rollout, scores, raw, no_stop = trainer.rollout(0)
+    scored = trainer.rollout(0)
+    rollout, scores, raw, no_stop = scored.rollout, scored.scores, scored.raw, scored.no_stop
     torch.testing.assert_close(scores, raw - no_stop.float())
     stopped = [i for i, f in enumerate(rollout.finish_reason) if f == "stop"]
     for i in stopped:
@@ -133,7 +141,7 @@ def test_bad_prompts_file_names_the_line(tmp_path):
     with pytest.raises(ValueError, match=r"p.jsonl:2: not JSON"):
         PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
     path.write_text('{"prompt": "ab"}\n{"question": "cd"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:2: each line must be a JSON object with a string 'prompt'"):
+    with pytest.raises(ValueError, match=r"p.jsonl:2: the row has no 'prompt' field"):
         PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
 
 
@@ -242,7 +250,7 @@ def test_periodic_checkpoints(tmp_path):
 def test_plot_and_tensorboard_of_a_run(tmp_path):
     pytest.importorskip("matplotlib")
     pytest.importorskip("tensorboard")
-    untrained(tmp_path, iterations=2, save=False).train()
+    untrained(tmp_path, iterations=2, save=False, evaluate=True, eval_samples=2).train()  # a panel of held-out scores
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     png = tmp_path / "run" / "plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written at the end of the run
@@ -255,7 +263,8 @@ def test_gradient_accumulation_is_normalised_by_the_global_token_count(tmp_path)
     results = []
     for minibatches, accumulation in ((1, 1), (2, 2)):
         trainer = untrained(tmp_path, minibatches=minibatches, grad_accumulation=accumulation, save=False)
-        rollout, scores, _, _ = trainer.rollout(0)
+        scored = trainer.rollout(0)
+        rollout, scores = scored.rollout, scored.scores
         steps = []
         trainer._step = lambda: steps.append([p.grad.clone() for p in trainer.policy.parameters()])
         trainer.update(trainer.prepare(rollout, scores))
@@ -414,7 +423,7 @@ def test_a_checkpoint_restores_the_global_generators_a_reward_may_use(tmp_path):
 
 
 def test_a_reward_crash_leaves_the_last_checkpoint_resumable(tmp_path):
-    from fastppo.trainer.tasks import vowels_reward
+    from fastppo.trainer.tasks import Rewards, vowels_reward
 
     def flaky(prompts, completions, **fields):
         calls.append(1)
@@ -424,7 +433,7 @@ def test_a_reward_crash_leaves_the_last_checkpoint_resumable(tmp_path):
 
     calls = []
     trainer = untrained(tmp_path, iterations=4, save_every=1)
-    trainer.reward_fn = flaky
+    trainer.rewards = Rewards([("flaky", flaky)])
     with pytest.raises(RuntimeError, match="raised ConnectionError"):
         trainer.train()
     run = tmp_path / "run"

@@ -1,0 +1,88 @@
+"""An iteration's rollouts: the next prompts of the epoch order, sampled on the live weights, cut at
+the stop strings and scored, with DAPO's dynamic sampling when asked.
+
+Every rank reads the same global batch of the epoch order and rolls out its own share of it, so
+the cursor (``trainer.prompts_drawn``) is the same on every rank. Dynamic sampling
+(``filter_groups``) keeps the groups whose scores differ, since a group of equal scores has zero
+advantage under every group estimator and teaches nothing, and samples further batches until
+the ranks all have enough (they agree by an all-reduce, so their cursors stay together), at
+most ``filter_groups_attempts`` batches; a batch still short is filled with equal groups.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import responses
+
+
+@dataclass
+class Scored:
+    """A rollout and its scores: ``raw`` the rewards' weighted sum, ``scores`` with the no-stop and
+    overlong penalties added (what the advantages see); ``each_reward`` each function's scores,
+    and ``stats`` what dynamic sampling did."""
+
+    rollout: object
+    scores: Tensor  # (B,) fp32
+    raw: Tensor  # (B,)
+    no_stop: Tensor  # (B,) bool: the response hit max_new_tokens
+    each_reward: dict  # name -> (B,)
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+def sample(trainer, prompt_ids: list, temperature: float, n: int, seed: int):
+    """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
+    the ``--stop`` strings. The rollout copy must be refreshed."""
+    r, tok = trainer.config.rollout, trainer.tokenizer
+    rollout = trainer.sampler.generate(prompt_ids, max_new_tokens=r.max_new_tokens, temperature=temperature,
+                                       top_k=r.top_k, top_p=r.top_p, stop_token_ids=(tok.eos_token_id,),
+                                       pad_token_id=tok.pad_token_id, num_samples_per_prompt=n, seed=seed)
+    return responses.cut_at_stop_strings(rollout, tok, r.stop)
+
+
+def rollout(trainer, iteration: int) -> Scored:
+    """This iteration's batch; with ``filter_groups``, only groups whose scores differ."""
+    r = trainer.config.rollout
+    if not r.filter_groups:
+        return scored_batch(trainer, iteration, 0)
+    n, wanted = r.samples_per_prompt, r.prompts_per_iteration
+    batches, informative, equal = [], [], []  # (batch, group) pairs
+    while True:
+        batches.append(scored_batch(trainer, iteration, len(batches)))
+        groups = batches[-1].scores.view(-1, n)  # (prompts, n)
+        for g, same in enumerate((groups == groups[:, :1]).all(dim=1).tolist()):
+            (equal if same else informative).append((len(batches) - 1, g))
+        short = torch.tensor(float(len(informative) < wanted), device=trainer.ranks.device())
+        if len(batches) == r.filter_groups_attempts or not bool(trainer.ranks.sum(short)):  # every rank agrees
+            break
+    rows = [(batches[b], g * n + j) for b, g in (informative + equal)[:wanted] for j in range(n)]
+    picked = {name: torch.stack([getattr(s, name)[i] for s, i in rows]) for name in ("scores", "raw", "no_stop")}
+    each = {k: torch.stack([s.each_reward[k][i] for s, i in rows]) for k in batches[0].each_reward}
+    stats = {"groups_informative": min(len(informative), wanted) / wanted, "sampling_attempts": float(len(batches)),
+             "reward_sampled": float(torch.cat([b.raw for b in batches]).mean())}  # every row, kept or not
+    return Scored(responses.gather_rows([(s.rollout, i) for s, i in rows]), **picked, each_reward=each, stats=stats)
+
+
+def scored_batch(trainer, iteration: int, attempt: int) -> Scored:
+    """The next batch of prompts in the epoch order, rolled out and scored."""
+    c = trainer.config
+    r, ranks = c.rollout, trainer.ranks
+    world, rank, per_rank, n = ranks.world, ranks.rank, r.prompts_per_iteration, r.samples_per_prompt
+    chosen = trainer.order.take(trainer.prompts_drawn, per_rank * world)[rank * per_rank:(rank + 1) * per_rank]
+    trainer.prompts_drawn += per_rank * world
+    prompts = trainer.prompts
+    trainer.rollout_weights.refresh()  # the sampler's copy catches up with the optimizer steps
+    rolled = trainer.sample([prompts.ids[i] for i in chosen], r.temperature, n,
+                            seed=(c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007)
+    trainer.rollout_weights.release()  # a gathered copy gives its memory back to the update
+    texts = [prompts.texts[i] for i in chosen for _ in range(n)]
+    fields = {k: [prompts.fields[i].get(k) for i in chosen for _ in range(n)] for k in trainer.fields}
+    raw, each = trainer.rewards(texts, responses.completions(rolled, trainer.tokenizer), fields)
+    raw = torch.tensor(raw, device=trainer.device)
+    no_stop = torch.tensor([f == "length" for f in rolled.finish_reason], device=trainer.device)
+    overlong = responses.overlong_penalty(rolled.response_lens.to(trainer.device), r.max_new_tokens,
+                                          c.reward.overlong_buffer, c.reward.overlong_penalty)
+    return Scored(rolled, raw + r.no_stop_penalty * no_stop + overlong, raw, no_stop,
+                  {name: torch.tensor(values) for name, values in each.items()})

@@ -1,0 +1,78 @@
+"""Held-out evaluation: its metrics against a hand computation, its greedy pass against Hugging
+Face's ``generate``, and where it lands in a run (metrics.jsonl, TensorBoard, the plot)."""
+
+import json
+
+import pytest
+import torch
+
+from fastppo.trainer import evaluation
+from fastppo.trainer.tasks import Rewards, vowels_reward
+from tests.trainer.test_responses import rollout_of
+from tests.trainer.test_trainer import untrained
+
+# prompt -> (its greedy completion, its three sampled ones); a completion "a" scores 1
+OUTCOMES = {"ab": ("a", ("a", "a", "b")), "cd": ("b", ("b", "b", "b")), "ef": ("a", ("a", "a", "a")),
+            "gh": ("b", ("b", "a", "b")), "ij": ("b", ("b", "b", "b"))}
+
+
+def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkeypatch):
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in OUTCOMES))
+    # a sampler batch of 4 rows: the greedy pass takes 2 calls, the sampled one (3 per prompt) 5
+    trainer = untrained(tmp_path, evaluate=True, eval_prompts=str(path), eval_samples=3, prompts_per_iteration=2,
+                        samples_per_prompt=2)
+    trainer.rewards = Rewards([("is_a", lambda prompts, completions, **_: [float(c == "a") for c in completions])])
+    calls = []
+
+    def sample(prompt_ids, temperature, n, seed):
+        prompts = [trainer.tokenizer.decode(ids) for ids in prompt_ids]
+        calls.append((len(prompts), n))
+        texts = [OUTCOMES[p][0] if temperature == 0 else OUTCOMES[p][1][j] for p in prompts for j in range(n)]
+        return rollout_of(texts, trainer.tokenizer)
+
+    monkeypatch.setattr(trainer, "sample", sample)
+    metrics = evaluation.evaluate(trainer, trainer.eval_prompts, 3, iteration=0)
+    assert calls == [(4, 1), (1, 1)] + [(1, 3)] * 5
+    greedy = 2 / 5  # ab, ef
+    mean_at_3 = (2 / 3 + 0 + 1 + 1 / 3 + 0) / 5
+    pass_at_3 = 3 / 5  # ab, ef, gh
+    assert metrics == pytest.approx({"eval/greedy": greedy, "eval/mean@3": mean_at_3, "eval/pass@3": pass_at_3})
+
+
+def test_greedy_accuracy_is_the_mean_reward_of_hugging_faces_greedy_generate(tmp_path):
+    trainer = untrained(tmp_path, evaluate=True, max_new_tokens=6)
+    metrics = evaluation.evaluate(trainer, trainer.eval_prompts, 2, iteration=0)
+    tok, scores = trainer.tokenizer, []
+    for ids in trainer.eval_prompts.ids:
+        out = trainer.policy.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id)
+        text = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+        scores += vowels_reward(None, [text])
+    assert len(scores) == 64
+    assert metrics["eval/greedy"] == pytest.approx(sum(scores) / len(scores), abs=1e-12)
+    assert 0 < metrics["eval/mean@2"] <= metrics["eval/pass@2"] <= 1
+
+
+def test_a_run_evaluates_at_the_start_every_n_iterations_and_at_the_end(tmp_path):
+    pytest.importorskip("tensorboard")
+    trainer = untrained(tmp_path, evaluate=True, eval_every=2, eval_samples=2, iterations=5, save=False)
+    history = trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4, 5] and rows[:5] == history
+    assert [r["iteration"] for r in rows if "eval/greedy" in r] == [0, 2, 4, 5]
+    assert [e["iteration"] for e in trainer.evaluations] == [0, 2, 4, 5]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/pass@2")] == [0, 2, 4, 5]
+
+
+def test_evaluation_leaves_the_training_draws_as_they_were(tmp_path):
+    """Same seed with and without evaluation: the same training rollouts and rewards."""
+    plain = untrained(tmp_path / "a", iterations=3, save=False).train()
+    evaluated = untrained(tmp_path / "b", iterations=3, save=False, evaluate=True, eval_every=1).train()
+    for a, b in zip(plain, evaluated):
+        assert a["reward_mean"] == b["reward_mean"] and a["entropy"] == b["entropy"]
