@@ -108,10 +108,11 @@ def _plan(args) -> int:
         except (OSError, ValueError):
             raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give "
                              "--plan-prompt-tokens") from None
-        rows, origins = (data.read_rows(config.data.prompts) if config.data.prompts
-                         else tasks.task_rows(config.data.task, config.run.seed))
+        d = config.data
+        rows, origins = data.read_rows(d.prompts) if d.prompts else tasks.task_rows(d.task, config.run.seed)
+        source = f"--prompts {d.prompts}" if d.prompts else f"task {d.task}"
         try:
-            tokens = max(len(ids) for ids in data.load(rows, origins, tokenizer, config.data).ids)
+            tokens = max(len(ids) for ids in data.load(rows, origins, tokenizer, d, source).ids)
         except UsageError as error:
             raise UsageError(f"{error} (with the tokenizer of --model {path}; or give --plan-prompt-tokens)") from None
     if tokens < 1:

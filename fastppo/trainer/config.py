@@ -137,9 +137,10 @@ class RolloutConfig:
 class AlgoConfig:
     estimator: str = _doc("advantages: gae (with a critic), grpo, dr_grpo, rloo, reinforce_baseline or "
                           "reinforce_pp (REINFORCE++); see fastppo/trainer/estimators.py", "grpo")
-    gamma: float = _doc("discount (gae)", 1.0)
+    gamma: float = _doc("discount (gae, reinforce_pp)", 1.0)
     lam: float = _doc("GAE lambda (gae)", 0.95)
-    kl_coef: float = _doc("weight of the KL to the reference model (in the reward for gae, in the loss otherwise)", 0.0)
+    kl_coef: float = _doc("weight of the KL to the reference model (in the token rewards for gae and reinforce_pp, "
+                          "in the loss otherwise)", 0.0)
     kl_estimator: str = _doc("k1, k2 or k3", "k3")
     kl_target: Optional[float] = _doc("adapt kl_coef to hold this per-token KL (Ziegler et al. 2019); "
                                       "default: a fixed kl_coef")

@@ -142,14 +142,15 @@ def parse_field_map(pairs: list) -> dict:
     return mapping
 
 
-def map_columns(rows: list, origins: list, prompt_field: str, field_map: dict, option: str) -> tuple:
+def map_columns(rows: list, origins: list, prompt_field: str, field_map: dict, source: str) -> tuple:
     """``(prompts, fields)``: each row's prompt column and its other columns renamed by
-    ``field_map``; a column named in either that no row has is an error listing the ones there."""
+    ``field_map``; a column named in either that no row of ``source`` has is an error listing
+    the ones there."""
     columns = list(dict.fromkeys(k for row in rows for k in row))
     for flag, name in [("--prompt-field", prompt_field)] + [("--field-map", c) for c in field_map]:
         if name not in columns:
-            raise UsageError(f"{flag} {name}: {option} {origins[0].split(':')[0].split(',')[0]} has no column "
-                             f"{name!r} (its columns: {', '.join(map(str, columns))})")
+            raise UsageError(f"{flag} {name}: {source} has no column {name!r} (its columns: "
+                             f"{', '.join(map(str, columns))})")
     prompts, fields = [], []
     for row, origin in zip(rows, origins):
         if prompt_field not in row:
@@ -206,9 +207,10 @@ class ChatRenderer:
         return prompt
 
 
-def load(rows: list, origins: list, tokenizer, data, option: str = "--prompts") -> Prompts:
-    """Rows (dicts with a prompt column) as :class:`Prompts`: mapped, rendered and tokenised."""
-    prompts, fields = map_columns(rows, origins, data.prompt_field, parse_field_map(data.field_map), option)
+def load(rows: list, origins: list, tokenizer, data, source: str) -> Prompts:
+    """Rows (dicts with a prompt column) of ``source`` (what errors call them) as
+    :class:`Prompts`: mapped, rendered and tokenised."""
+    prompts, fields = map_columns(rows, origins, data.prompt_field, parse_field_map(data.field_map), source)
     render = ChatRenderer(tokenizer, data.chat, data.system_prompt, data.chat_template)
     texts = [render(prompt, origin) for prompt, origin in zip(prompts, origins)]
     ids = []
@@ -258,22 +260,22 @@ def configured(config, tokenizer, context, rows=None) -> tuple:
     d, ev = config.data, config.eval
     from_task = rows is None and not d.prompts
     if rows is not None:
-        origins = [f"prompt {i}" for i in range(len(rows))]
+        training = (rows, [f"prompt {i}" for i in range(len(rows))], "the prompts given")
     elif d.prompts:
-        rows, origins = read_rows(d.prompts)
+        training = (*read_rows(d.prompts), f"--prompts {d.prompts}")
     else:
-        rows, origins = tasks.task_rows(d.task, config.run.seed)
+        training = (*tasks.task_rows(d.task, config.run.seed), f"task {d.task}")
     held_out = None
     if ev.evaluate and ev.eval_prompts:
-        held_out = read_rows(ev.eval_prompts, "--eval-prompts")
+        held_out = (*read_rows(ev.eval_prompts, "--eval-prompts"), f"--eval-prompts {ev.eval_prompts}")
     elif ev.evaluate and from_task:
-        held_out = tasks.task_rows(d.task, config.run.seed, held_out=True)
+        held_out = (*tasks.task_rows(d.task, config.run.seed, held_out=True), f"task {d.task}'s held-out prompts")
 
-    def prepared(rows, origins, option):
-        return fitting(load(rows, origins, tokenizer, d, option), context, config.rollout.max_new_tokens,
+    def prepared(rows, origins, source):
+        return fitting(load(rows, origins, tokenizer, d, source), context, config.rollout.max_new_tokens,
                        d.max_prompt_tokens, d.drop_long_prompts)
 
-    return prepared(rows, origins, "--prompts"), held_out and prepared(*held_out, "--eval-prompts")
+    return prepared(*training), held_out and prepared(*held_out)
 
 
 class EpochOrder:

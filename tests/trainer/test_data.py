@@ -65,6 +65,8 @@ def test_the_prompt_field_and_the_field_map_rename_columns_for_the_rewards(tmp_p
 @pytest.mark.parametrize("fields,match", [
     (dict(prompt_field="prompt"), r"--prompt-field prompt: --prompts .*gsm.parquet has no column 'prompt' "
                                   r"\(its columns: question, answer\)"),
+    (dict(prompt_field="question", eval_prompts="EVAL", evaluate=True, field_map=["answer=gold"]),
+     r"--field-map answer: --eval-prompts .*eval.csv has no column 'answer' \(its columns: question, solution\)"),
     (dict(prompt_field="question", field_map=["solution=answer"]), r"--field-map solution: .* has no column"),
     (dict(prompt_field="question", field_map=["answer"]), r"--field-map entries are column=name"),
     (dict(prompt_field="question", reward=["gsm8k"], field_map=["answer=gold"]),
@@ -72,6 +74,9 @@ def test_the_prompt_field_and_the_field_map_rename_columns_for_the_rewards(tmp_p
 ])
 def test_unknown_columns_are_errors_naming_the_option_and_the_columns(tmp_path, fields, match):
     path = write(tmp_path / "gsm.parquet", ROWS)
+    if fields.get("eval_prompts") == "EVAL":  # held-out rows whose answer column has another name
+        rows = [{"question": r["question"], "solution": r["answer"]} for r in ROWS]
+        fields["eval_prompts"] = str(write(tmp_path / "eval.csv", rows))
     fields = {"reward": ["fastppo.trainer.tasks:vowels_reward"], **fields}
     with pytest.raises(UsageError, match=match):
         untrained(tmp_path, prompts=str(path), **fields)
@@ -105,14 +110,14 @@ def test_chat_prompts_render_as_apply_chat_template_with_the_generation_prompt(t
     tokenizer = chat_tokenizer()
     messages = [{"role": "user", "content": "add one and two"}]
     rows = [{"prompt": messages}, {"prompt": "raw text"}]
-    loaded = data.load(rows, ["a", "b"], tokenizer, config(tmp_path).data)
+    loaded = data.load(rows, ["a", "b"], tokenizer, config(tmp_path).data, "rows")
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert loaded.texts == [expected, "raw text"]
     assert expected == "user add one and two. assistant "
     assert loaded.ids[0] == tokenizer(expected, add_special_tokens=False).input_ids
 
     chat = config(tmp_path, chat=True, system_prompt="be brief").data
-    loaded = data.load(rows, ["a", "b"], tokenizer, chat)
+    loaded = data.load(rows, ["a", "b"], tokenizer, chat, "rows")
     system = [{"role": "system", "content": "be brief"}]
     assert loaded.texts == [tokenizer.apply_chat_template(system + messages, tokenize=False, add_generation_prompt=True),
                             "system be brief. user raw text. assistant "]
@@ -121,11 +126,11 @@ def test_chat_prompts_render_as_apply_chat_template_with_the_generation_prompt(t
 def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }} = ")
     fields = config(tmp_path, chat_template=str(tmp_path / "t.jinja")).data
-    loaded = data.load([{"prompt": [{"role": "user", "content": "ab"}]}], ["a"], chat_tokenizer(), fields)
+    loaded = data.load([{"prompt": [{"role": "user", "content": "ab"}]}], ["a"], chat_tokenizer(), fields, "rows")
     assert loaded.texts == ["ab = "]
     with pytest.raises(UsageError, match=r"--chat-template .*missing.jinja: No such file"):
         data.load([{"prompt": "ab"}], ["a"], chat_tokenizer(),
-                  config(tmp_path, chat_template=str(tmp_path / "missing.jinja")).data)
+                  config(tmp_path, chat_template=str(tmp_path / "missing.jinja")).data, "rows")
 
 
 @pytest.mark.parametrize("prompt,fields,match", [
