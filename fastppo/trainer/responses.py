@@ -1,5 +1,5 @@
-"""What the trainer does to sampled responses before scoring them: stop strings, the text each
-reward function reads, and DAPO's soft overlong penalty.
+"""What the trainer does to sampled responses: stop strings, the text each reward function reads,
+DAPO's soft overlong penalty, and gathering rows of several rollouts into one.
 
 Stop strings end a response at the first token whose text completes one (the string stays in
 the response, its mask ends there). The sampler stops on token ids only, so a row is cut after

@@ -1,8 +1,9 @@
 """Built-in tasks (prompts, a programmatic reward, held-out prompts) and reward functions.
 
-A reward function is called as ``f(prompts, completions, **fields)`` with lists of strings and,
-for each field that any prompt row has besides ``prompt``, the list of its values (None for a
-row without it), so every call gets the same keywords. It returns one real number per completion
+A reward function is called as ``f(prompts, completions, **fields)`` with lists of strings (the
+prompts as the sampler saw them, a chat prompt rendered by its template) and, for each field that
+any prompt row has besides its prompt, the list of its values (None for a row without it), so
+every call gets the same keywords. It returns one real number per completion
 (a Python, NumPy or 0-dim tensor number). Its failures are reported with its name, never as a
 crash deep in the trainer.
 """
