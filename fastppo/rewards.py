@@ -5,8 +5,8 @@ Each is a reward function as the trainer calls one, ``f(prompts, completions, an
 needs in ``needs`` (the trainer checks every row has them at start-up). ``fastppo train
 --reward gsm8k`` (or ``math``, ``boxed``, ``format``) names them without a module.
 
-* ``gsm8k``: the completion's answer is the number after its last ``####``, else its last
-  number; the reference is the number after the row's ``####`` (GSM8K's format), else the row's
+* ``gsm8k``: the completion's answer is the number after its last ``####`` that has one, else
+  (no marker at all) its last number; the reference is the number after the row's ``####`` (GSM8K's format), else the row's
   answer itself. Thousands separators, a ``$`` and trailing zeros do not matter (``1,000.0`` is
   ``1000``); numbers compare exactly, as decimals.
 * ``boxed``: the content of the completion's last ``\\boxed{...}`` (braces matched) against the
@@ -37,13 +37,15 @@ def _decimal(text: str):
 
 
 def gsm8k_answer(text: str):
-    """The final numeric answer of ``text``: the first number after the last ``####``, else the last
-    number; None when there is none."""
-    _, marker, tail = text.rpartition("####")  # without a marker, tail is the whole text
-    if marker:
-        found = NUMBER.search(tail)
-        return _decimal(found.group()) if found else None
-    numbers = NUMBER.findall(tail)
+    """The final numeric answer of ``text``: the first number after the last ``####`` that has one
+    (a response cut off just after a marker keeps its earlier answer), else the last number; None
+    when there is none."""
+    before, *marked = text.split("####")
+    for segment in reversed(marked):
+        found = NUMBER.search(segment)
+        if found:
+            return _decimal(found.group())
+    numbers = [] if marked else NUMBER.findall(before)
     return _decimal(numbers[-1]) if numbers else None
 
 

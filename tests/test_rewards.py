@@ -16,6 +16,9 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("The answer is 72 clips, not 48.", 0.0),  # the last number is not the answer
     ("#### 72\nWait, let me recount: 73", 1.0),  # the marker wins over a later number
     ("#### seventy-two", 0.0),  # a marker with no number after it
+    ("So 72.\n#### seventy-two", 0.0),  # ... and then not the prose's last number either
+    ("#### 72\n#### 72\n#### ", 1.0),  # cut off after a repeated marker: the last one with a number
+    ("#### The answer is 72 apples", 1.0),
     ("I don't know.", 0.0),  # no number at all
     ("", 0.0),
     ("#### -72", 0.0),
