@@ -329,7 +329,8 @@ class PPOTrainer:
                 # each loss is normalised over the whole step, on every rank: by its tokens (the
                 # value loss, and token-mean), or by its rows (the seq-mean modes)
                 tokens = self.ranks.sum(sum(mb.mask.sum() for mb in group))
-                whole = self.ranks.sum(sum(denominator(mb.mask, c.agg, c.rollout.max_new_tokens) for mb in group))
+                whole = tokens if c.agg == "token-mean" else self.ranks.sum(
+                    sum(denominator(mb.mask, c.agg, c.rollout.max_new_tokens) for mb in group))
                 self._zero_grad()
                 for index, mb in zip(indices, group):
                     loss, stats = self._loss(mb, kl_in_loss, tokens, on_policy, whole)
