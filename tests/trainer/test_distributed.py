@@ -81,9 +81,11 @@ def _worker(rank, port, out_dir, fields):
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, estimator):
-    fields = {**FIELDS, "estimator": estimator, "kl_coef": 0.02}
+@pytest.mark.parametrize("options", [{"estimator": "grpo"}, {"estimator": "gae"}, {"estimator": "dr_grpo"},
+                                     {"estimator": "grpo", "agg": "seq-mean-token-mean"}], ids=str)
+def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, options):
+    """Each loss normalised over both ranks' step: tokens, or rows (seq-mean), or rows x the budget."""
+    fields = {**FIELDS, "kl_coef": 0.02, **options}
     _spawn(_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = one_update(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
