@@ -44,9 +44,18 @@ def sample(trainer, prompt_ids: list, temperature: float, n: int, seed: int):
 
 def rollout(trainer, iteration: int) -> Scored:
     """This iteration's batch; with ``filter_groups``, only groups whose scores differ."""
-    r = trainer.config.rollout
-    if not r.filter_groups:
+    trainer.rollout_weights.refresh()  # the sampler's copy catches up with the optimizer steps, once
+    try:
+        if trainer.config.rollout.filter_groups:
+            return _filtered(trainer, iteration)
         return scored_batch(trainer, iteration, 0)
+    finally:
+        trainer.rollout_weights.release()  # a gathered copy gives its memory back to the update
+
+
+def _filtered(trainer, iteration: int) -> Scored:
+    """Batches until every rank holds ``prompts_per_iteration`` groups whose scores differ."""
+    r = trainer.config.rollout
     n, wanted = r.samples_per_prompt, r.prompts_per_iteration
     batches, informative, equal = [], [], []  # (batch, group) pairs
     while True:
@@ -66,17 +75,16 @@ def rollout(trainer, iteration: int) -> Scored:
 
 
 def scored_batch(trainer, iteration: int, attempt: int) -> Scored:
-    """The next batch of prompts in the epoch order, rolled out and scored."""
+    """The next batch of prompts in the epoch order, rolled out and scored (the rollout copy
+    refreshed)."""
     c = trainer.config
     r, ranks = c.rollout, trainer.ranks
     world, rank, per_rank, n = ranks.world, ranks.rank, r.prompts_per_iteration, r.samples_per_prompt
     chosen = trainer.order.take(trainer.prompts_drawn, per_rank * world)[rank * per_rank:(rank + 1) * per_rank]
     trainer.prompts_drawn += per_rank * world
     prompts = trainer.prompts
-    trainer.rollout_weights.refresh()  # the sampler's copy catches up with the optimizer steps
     rolled = trainer.sample([prompts.ids[i] for i in chosen], r.temperature, n,
                             seed=(c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007)
-    trainer.rollout_weights.release()  # a gathered copy gives its memory back to the update
     texts = [prompts.texts[i] for i in chosen for _ in range(n)]
     fields = {k: [prompts.fields[i].get(k) for i in chosen for _ in range(n)] for k in trainer.fields}
     raw, each = trainer.rewards(texts, responses.completions(rolled, trainer.tokenizer), fields)
