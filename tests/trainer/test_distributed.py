@@ -182,3 +182,30 @@ def test_torchrun_end_to_end(tmp_path, nodes, sharded):
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(run / "policy")
+
+
+def rank_specific_reward(prompts, completions, **_):
+    """Rank 0's groups all score 1 (no signal), rank 1's by exactness: only rank 0 is short."""
+    rank = torch.distributed.get_rank()
+    return [1.0 if rank == 0 else float(c == str(sum(map(int, p.rstrip("=").split("+")))))
+            for p, c in zip(prompts, completions)]
+
+
+def _filter_worker(rank, port, out_dir, fields):
+    rank_environment(rank, port)
+    trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
+    scored = trainer.rollout(0)
+    torch.save({"stats": scored.stats, "drawn": trainer.prompts_drawn, "rows": scored.scores.numel()},
+               f"{out_dir}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
+    """A rank that is short makes every rank sample again, so the epoch cursors stay equal."""
+    fields = {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "filter_groups": True,
+              "filter_groups_attempts": 3, "reward": f"{__name__}:rank_specific_reward"}
+    _spawn(_filter_worker, str(tmp_path), fields)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["stats"]["sampling_attempts"] for r in ranks] == [3.0, 3.0]  # rank 0 never fills up
+    assert [r["drawn"] for r in ranks] == [3 * 2 * 2] * 2
+    assert ranks[0]["stats"]["groups_informative"] == 0.0 and [r["rows"] for r in ranks] == [8, 8]
