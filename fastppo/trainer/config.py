@@ -326,6 +326,9 @@ class TrainConfig:
                 if isinstance(number, float) and not math.isfinite(number):
                     raise UsageError(f"config field {name} must be a finite number, got {value!r}")
         rewards = len(rw.reward or ()) + bool(rw.reward_model) or 1  # else the task's one
+        estimator = ESTIMATORS.get(a.estimator)  # None: refused by the estimator rule
+        grouped = estimator is not None and estimator.baseline is not None
+        group_estimators = ", ".join(name for name, e in ESTIMATORS.items() if e.baseline)
         rules = [
             ("task", d.task in TASKS or (d.prompts and (rw.reward or rw.reward_model)),
              f"must be one of {tuple(TASKS)} unless --prompts and a reward are given"),
@@ -338,20 +341,18 @@ class TrainConfig:
             ("eval_every", ev.eval_every >= 0, "must be >= 0"),
             ("eval_samples", ev.eval_samples >= 1, "must be >= 1"),
             ("top_k", r.top_k >= 0, "must be >= 0"),
-            ("filter_groups", not r.filter_groups or (ESTIMATORS.get(a.estimator, ESTIMATORS["gae"]).baseline
-                                                      and r.samples_per_prompt >= 2),
-             "needs a group estimator (grpo, dr_grpo, rloo, reinforce_baseline) and samples_per_prompt >= 2"),
+            ("filter_groups", not r.filter_groups or (grouped and r.samples_per_prompt >= 2),
+             f"needs a group estimator ({group_estimators}) and samples_per_prompt >= 2"),
             ("filter_groups_attempts", r.filter_groups_attempts >= 1, "must be >= 1"),
             ("top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
             ("stop", r.stop is None or all(r.stop), "must not hold an empty string"),
             ("clip_eps_high", a.clip_eps_high is None or a.clip_eps_high > 0, "must be > 0"),
             ("dual_clip", a.dual_clip is None or a.dual_clip > 1, "must be > 1"),
             ("agg", a.agg is None or a.agg in AGG_MODES, f"must be one of {AGG_MODES}"),
-            ("sequence_ratio", not a.sequence_ratio or (ESTIMATORS.get(a.estimator, ESTIMATORS["gae"]).baseline
-                                                        and a.agg in (None, "seq-mean-token-mean")
+            ("sequence_ratio", not a.sequence_ratio or (grouped and a.agg in (None, "seq-mean-token-mean")
                                                         and a.dual_clip is None and r.rollout_is_cap is None),
-             "needs a group estimator (grpo, dr_grpo, rloo, reinforce_baseline), agg seq-mean-token-mean (its own), "
-             "and no dual_clip or rollout_is_cap"),
+             f"needs a group estimator ({group_estimators}), agg seq-mean-token-mean (its own), and no dual_clip "
+             "or rollout_is_cap"),
             ("prompts_per_iteration", r.prompts_per_iteration >= 1, "must be >= 1"),
             ("samples_per_prompt", r.samples_per_prompt >= 1, "must be >= 1"),
             ("max_new_tokens", r.max_new_tokens >= 1, "must be >= 1"),
@@ -380,7 +381,7 @@ class TrainConfig:
             ("seed", run.seed >= 0, "must be >= 0"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
             ("keep_checkpoints", run.keep_checkpoints >= 0, "must be >= 0"),
-            ("critic", not ESTIMATORS.get(a.estimator, ESTIMATORS["grpo"]).critic or self.model.critic is not False,
+            ("critic", not (estimator and estimator.critic) or self.model.critic is not False,
              f"must be on for estimator={a.estimator}"),
             ("critic_init", self.model.critic_init in ("policy", "reward_model"), "must be policy or reward_model"),
             ("critic_init", self.model.critic_init != "reward_model" or rw.reward_model,
