@@ -66,8 +66,9 @@ class ShardingConfig:
 class DataConfig:
     task: str = _doc("built-in task (prompts, reward and held-out prompts) when --prompts is not given: "
                      "arithmetic ('17+25=' -> '42', reward 1 when exact) or vowels", "arithmetic")
-    prompts: Optional[str] = _doc("local prompt file: .jsonl, .json (a list of objects), .parquet or .csv, one "
-                                  "row per prompt; the other fields of a row are passed to the reward functions")
+    prompts: Optional[str] = _doc("local prompt file: .jsonl, .json (a list of objects, or one per line), .parquet "
+                                  "or .csv, one row per prompt; the other fields of a row are passed to the reward "
+                                  "functions")
     prompt_field: str = _doc("the column holding the prompt: a string, used as is, or a list of chat messages "
                              "({role, content}) rendered with the chat template", "prompt")
     field_map: Optional[list[str]] = _doc("renames of the other columns for the reward functions, column=name "

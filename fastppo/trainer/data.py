@@ -2,7 +2,7 @@
 the tokenizer's template, lengths checked once, and an epoch order to visit them in.
 
 A file is read by its suffix: ``.jsonl`` (one JSON object per line), ``.json`` (a list of
-objects), ``.parquet`` (through pyarrow, the library ``datasets`` stores its files with) or
+objects, or one per line as ``datasets``' ``to_json`` writes), ``.parquet`` (through pyarrow, the library ``datasets`` stores its files with) or
 ``.csv`` (a header row; every value a string). Each row keeps where it came from (``file:line``
 or ``file, row N``) so every error about it names the place. The prompt column is
 ``--prompt-field``; ``--field-map column=name`` renames the other columns for the reward
@@ -97,6 +97,8 @@ def _json(path: str, option: str) -> tuple:
     try:
         rows = json.loads(_text(path, option))
     except json.JSONDecodeError as error:
+        if error.msg == "Extra data":  # one object per line, as datasets' to_json writes by default
+            return _jsonl(path, option)
         raise UsageError(f"{path}:{error.lineno}: not JSON ({error.msg})") from None
     if not isinstance(rows, list):
         raise UsageError(f"{option} {path}: a .json file must hold a list of rows, got {type(rows).__name__} "

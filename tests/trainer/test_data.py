@@ -53,6 +53,14 @@ def test_each_format_reads_the_same_rows_and_names_their_places(tmp_path, suffix
     assert origins[1] == line
 
 
+def test_a_json_file_of_one_object_per_line_reads_as_jsonl(tmp_path):
+    """What ``datasets.Dataset.to_json`` writes by default, under a .json name."""
+    path = tmp_path / "gsm.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    rows, origins = data.read_rows(str(path))
+    assert rows == ROWS and origins[2] == f"{path}:3"
+
+
 def test_the_prompt_field_and_the_field_map_rename_columns_for_the_rewards(tmp_path):
     path = write(tmp_path / "gsm.parquet", [{"problem": "ab", "solution": "1", "level": "3"}])
     trainer = untrained(tmp_path, prompts=str(path), reward=["boxed"], prompt_field="problem",
