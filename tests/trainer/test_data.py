@@ -61,6 +61,14 @@ def test_a_json_file_of_one_object_per_line_reads_as_jsonl(tmp_path):
     assert rows == ROWS and origins[2] == f"{path}:3"
 
 
+@pytest.mark.parametrize("writer,suffix", [("to_json", ".json"), ("to_parquet", ".parquet"), ("to_csv", ".csv")])
+def test_what_the_datasets_library_writes_reads_as_it_is(tmp_path, writer, suffix):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / f"gsm{suffix}"
+    getattr(datasets.Dataset.from_list(ROWS), writer)(str(path))
+    assert data.read_rows(str(path))[0] == ROWS
+
+
 def test_the_prompt_field_and_the_field_map_rename_columns_for_the_rewards(tmp_path):
     path = write(tmp_path / "gsm.parquet", [{"problem": "ab", "solution": "1", "level": "3"}])
     trainer = untrained(tmp_path, prompts=str(path), reward=["boxed"], prompt_field="problem",
