@@ -15,7 +15,7 @@ size's batching nor moves any generator the training draws from.
 
 import torch
 
-from . import responses
+from . import rollouts
 
 
 def _batches(items: list, size: int):
@@ -34,9 +34,7 @@ def evaluate(trainer, prompts, samples: int, iteration: int) -> dict:
         for chunk in _batches(mine, max(sampler.max_batch_size // n, 1)):
             rollout = trainer.sample([prompts.ids[i] for i in chunk], temperature, n, seed)
             seed += 1
-            texts = [prompts.texts[i] for i in chunk for _ in range(n)]
-            fields = {k: [prompts.fields[i].get(k) for i in chunk for _ in range(n)] for k in trainer.fields}
-            scores, _ = trainer.rewards(texts, responses.completions(rollout, trainer.tokenizer), fields)
+            scores, _ = rollouts.score(trainer, prompts, chunk, rollout, n)
             per_prompt = torch.tensor(scores, dtype=torch.float64).view(len(chunk), n)
             if temperature == 0:
                 totals[0] += per_prompt.sum()

@@ -74,6 +74,14 @@ def _filtered(trainer, iteration: int) -> Scored:
     return Scored(responses.gather_rows([(s.rollout, i) for s, i in rows]), **picked, each_reward=each, stats=stats)
 
 
+def score(trainer, prompts, chosen: list, rolled, n: int) -> tuple:
+    """``(scores, each)`` of ``rolled``, ``n`` responses to each row ``chosen`` of ``prompts``: the
+    rewards' weighted sum per response, and ``{name: scores}`` of each reward function."""
+    texts = [prompts.texts[i] for i in chosen for _ in range(n)]
+    fields = {k: [prompts.fields[i].get(k) for i in chosen for _ in range(n)] for k in trainer.fields}
+    return trainer.rewards(texts, responses.completions(rolled, trainer.tokenizer), fields)
+
+
 def scored_batch(trainer, iteration: int, attempt: int) -> Scored:
     """The next batch of prompts in the epoch order, rolled out and scored (the rollout copy
     refreshed)."""
@@ -85,9 +93,7 @@ def scored_batch(trainer, iteration: int, attempt: int) -> Scored:
     prompts = trainer.prompts
     rolled = trainer.sample([prompts.ids[i] for i in chosen], r.temperature, n,
                             seed=(c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007)
-    texts = [prompts.texts[i] for i in chosen for _ in range(n)]
-    fields = {k: [prompts.fields[i].get(k) for i in chosen for _ in range(n)] for k in trainer.fields}
-    raw, each = trainer.rewards(texts, responses.completions(rolled, trainer.tokenizer), fields)
+    raw, each = score(trainer, prompts, chosen, rolled, n)
     raw = torch.tensor(raw, device=trainer.device)
     no_stop = torch.tensor([f == "length" for f in rolled.finish_reason], device=trainer.device)
     overlong = responses.overlong_penalty(rolled.response_lens.to(trainer.device), r.max_new_tokens,
