@@ -1,7 +1,8 @@
 """CUDA graphs of the lean decode step: one launch per step instead of hundreds.
 
-A graph is captured on first use for each (rows, span bucket), spans rounded up to a power of
-two so a rollout needs about log2(max_seq_len) of them. Replays read the model's parameters at
+A graph is captured on first use for each (rows, span bucket), rows and spans rounded up to powers
+of two (``graph_rows``: the batching loop runs that many slots, the ones past its batch free), so
+a rollout needs about log2(max_batch_size) x log2(max_seq_len) of them. Replays read the model's parameters at
 the addresses they had at capture: optimizer steps update them in place, so the next rollout
 sees the new weights; replacing the parameter tensors themselves needs a new Sampler.
 
@@ -13,6 +14,11 @@ first reads it.
 
 import torch
 from torch import Tensor
+
+
+def graph_rows(rows: int) -> int:
+    """The slots one graph replay decodes for a batch of ``rows``: the next power of two."""
+    return 1 << (rows - 1).bit_length()
 
 
 class DecodeGraphs:

@@ -1,9 +1,10 @@
 """The generic decoder: any causal LM through its own forward and its own cache.
 
-For families without a lean forward. Prompts are left-padded into one batch with an attention
-mask and explicit position ids (as ``generate()`` does), then each step feeds one token per row.
-It offers the same ``start`` / ``decode`` contract as the lean decoders, so the sampler's loop,
-sampling and stopping are shared. Its cache is the model's, which grows as it goes.
+For families without a lean forward. A wave of prompts is left-padded into one batch with an
+attention mask and explicit position ids (as ``generate()`` does), then each step feeds one token
+per row. Its cache is the model's, which grows as it goes, so rows cannot join a running batch
+(``refills`` is False): more rows than the batch holds run in successive waves. Packing selects
+the rows still going with the cache's ``batch_select_indices``, where the cache has it.
 """
 
 import inspect
@@ -11,27 +12,40 @@ import inspect
 import torch
 from torch import Tensor
 
+from .decoder import Decoder
 
-class GenericDecoder:
+
+class GenericDecoder(Decoder):
+    refills = False
+
     def __init__(self, model):
         self.model = model
+        self.device = next(model.parameters()).device
         # transformers 5.2x renamed the cache argument and output field past_key_values -> cache
         self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache = None
         self.attention_mask = None
 
-    def start(self, prompts: list, device: torch.device) -> Tensor:
-        """Prefill every row's prompt; return the next-token logits ``(B, V)``."""
-        longest = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    def prefill(self, slots: list, prompts: list) -> Tensor:
+        """A fresh batch: ``slots`` must number the slots ``0 .. B-1``. Every slot is prefilled
+        (a prompt once per sample), as the model's own cache has no way to share a prefix."""
+        rows = [None] * sum(len(s) for s in slots)
+        for prompt, prompt_slots in zip(prompts, slots):
+            for slot in prompt_slots:
+                rows[slot] = prompt
+        if any(r is None for r in rows):
+            raise ValueError(f"a fresh batch fills slots 0 .. {len(rows) - 1}, got {slots}")
+        longest = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long, device=self.device)
         self.attention_mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, longest - len(prompt):] = torch.tensor(prompt, device=device)
+        for row, prompt in enumerate(rows):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt, device=self.device)
             self.attention_mask[row, longest - len(prompt):] = 1
         positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=self.attention_mask, position_ids=positions, use_cache=True)
         self.cache = getattr(out, self.cache_name)
-        return out.logits[:, -1]
+        first = torch.tensor([s[0] for s in slots], device=self.device)
+        return out.logits[first, -1]  # (G, V)
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
         self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], dim=1)
@@ -39,3 +53,11 @@ class GenericDecoder:
                          position_ids=positions.unsqueeze(1), use_cache=True, **{self.cache_name: self.cache})
         self.cache = getattr(out, self.cache_name)
         return out.logits[:, -1]
+
+    def pack(self, order: list, length: int) -> bool:
+        if not hasattr(self.cache, "batch_select_indices"):
+            return False
+        index = torch.tensor(order, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.attention_mask = self.attention_mask[index]
+        return True

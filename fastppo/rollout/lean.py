@@ -3,25 +3,43 @@
 The model's submodules (norms, projections, MLPs, rotary embedding) are called as they are, so
 the math is the model's own and its parameters are used by reference, never copied: an
 optimizer step is seen by the next rollout. Only the attention is replaced, by one that reads
-and writes the sampler's :class:`KVCache` with per-row positions. Anything else goes through
-``generic.py``.
+and writes the sampler's :class:`KVCache` with per-row positions (``attention.py``). ``FAMILIES``
+is the one list of what runs here; anything else goes through ``generic.py``.
 
-Each decoder offers ``prefill(rows (G,), ids (G, L), lengths (G,)) -> logits (G, V)`` for a
-group of right-padded prompts, stored in cache rows ``rows``, and ``decode(tokens (B,),
-positions (B,), span) -> logits (B, V)`` for one step of every row. Only the positions whose
-logits are wanted go through the final norm and the LM head (a prompt's last token; a step's
-token), never all L x V of a prompt.
+Prompts are prefilled in groups of similar length, one right-padded forward per group (padding
+bounded by ``PREFILL_PADDING``), into the first slot of each prompt; its other samples' slots get
+a copy. Only the positions whose logits are wanted go through the final norm and the LM head (a
+prompt's last token; a step's token), never all L x V of a prompt.
 """
 
+from abc import abstractmethod
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .attention import CacheAttention
+from .decoder import Decoder
 from .flash import flash_decode
 from .kv_cache import KVCache
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+PREFILL_PADDING = 0.25  # a prefill group's padded tokens stay under this share of its real ones
+PREFILL_TOKENS = 8192  # and its padded size under this many tokens (activations, attention scores)
+
+
+def prefill_groups(lengths: list) -> list:
+    """Prompt indices in groups prefilled together: by length, each group as large as it can be
+    with padding within ``PREFILL_PADDING`` of its tokens and at most ``PREFILL_TOKENS`` in all
+    (a prompt longer than that is a group of its own)."""
+    groups, group, real = [], [], 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        padded = (len(group) + 1) * lengths[i]  # sorted: this prompt is the group's longest
+        if group and (padded > (1 + PREFILL_PADDING) * (real + lengths[i]) or padded > PREFILL_TOKENS):
+            groups.append(group)
+            group, real = [], 0
+        group.append(i)
+        real += lengths[i]
+    return groups + [group]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -39,13 +57,48 @@ def _windows(config) -> list:
     return [window if uses_window else None] * config.num_hidden_layers
 
 
-class _Decoder:
-    """Shared driver: subclasses run the layers given an attention function."""
+class LeanDecoder(Decoder):
+    """The lean half of the contract: a family supplies ``forward`` and ``logits``; prefill,
+    decode and packing over the :class:`KVCache` are shared."""
 
-    def __init__(self, model, cache: KVCache, windows: list):
-        self.model, self.cache, self.windows = model, cache, windows
+    def __init__(self, model, attention: CacheAttention, windows: list):
+        self.model, self.attention, self.windows = model, attention, windows
+        self.cache = attention.cache
+        self.device = self.cache.k[0].device
 
-    def prefill(self, rows: Tensor, ids: Tensor, lengths: Tensor) -> Tensor:
+    @classmethod
+    @abstractmethod
+    def shapes(cls, model) -> Optional[tuple]:
+        """``(layers, kv_heads, head_dim, windows)`` of ``model``'s cache, or None when this family's
+        forward cannot serve this model (a variant it does not reproduce)."""
+
+    @abstractmethod
+    def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
+        """The model's blocks on ``ids`` ``(B, L)`` at ``positions`` ``(B, L)``, with attention
+        ``attend(layer, q (B, H, L, D), k, v (B, KVH, L, D), scale) -> (B, H, L, D)``; returns the
+        last hidden state ``(B, L, hidden)`` before the final norm."""
+
+    @abstractmethod
+    def logits(self, x: Tensor) -> Tensor:
+        """The final norm and the LM head: ``(..., hidden) -> (..., V)``."""
+
+    def prefill(self, slots: list, prompts: list) -> Tensor:
+        first = None  # (G, V)
+        for group in prefill_groups([len(p) for p in prompts]):
+            L = max(len(prompts[i]) for i in group)
+            ids = torch.tensor([prompts[i] + [0] * (L - len(prompts[i])) for i in group], device=self.device)
+            lengths = torch.tensor([len(prompts[i]) for i in group], device=self.device)
+            logits = self._prefill_group(torch.tensor([slots[i][0] for i in group], device=self.device), ids, lengths)
+            if first is None:
+                first = logits.new_empty(len(prompts), logits.shape[1])
+            first[torch.tensor(group, device=self.device)] = logits
+        copies = [(s[0], other) for s in slots for other in s[1:]]
+        if copies:
+            src, dst = torch.tensor(copies, device=self.device).unbind(1)
+            self.cache.copy_slots(src, dst, max(len(p) for p in prompts))
+        return first
+
+    def _prefill_group(self, slots: Tensor, ids: Tensor, lengths: Tensor) -> Tensor:
         """Right padding is safe: causal attention keeps a prompt's tokens from seeing the pads
         after them, and the keys a pad leaves in the cache, at or past the row's length, are each
         rewritten by the decode step that first reads them."""
@@ -53,22 +106,37 @@ class _Decoder:
         positions = torch.arange(L, device=ids.device).expand(G, L)  # (G, L)
 
         def attend(layer, q, k, v, scale):
-            return self.cache.prefill_attention(layer, rows, q, k, v, scale, self.windows[layer])
+            return self.attention.prefill(layer, slots, q, k, v, scale, self.windows[layer])
 
         x = self.forward(ids, positions, attend)  # (G, L, hidden)
         return self.logits(x[torch.arange(G, device=ids.device), lengths - 1])  # (G, V)
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
-        masks = self.cache.decode_masks(positions, span, set(self.windows))
+        masks = self.attention.decode_masks(positions, span, set(self.windows))
 
         def attend(layer, q, k, v, scale):
-            return self.cache.decode_attention(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
+            return self.attention.decode(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
 
         return self.logits(self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1])
 
+    def pack(self, order: list, length: int) -> bool:
+        moves = [(src, dst) for dst, src in enumerate(order) if src != dst]
+        if moves:
+            src, dst = torch.tensor(moves, device=self.device).unbind(1)
+            self.cache.copy_slots(src, dst, length)
+        return True
 
-class LlamaLikeDecoder(_Decoder):
+
+class LlamaLikeDecoder(LeanDecoder):
     """Llama, Mistral, Qwen2 and Qwen3: RMSNorm, rotary GQA attention (Qwen3: q/k norms), gated MLP."""
+
+    @classmethod
+    def shapes(cls, model):
+        if not (hasattr(model, "model") and hasattr(model.model, "rotary_emb")):
+            return None
+        config = model.config
+        return (config.num_hidden_layers, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim,
+                _windows(config))
 
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
         body = self.model.model
@@ -95,8 +163,15 @@ class LlamaLikeDecoder(_Decoder):
         return self.model.lm_head(self.model.model.norm(x))
 
 
-class GPT2Decoder(_Decoder):
+class GPT2Decoder(LeanDecoder):
     """GPT-2: learned positions, fused qkv projection (Conv1D), LayerNorm, GELU MLP."""
+
+    @classmethod
+    def shapes(cls, model):
+        config = model.config
+        if getattr(config, "reorder_and_upcast_attn", False):
+            return None
+        return config.n_layer, config.n_head, config.n_embd // config.n_head, [None] * config.n_layer
 
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
         body, config = self.model.transformer, self.model.config
@@ -116,24 +191,21 @@ class GPT2Decoder(_Decoder):
         return self.model.lm_head(self.model.transformer.ln_f(x))
 
 
-def lean_decoder(model, max_batch: int, max_len: int, dtype: Optional[torch.dtype], attention: str):
-    """A lean decoder with its KV cache for ``model``, or None when its family has no fast path.
+#: ``config.model_type`` -> its lean decoder: the families with a fast path.
+FAMILIES = {"llama": LlamaLikeDecoder, "mistral": LlamaLikeDecoder, "qwen2": LlamaLikeDecoder,
+            "qwen3": LlamaLikeDecoder, "gpt2": GPT2Decoder}
 
-    ``attention`` picks the decode attention (see ``flash.py``).
-    """
-    config = model.config
+
+def lean_decoder(model, slots: int, max_len: int, dtype: Optional[torch.dtype], attention: str):
+    """A lean decoder with a KV cache of ``slots`` rows for ``model``, or None when its family has no
+    fast path. ``attention`` picks the decode attention (see ``flash.py``)."""
+    family = FAMILIES.get(model.config.model_type)
+    shapes = family and family.shapes(model)
+    if shapes is None:
+        return None
+    layers, kv_heads, head_dim, windows = shapes
     param = next(model.parameters())
     dtype = dtype or param.dtype
-
-    def cache(num_layers, kv_heads, head_dim):
-        kernel = flash_decode(attention, param.device, param.dtype, dtype, head_dim)
-        return KVCache(num_layers, max_batch, kv_heads, max_len, head_dim, dtype, param.device, kernel)
-
-    if config.model_type in LLAMA_LIKE and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
-        head_dim = model.model.layers[0].self_attn.head_dim
-        return LlamaLikeDecoder(model, cache(config.num_hidden_layers, config.num_key_value_heads, head_dim),
-                                _windows(config))
-    if config.model_type == "gpt2" and not getattr(config, "reorder_and_upcast_attn", False):
-        return GPT2Decoder(model, cache(config.n_layer, config.n_head, config.n_embd // config.n_head),
-                           [None] * config.n_layer)
-    return None
+    cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device)
+    return family(model, CacheAttention(cache, flash_decode(attention, param.device, param.dtype, dtype, head_dim)),
+                  windows)

@@ -106,3 +106,22 @@ def test_flash_rollout_in_bf16_matches_a_recomputed_forward():
         n = int(rollout.response_lens[row])
         torch.testing.assert_close(rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 1.0),
                                    rtol=0, atol=5e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_flash_path_with_packing_refilling_and_graph_sized_batches(flash_on_cpu, family, monkeypatch):
+    """The CUDA-graph path's batches (rows rounded up to a power of two, the extra slots free) with
+    rows ending, moving and joining every 2 steps: every key flash writes fits its cache row, and
+    greedy still equals generate()."""
+    from types import SimpleNamespace
+
+    from fastppo.rollout import batching
+    from tests.rollout.test_batching import BUDGETS, PROMPTS as RAGGED
+
+    monkeypatch.setattr(batching, "CPU_SYNC_EVERY", 2)
+    model = tiny(family)
+    sampler = fastppo.Sampler(model, max_batch_size=5, max_seq_len=24, attention="flash")
+    sampler.graphs = SimpleNamespace(decode=sampler.lean.decode)  # graph-sized batches, replayed eagerly
+    rollout = sampler.generate(RAGGED, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())
+    for row, (prompt, budget) in enumerate(zip(RAGGED, BUDGETS)):
+        assert rollout.response_ids[row, :budget].tolist() == hf_greedy(model, prompt, budget), f"row {row}"

@@ -78,7 +78,7 @@ def test_logprobs_equal_a_recomputed_forward(family):
 def test_one_padded_prefill_of_ragged_prompts_changes_nothing(family, monkeypatch):
     """All prompts in one right-padded prefill (lengths 3, 7, 1; Mistral's window 6 < 7): greedy still
     equals generate() and log-probs a recomputed forward, with several samples per prompt."""
-    from fastppo.rollout import sampler as sampler_module
+    from fastppo.rollout import lean as sampler_module
 
     monkeypatch.setattr(sampler_module, "PREFILL_PADDING", 100.0)
     assert sampler_module.prefill_groups([len(p) for p in PROMPTS]) == [[2, 0, 1]]
@@ -97,7 +97,7 @@ def test_one_padded_prefill_of_ragged_prompts_changes_nothing(family, monkeypatc
 
 
 def test_prefill_groups_bound_padding_and_size(monkeypatch):
-    from fastppo.rollout import sampler as sampler_module
+    from fastppo.rollout import lean as sampler_module
 
     lengths = [10, 11, 12, 40, 9, 41, 100, 10]
     groups = sampler_module.prefill_groups(lengths)
@@ -217,7 +217,7 @@ def test_rollouts_use_the_live_weights():
     (dict(max_new_tokens=60), r"exceeds max_seq_len=64"),
     (dict(max_new_tokens=[1, 2]), "2 entries for 1 prompts"),
     (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(num_samples_per_prompt=9), "exceed max_batch_size=8"),
+    (dict(num_samples_per_prompt=9), "exceeds max_batch_size=8"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(top_p=0.0), "top_p must be in"),
     (dict(top_k=-2), "top_k must be"),

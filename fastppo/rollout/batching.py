@@ -1,0 +1,186 @@
+"""The rollout loop: continuous batching over a decoder's slots, so finished rows cost nothing.
+
+RL rollouts have a long tail: most responses stop early and a few run to the budget. A static
+batch decodes every row until the last one ends. Here the decode batch is slots ``0 .. b-1`` of
+the decoder (``decoder.py``), and once every ``SYNC_EVERY`` steps (the loop's one host sync; on
+the CPU every step) the rows that have ended leave it:
+
+- **refill**: prompts still waiting are prefilled into the free slots, a whole prompt's samples
+  at once, and draw their first token straight away; rows beyond the cache's slots so run
+  through it as earlier rows finish (the generic decoder, which cannot refill, runs waves);
+- **pack**: when the share of rows still going falls below ``compact_below``, the rows past the
+  end of the live set move into the holes (a copy of their cache slots), and ``b`` shrinks.
+
+Between checks an ended row stays in the batch, writing only slots and output cells nobody
+reads. Every row keeps its own step count: its token, log-prob and mask go to its own output row
+and column, so a ``Rollout`` comes out in the order of the prompts whatever the schedule. The
+schedule depends on the rows' lengths only, so a seed reproduces a rollout; a row's random draws
+depend on where it sits in the batch, so changing the number of slots or ``compact_below``
+changes sampled (not greedy) tokens.
+"""
+
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .decoder import Decoder
+from .rollout import Rollout
+
+SYNC_EVERY = 16  # decode steps between the host's looks at which rows have ended, on an accelerator
+CPU_SYNC_EVERY = 1  # and on the CPU, where ops are synchronous anyway and a look costs microseconds
+
+
+class RolloutLoop:
+    """One ``generate`` call: ``prompts`` x ``n`` rows through ``decoder``'s ``slots`` slots.
+
+    ``draw(logits (b, V)) -> (tokens, logprobs)`` samples a step; ``decode`` is the decoder's (or
+    its CUDA graphs'); ``bucket(b)`` the number of slots one decode call runs (``b``, or more for
+    CUDA graphs of fixed sizes: slots past ``b`` are free and harmless to run).
+    """
+
+    def __init__(self, decoder: Decoder, decode: Callable, slots: int, max_len: int, prompts: list, n: int,
+                 max_new: list, draw: Callable, stop: tuple, pad: int, compact_below: float,
+                 bucket: Optional[Callable] = None):
+        self.decoder, self.decode, self.draw = decoder, decode, draw
+        self.capacity, self.max_len, self.prompts, self.n, self.max_new = slots, max_len, prompts, n, max_new
+        self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
+        device = decoder.device
+        B, steps = len(prompts) * n, max(max_new)
+        self.trash = B  # the output row of free slots
+        # Outputs with one spare row (free slots write there) and one spare column (an ended row
+        # writes pad, 0 and False at its length, which may be the budget).
+        self.tokens_out = torch.full((B + 1, steps + 1), pad, dtype=torch.long, device=device)
+        self.logprobs_out = torch.zeros(B + 1, steps + 1, dtype=torch.float32, device=device)
+        self.mask_out = torch.zeros(B + 1, steps + 1, dtype=torch.bool, device=device)
+        self.stopped_out = torch.zeros(B + 1, dtype=torch.bool, device=device)
+        self.stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
+        # Per slot, on the device: its output row, prompt length, tokens drawn, budget, last token, live.
+        self.row = torch.full((slots,), B, dtype=torch.long, device=device)
+        self.prompt_len = torch.ones(slots, dtype=torch.long, device=device)
+        self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
+        self.limit = torch.zeros(slots, dtype=torch.long, device=device)
+        self.token = torch.full((slots,), pad, dtype=torch.long, device=device)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        # On the host: each occupied slot's prompt length minus the decode steps run before it
+        # joined, which bounds its position at every later step (for the attention span).
+        self.offset = {}
+        self.pending = deque(range(len(prompts)))
+        self.b = 0  # slots 0 .. b-1 are decoded
+        self.steps_run = 0
+        self.rows_decoded = 0  # slots run, summed over the decode steps
+        self.sync_every = CPU_SYNC_EVERY if device.type == "cpu" else SYNC_EVERY
+
+    def run(self) -> Rollout:
+        self._admit(list(range(self.capacity)))
+        while True:
+            if self.steps_run % self.sync_every == 0 and not self._check():
+                break
+            rows = min(self.bucket(self.b), self.capacity)
+            positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
+            logits = self.decode(self.token[:rows], positions, self._span())
+            self._record(slice(0, self.b), logits[:self.b])
+            self.steps_run += 1
+            self.rows_decoded += rows
+        return self._rollout()
+
+    def _span(self) -> int:
+        """One past the largest position any slot of the batch feeds at this step."""
+        return min(max(self.offset.values(), default=0) + self.steps_run + 1, self.max_len)
+
+    def _record(self, slots, logits: Tensor) -> None:
+        """Draw the next token of ``slots`` (a slice or index tensor) from ``logits`` and write it
+        to their rows; rows that stop or reach their budget end."""
+        tokens, logprobs = self.draw(logits)
+        live, row, drawn = self.active[slots], self.row[slots], self.drawn[slots]
+        tokens = torch.where(live, tokens, self.pad)
+        self.tokens_out[row, drawn] = tokens
+        self.logprobs_out[row, drawn] = torch.where(live, logprobs, 0.0)
+        self.mask_out[row, drawn] = live
+        hit = live & torch.isin(tokens, self.stop_ids)
+        self.stopped_out[row] |= hit
+        drawn = drawn + live
+        self.drawn[slots], self.token[slots] = drawn, tokens
+        self.active[slots] = live & ~hit & (drawn < self.limit[slots])
+
+    def _check(self) -> bool:
+        """The host sync: free the slots of ended rows, refill, pack. False when all is done."""
+        live = self.active[:self.b].nonzero().flatten().tolist()
+        if len(live) == len(self.offset):
+            return True  # no row has ended since the last look
+        ended = self.row[:self.b] != self.trash
+        ended[live] = False
+        self._free(ended)
+        self.offset = {s: self.offset[s] for s in live}
+        if not live:
+            self.b = 0
+        if self.pending and (self.decoder.refills or not live):
+            self._admit(sorted(set(range(self.capacity)) - set(live)))
+            live = sorted(self.offset)
+        if not live:
+            return False
+        if len(live) < self.compact_below * self.b or live[-1] + 1 < self.b:
+            self._pack(live)
+        return True
+
+    def _free(self, slots) -> None:
+        """Slots hold no row: their output goes to the trash row, and they feed pad at position 0.
+        (Left as they were, a graph-sized batch would decode them at positions the span may no
+        longer cover once the rows that set it have ended.)"""
+        self.row[:self.b][slots] = self.trash
+        self.prompt_len[:self.b][slots] = 1
+        self.drawn[:self.b][slots] = 0
+        self.token[:self.b][slots] = self.pad
+        self.active[:self.b][slots] = False
+
+    def _admit(self, free: list) -> None:
+        """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together)
+        and draw their first tokens."""
+        chosen = []
+        while self.pending and len(free) >= self.n:
+            chosen.append((self.pending.popleft(), free[:self.n]))
+            free = free[self.n:]
+        if not chosen:
+            return
+        logits = self.decoder.prefill([s for _, s in chosen], [self.prompts[j] for j, _ in chosen])  # (G, V)
+        device = logits.device
+        slots = torch.tensor([s for _, ss in chosen for s in ss], device=device)
+        self.row[slots] = torch.tensor([j * self.n + k for j, _ in chosen for k in range(self.n)], device=device)
+        self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, ss in chosen for _ in ss], device=device)
+        self.limit[slots] = torch.tensor([self.max_new[j] for j, ss in chosen for _ in ss], device=device)
+        self.drawn[slots] = 0
+        self.active[slots] = True
+        self._record(slots, logits.repeat_interleave(self.n, dim=0))
+        for j, ss in chosen:
+            for s in ss:
+                self.offset[s] = len(self.prompts[j]) - self.steps_run
+        self.b = max(self.b, max(s for _, ss in chosen for s in ss) + 1)
+
+    def _pack(self, live: list) -> None:
+        """Shrink the batch to the live rows: all of them moved into the holes below ``len(live)``
+        when fewer than ``compact_below`` of the batch are live, else only the free slots past the
+        last live one dropped."""
+        k = len(live) if len(live) < self.compact_below * self.b else live[-1] + 1
+        order = list(range(k))
+        holes = (s for s in range(k) if s not in self.offset)
+        for hole, src in zip(holes, (s for s in live if s >= k)):
+            order[hole] = src
+        if not self.decoder.pack(order, self._span()):
+            return
+        index = torch.tensor(order, device=self.row.device)
+        for state in (self.row, self.prompt_len, self.drawn, self.limit, self.token, self.active):
+            state[:k] = state[index]
+        self._free(slice(k, self.b))
+        self.offset = {new: self.offset[old] for new, old in enumerate(order) if old in self.offset}
+        self.b = k
+
+    def _rollout(self) -> Rollout:
+        B = self.trash
+        lens = self.mask_out[:B].sum(dim=1)
+        R = int(lens.max())
+        return Rollout(prompt_ids=[self.prompts[r // self.n] for r in range(B)],
+                       response_ids=self.tokens_out[:B, :R].contiguous(),
+                       response_mask=self.mask_out[:B, :R].contiguous(), response_lens=lens,
+                       logprobs=self.logprobs_out[:B, :R].contiguous(),
+                       finish_reason=["stop" if s else "length" for s in self.stopped_out[:B].tolist()])

@@ -1,0 +1,36 @@
+"""The decoder contract: what the sampler's batching loop (``batching.py``) asks of a model.
+
+A decoder holds the model's cache for a decode batch of *slots*, ``0 .. B-1``, each holding one
+row (a sample of a prompt) or nothing. The loop prefills prompts into free slots, feeds every
+slot one token per step, and now and then packs the rows still going into the lowest slots so
+that the batch shrinks as rows finish. Two implementations: the lean decoders of ``lean.py``
+(their own forward over a preallocated :class:`~fastppo.rollout.kv_cache.KVCache`) and the
+generic one of ``generic.py`` (any causal LM, through its own forward and cache).
+"""
+
+from abc import ABC, abstractmethod
+
+from torch import Tensor
+
+
+class Decoder(ABC):
+    #: Whether prompts can be prefilled into free slots while other slots are decoding; when not,
+    #: the loop waits for every slot to be free (the next wave of rows starts a fresh cache).
+    refills = True
+
+    @abstractmethod
+    def prefill(self, slots: list, prompts: list) -> Tensor:
+        """Prefill each prompt (a token-id list) into every slot of its entry of ``slots`` (one slot
+        per sample) and return each prompt's next-token logits ``(len(prompts), V)``."""
+
+    @abstractmethod
+    def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+        """One step of slots ``0 .. B-1``: token ``tokens[i]`` ``(B,)`` sits at position
+        ``positions[i]`` ``(B,)`` of slot i, every position below ``span``. Returns the next-token
+        logits ``(B, V)``. A slot attends to its own positions ``0 .. positions[i]`` only."""
+
+    @abstractmethod
+    def pack(self, order: list, length: int) -> bool:
+        """Make slot ``i`` hold what slot ``order[i]`` held (its first ``length`` positions), for
+        ``i < len(order)``; every ``order[i]`` is ``i`` or a slot not in ``order``'s range. The batch
+        is then ``len(order)`` slots. Returns False (and changes nothing) if this cache cannot."""
