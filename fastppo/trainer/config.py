@@ -119,6 +119,9 @@ class RolloutConfig:
     temperature: float = _doc("sampling temperature, also used when log-probs are recomputed", 1.0)
     top_k: int = _doc("sample among the k most likely tokens only (0: all)", 0)
     top_p: float = _doc("sample within the smallest set of tokens of this total probability (1: all)", 1.0)
+    rollout_batch_size: int = _doc("rows the sampler decodes at once, the slots of its KV cache (0: all of an "
+                                   "iteration's rows, or eval_samples if more); further rows take the slots of "
+                                   "finished ones", 0)
     stop: Optional[list[str]] = _doc("strings that end a response besides the end-of-sequence token; the response "
                                      "keeps the stop string and its mask ends there")
     no_stop_penalty: float = _doc("added to the score of a response that never produced the stop token", 0.0)
@@ -297,6 +300,13 @@ class TrainConfig:
         return self.model.critic if self.model.critic is not None else self.estimator.critic
 
     @property
+    def sampler_slots(self) -> int:
+        """The rows the sampler decodes at once: ``rollout_batch_size``, else an iteration's rows (or a
+        held-out prompt's samples, if more)."""
+        r = self.rollout
+        return r.rollout_batch_size or max(r.prompts_per_iteration * r.samples_per_prompt, self.eval.eval_samples)
+
+    @property
     def device(self) -> str:
         """``run.device`` with ``auto`` resolved: CUDA when available, else the CPU."""
         import torch
@@ -342,6 +352,9 @@ class TrainConfig:
             ("eval_every", ev.eval_every >= 0, "must be >= 0"),
             ("eval_samples", ev.eval_samples >= 1, "must be >= 1"),
             ("top_k", r.top_k >= 0, "must be >= 0"),
+            ("rollout_batch_size", r.rollout_batch_size == 0 or r.rollout_batch_size >= max(
+                r.samples_per_prompt, ev.eval_samples if ev.evaluate else 1),
+             "must be 0 or hold a prompt's samples (>= samples_per_prompt, and eval_samples when evaluating)"),
             ("filter_groups", not r.filter_groups or (grouped and r.samples_per_prompt >= 2),
              f"needs a group estimator ({group_estimators}) and samples_per_prompt >= 2"),
             ("filter_groups_attempts", r.filter_groups_attempts >= 1, "must be >= 1"),

@@ -18,24 +18,18 @@ import torch
 from . import rollouts
 
 
-def _batches(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
 def evaluate(trainer, prompts, samples: int, iteration: int) -> dict:
     """The three metrics of the current policy over ``prompts`` (:class:`~fastppo.trainer.data.Prompts`)."""
-    ranks, r, sampler = trainer.ranks, trainer.config.rollout, trainer.sampler
+    ranks, r = trainer.ranks, trainer.config.rollout
     mine = list(range(ranks.rank, len(prompts), ranks.world))
     seed = (trainer.config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
     totals = torch.zeros(3, dtype=torch.float64)  # greedy, mean of K, best of K; summed over prompts
     trainer.rollout_weights.refresh()
     for temperature, n in ((0.0, 1), (r.temperature, samples)):
-        for chunk in _batches(mine, max(sampler.max_batch_size // n, 1)):
-            rollout = trainer.sample([prompts.ids[i] for i in chunk], temperature, n, seed)
-            seed += 1
-            scores, _ = rollouts.score(trainer, prompts, chunk, rollout, n)
-            per_prompt = torch.tensor(scores, dtype=torch.float64).view(len(chunk), n)
+        if mine:  # the sampler takes all of them, through as many of its slots as it has
+            rollout = trainer.sample([prompts.ids[i] for i in mine], temperature, n, seed + n)
+            scores, _ = rollouts.score(trainer, prompts, mine, rollout, n)
+            per_prompt = torch.tensor(scores, dtype=torch.float64).view(len(mine), n)
             if temperature == 0:
                 totals[0] += per_prompt.sum()
             else:

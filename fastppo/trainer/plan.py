@@ -136,11 +136,11 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
     if reward_model_config is not None:
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
-    rows = r.prompts_per_iteration * r.samples_per_prompt
+    rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots
     length = prompt_tokens + r.max_new_tokens
-    lines.append(Line("KV cache", 2 * m.layers * rows * length * m.kv_dim * rollout,
-                      f"{m.layers} layers x K,V x {rows} rows x {length} positions x {m.kv_dim}"))
-    lines.append(Line("sampler step logits", rows * m.vocab * (rollout + 4), f"{rows} x {m.vocab:,}, and fp32"))
+    lines.append(Line("KV cache", 2 * m.layers * slots * length * m.kv_dim * rollout,
+                      f"{m.layers} layers x K,V x {slots} slots x {length} positions x {m.kv_dim}"))
+    lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
     tokens, responses = mb_rows * length, mb_rows * r.max_new_tokens
     block = (8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * compute * tokens

@@ -219,8 +219,8 @@ class PPOTrainer:
                                               gathered=self.sharded)  # made whole, before sharding
         if self.sharded:
             self._shard()
-        batch = max(r.prompts_per_iteration * r.samples_per_prompt, config.eval.eval_samples)  # an eval prompt's K fit
-        self.sampler = Sampler(self.rollout_weights.model, max_batch_size=batch, max_seq_len=longest + r.max_new_tokens,
+        self.sampler = Sampler(self.rollout_weights.model, max_batch_size=config.sampler_slots,
+                               max_seq_len=longest + r.max_new_tokens,
                                cuda_graphs=not self.sharded)
         o = config.optim
         self.optimizer = adamw([p for p in policy.parameters() if p.requires_grad], o.lr)

@@ -39,6 +39,9 @@ from tests.trainer.test_trainer import config, untrained
     (dict(save_dtype="bf32"), "config field save_dtype must be one of .*'bfloat16'.*, got 'bf32'"),
     (dict(rollout_dtype="half"), "config field rollout_dtype must be one of"),
     (dict(autocast="yes"), "config field autocast must be true or false or null"),
+    (dict(rollout_batch_size=4, samples_per_prompt=8), "config field rollout_batch_size must be 0 or hold a prompt's"),
+    (dict(rollout_batch_size=4, samples_per_prompt=2, evaluate=True, eval_samples=5),
+     "config field rollout_batch_size must be 0 or hold a prompt's samples"),
 ])
 def test_config_values_are_checked_by_type_and_range(tmp_path, fields, match):
     with pytest.raises(UsageError, match=match):

@@ -19,7 +19,7 @@ OUTCOMES = {"ab": ("a", ("a", "a", "b")), "cd": ("b", ("b", "b", "b")), "ef": ("
 def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkeypatch):
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in OUTCOMES))
-    # a sampler batch of 4 rows: the greedy pass takes 2 calls, the sampled one (3 per prompt) 5
+    # a sampler of 4 slots takes all 5 prompts in one call per pass (rows wait for free slots)
     trainer = untrained(tmp_path, evaluate=True, eval_prompts=str(path), eval_samples=3, prompts_per_iteration=2,
                         samples_per_prompt=2)
     trainer.rewards = Rewards([("is_a", lambda prompts, completions, **_: [float(c == "a") for c in completions])])
@@ -33,7 +33,7 @@ def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkey
 
     monkeypatch.setattr(trainer, "sample", sample)
     metrics = evaluation.evaluate(trainer, trainer.eval_prompts, 3, iteration=0)
-    assert calls == [(4, 1), (1, 1)] + [(1, 3)] * 5
+    assert trainer.sampler.max_batch_size == 4 and calls == [(5, 1), (5, 3)]
     greedy = 2 / 5  # ab, ef
     mean_at_3 = (2 / 3 + 0 + 1 + 1 / 3 + 0) / 5
     pass_at_3 = 3 / 5  # ab, ef, gh

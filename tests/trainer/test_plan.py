@@ -34,7 +34,8 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("fields", [{}, {"lora_rank": 4}, {"estimator": "gae"}, {"kl_coef": 0.1, "rollout_dtype": "bf16"}])
+@pytest.mark.parametrize("fields", [{}, {"lora_rank": 4}, {"estimator": "gae"}, {"kl_coef": 0.1, "rollout_dtype": "bf16"},
+                                    {"rollout_batch_size": 12}])
 def test_weights_gradients_and_optimizer_state_are_exact(tmp_path, fields):
     plan, trainer, _ = planned_and_measured(tmp_path, **fields)
     policy = list(trainer.policy.parameters())

@@ -66,6 +66,16 @@ def test_reward_rises_from_an_untrained_model(tmp_path, estimator, kl_coef):
     assert all(h["skipped_steps"] == 0 for h in history)
 
 
+def test_rollouts_through_fewer_slots_than_rows_learn(tmp_path):
+    """An iteration's 32 rows through a sampler of 6 slots: the rows wait for free ones, and the
+    sampler's log-probs still equal the trainer's."""
+    trainer = untrained(tmp_path, rollout_batch_size=6, iterations=30, save=False)
+    assert trainer.sampler.max_batch_size == 6 and trainer.sampler.lean.cache.slots == 6
+    history = trainer.train()
+    assert mean_reward(history, lambda h: h[-5:]) > mean_reward(history, lambda h: h[:5]) + 0.2
+    assert max(h["logprob_mismatch"] for h in history) < 1e-4
+
+
 def test_the_shipped_default_learns_its_arithmetic(tmp_path):
     history = PPOTrainer(config(tmp_path, iterations=150, save=False)).train()
     first, last = mean_reward(history, lambda h: h[:5]), mean_reward(history, lambda h: h[-5:])
