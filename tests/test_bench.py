@@ -76,3 +76,32 @@ def test_sharding_runs_both_modes_on_two_ranks(tmp_path, capsys):
         assert sharded["trained"] < 0.6 * replicated["trained"]
         assert replicated["rollout"] > 0 and sharded["rollout"] == 0 and sharded["seconds"] > 0
         assert 0 < sharded["peak"] < replicated["peak"]
+
+
+def test_the_real_model_contenders_generate_exactly_the_imposed_lengths(monkeypatch, tmp_path):
+    """The long-tail case's workload: fastppo makes exactly each row's length, generate() every row
+    to the longest (as with an EOS); without the model, the case says how to get it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fastppo
+    from fastppo.bench import sampler_real, smollm2
+
+    lengths = sampler_real.long_tail_lengths(12, 40)
+    assert lengths == sampler_real.long_tail_lengths(12, 40) and min(lengths) >= 1 and max(lengths) <= 40
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                         eos_token_id=None)).eval()
+    prompts = [[i + 1] * (3 + i % 4) for i in range(12)]
+    out = sampler_real._hf_generate(model, prompts, lengths)
+    assert out.shape == (12, max(map(len, prompts)) + max(lengths))
+    rollout = fastppo.Sampler(model, max_batch_size=4, max_seq_len=48).generate(
+        prompts, max_new_tokens=lengths, stop_token_ids=(), seed=0)
+    assert rollout.response_lens.tolist() == lengths
+
+    monkeypatch.setenv("FASTPPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
+    [case] = sampler_real.real_sampler_cases(CPU, quick=False)
+    assert {c.status for c in case.contenders} == {f"unavailable: SmolLM2-135M-Instruct is not installed "
+                                                   f"({smollm2.INSTALL})"}
+    assert sampler_real.real_sampler_cases(CPU, quick=True) == []

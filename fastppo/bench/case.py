@@ -18,6 +18,7 @@ class Contender:
     fn: Optional[Callable] = None
     status: str = "ok"
     baseline: bool = False  # the naive PyTorch version that speedups are relative to
+    note: Optional[Callable] = None  # note(inputs) -> a remark on the last call, shown beside the name
 
 
 @dataclass

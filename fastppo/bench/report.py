@@ -40,7 +40,8 @@ def markdown(meta: dict, rows: list) -> str:
                 continue
             speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else ""
             rate = f" {r['rate']:.0f} |" if rated else ""
-            lines.append(f"| {r['case']} | {r['contender']} | {r['mode']} | {_time(r)} | {speedup} | "
+            name = f"{r['contender']} ({r['note']})" if r.get("note") else r["contender"]
+            lines.append(f"| {r['case']} | {name} | {r['mode']} | {_time(r)} | {speedup} | "
                          f"{r['gbps']:.1f} | {r['pct_copy']:.0f} | {_bytes(r['memory_bytes'])} |{rate}")
     return "\n".join(lines) + "\n"
 

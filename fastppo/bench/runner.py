@@ -54,6 +54,7 @@ class Row:
     pct_copy: Optional[float] = None
     memory_bytes: Optional[int] = None
     rate: Optional[float] = None  # items per second, for cases that count items
+    note: Optional[str] = None  # the contender's remark on its last call
 
 
 def make_call(fn, inputs: dict, mode: str, grad_inputs: tuple):
@@ -95,6 +96,7 @@ def run_case(case, device, *, quick, smoke, copy_gbps, deadline) -> list:
                     inputs = inputs or case.make_inputs()
                     _measure(row, make_call(contender.fn, inputs, mode, case.grad_inputs), device,
                              quick=quick, smoke=smoke, copy_gbps=copy_gbps, items=case.items)
+                    row.note = contender.note and contender.note(inputs)
                 except Exception as error:  # an OOM or a broken peer is a row, not the end of the run
                     row.status = f"error: {type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
                     if device.type == "cuda":
@@ -109,10 +111,14 @@ def run_case(case, device, *, quick, smoke, copy_gbps, deadline) -> list:
 
 
 def _commit() -> str:
+    """The checkout's commit, ``+changes`` when its working tree differs from it."""
+    root = Path(__file__).parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, timeout=5).stdout.strip()
+        return (head + ("+changes" if changed else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

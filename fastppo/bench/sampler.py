@@ -1,6 +1,8 @@
 """Bench cases for the rollout step: the sampler against ``generate()``, and the token draw alone.
 
-``sampler``: rollout throughput against Hugging Face ``generate()``.
+``sampler``: rollout throughput against Hugging Face ``generate()``, on a random model (below) and
+on a real pretrained one with a fixed and a long-tail workload (``sampler_real.py``; not at
+``--quick`` sizes).
 
 The model is built from a config with random weights (nothing is downloaded): on CUDA a bf16
 model shaped like Qwen2.5-0.5B (24 layers, hidden 896, 151,936-token vocabulary); on CPU, and
@@ -27,6 +29,7 @@ import fastppo
 
 from .case import Case, Contender, compiled, random_tokens
 from .logprobs import dtype_for
+from .sampler_real import real_sampler_cases, rollout_bytes
 
 FULL = dict(batches=(1, 16, 64, 256), prompt=128, new=128)
 QUICK = dict(batches=(1, 4), prompt=16, new=16)
@@ -76,16 +79,8 @@ def sampler_cases(device: torch.device, quick: bool) -> list:
             if device.type == "cuda" else Contender("HF generate (static cache, no compile)", status="CUDA only"),
         ]
         cases.append(Case("sampler", f"B={B} prompt={prompt} new={new}", make, contenders,
-                          bytes_fwd=_rollout_bytes(model, B, prompt, new), items=B * new))
-    return cases
-
-
-def _rollout_bytes(model, B: int, prompt: int, new: int) -> int:
-    config = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
-    head_dim = config.hidden_size // config.num_attention_heads
-    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
-    return new * weights + B * sum(prompt + s for s in range(new)) * kv_per_token
+                          bytes_fwd=rollout_bytes(model, [prompt] * B, [new] * B), items=B * new))
+    return cases + real_sampler_cases(device, quick)
 
 
 def naive_sample(logits, temperature: float = 1.0):
