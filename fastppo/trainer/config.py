@@ -199,10 +199,11 @@ class RunConfig:
 
 SECTIONS = (ModelConfig, LoRAConfig, ShardingConfig, DataConfig, RewardConfig, EvalConfig, RolloutConfig, AlgoConfig,
             OptimConfig, RunConfig)
-# Fields a resumed run may change: how long it runs, how it saves and evaluates, nothing that changes
-# the math.
+# Fields a resumed run may change: how long it runs, how it saves and evaluates, how many rows its
+# sampler decodes at once (a memory bound, which moves where rows draw but not the math); nothing that
+# changes the math.
 RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints", "evaluate", "eval_prompts", "eval_every",
-             "eval_samples"}
+             "eval_samples", "rollout_batch_size"}
 
 
 def _base_type(f: dataclasses.Field):

@@ -11,7 +11,7 @@ import torch
 
 import fastppo
 from fastppo.rollout import batching, lean
-from tests.rollout.test_sampler import FAMILIES, V, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.test_sampler import FAMILIES, hf_greedy, recomputed_logprobs, tiny
 
 # Ragged prompts (length 1 included) with ragged budgets, so rows end at different steps.
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42], [7, 7], [3, 1, 4, 1, 5], [60]]
