@@ -105,3 +105,12 @@ def test_the_real_model_contenders_generate_exactly_the_imposed_lengths(monkeypa
     assert {c.status for c in case.contenders} == {f"unavailable: SmolLM2-135M-Instruct is not installed "
                                                    f"({smollm2.INSTALL})"}
     assert sampler_real.real_sampler_cases(CPU, quick=True) == []
+
+    def broken(gguf, target):
+        raise ValueError("no such tensor type")
+
+    monkeypatch.setattr(smollm2, "_gguf_file", lambda: tmp_path / smollm2.GGUF)
+    monkeypatch.setattr(smollm2, "_convert", broken)
+    [case] = sampler_real.real_sampler_cases(CPU, quick=False)
+    assert {c.status for c in case.contenders} == {f"unavailable: converting {smollm2.GGUF} failed "
+                                                   "(ValueError: no such tensor type)"}

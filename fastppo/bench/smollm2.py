@@ -66,5 +66,9 @@ def smollm2() -> Path:
     """The converted model's directory, converting it on first use; raises :class:`Unavailable`."""
     target = cache_dir()
     if not (target / "config.json").is_file():
-        _convert(_gguf_file(), target)
+        gguf = _gguf_file()
+        try:
+            _convert(gguf, target)
+        except Exception as error:  # a transformers or gguf that cannot read it: a row, not a crash
+            raise Unavailable(f"converting {gguf.name} failed ({type(error).__name__}: {error})") from error
     return target
