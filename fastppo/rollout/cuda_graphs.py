@@ -2,9 +2,9 @@
 
 A graph is captured on first use for each (rows, span bucket), rows and spans rounded up to powers
 of two (``graph_rows``: the batching loop runs that many slots, the ones past its batch free), so
-a rollout needs about log2(max_batch_size) x log2(max_seq_len) of them. Replays read the model's parameters at
-the addresses they had at capture: optimizer steps update them in place, so the next rollout
-sees the new weights; replacing the parameter tensors themselves needs a new Sampler.
+a rollout needs about log2(max_batch_size) x log2(max_seq_len) of them. Replays read the model's
+parameters at the addresses they had at capture: optimizer steps update them in place, so the
+next rollout sees the new weights; replacing the parameter tensors themselves needs a new Sampler.
 
 Warm-up and capture write keys and values at the bucket's last position, ``bucket - 1``. That is
 harmless: every row is at or before that position when a graph is first needed (its span falls
