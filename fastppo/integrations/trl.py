@@ -1,19 +1,32 @@
 """Drop-in replacements for TRL's log-prob and entropy helpers, and ``patch()`` to install them.
 
-The functions have the signatures of ``trl.trainer.utils`` in TRL 1.x and return what TRL's
-returns on the same device: on CPU in the logits' dtype, on CUDA in fp32 (as TRL's own Triton
-kernel does). They compute in fp32 with fastppo's kernels, so in bf16 they are more accurate than
-TRL's CPU path, which runs the log-softmax in bf16. ``FusedLinearLogProb`` stands in for TRL's
-chunked LM-head function (``trl.kernels.ChunkedLogProbFunction``, what GRPO and RLOO score
-completions with) whenever only log-probs and entropies are asked for.
+Supported: TRL 1.9 to 1.16 (each tested with that TRL installed). The functions follow the
+installed TRL (see ``fastppo.integrations.peers``; without TRL, the newest), whose helpers changed:
 
-Cases fastppo does not cover (float64 logits, several indices per row, logit soft-capping or
-scaling, TRL's extra per-token outputs) go to TRL's own code. Importing this module does not
-import TRL; ``patch()`` does, and raises ImportError without it.
+* ``selective_log_softmax(logits, index)`` took no ``temperature`` or ``row_mask`` before 1.14,
+  and ``selective_log_softmax_and_entropy`` appeared in 1.14. fastppo's accept both keywords on
+  every version (calls TRL makes fit either way).
+* The result's dtype is the logits' everywhere before 1.14; from 1.14 it is fp32 on CUDA and
+  XPU (TRL's own Triton kernel), the logits' elsewhere.
+* The chunked LM head that GRPO, RLOO, DPO and KTO score completions with
+  (``trl.trainer.utils._ChunkedLogProbFunction``, ``trl.kernels.ChunkedLogProbFunction`` from
+  1.15) was called ``(hidden, weight, targets, temperature, chunk_size, softcap, logit_scale)``
+  returning ``(log_probs, entropy)`` up to 1.12; 1.13 and 1.14 added ``bias`` after ``weight``;
+  1.15 added ``outputs`` and returns five per-token tensors, those not asked for None. Before
+  1.13 its backward ignored the entropy's gradient, so there the entropy comes back detached.
+  :class:`FusedLinearLogProb` reads the arguments as the followed version passes them.
+
+They compute in fp32 with fastppo's kernels, so in bf16 they are more accurate than TRL's CPU
+path, which runs the log-softmax in bf16. What fastppo does not cover goes to TRL's own code with
+the arguments as given: float64 logits, several indices per row, logit soft-capping or scaling,
+the LM head's extra outputs (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, asked for by
+SFT, DPO and KTO), and, on TRL before 1.14, a temperature other than 1 or a ``row_mask``
+(that TRL has no such arguments, so fastppo computes those itself). TRL's distillation head
+(``ChunkedDivergenceFunction``) is not replaced. Importing this module does not import TRL;
+``patch()`` does, and raises ImportError without it.
 """
 
-import importlib
-import sys
+import inspect
 
 import torch
 from torch import Tensor
@@ -21,24 +34,46 @@ from torch import Tensor
 from ..ops.checks import FLOAT_DTYPES
 from ..ops.linear_token_logprobs import linear_token_logprobs
 from ..ops.token_logprobs import token_logprobs
+from .patching import Patch
+from .peers import Peer
 
+TRL = Peer("trl", oldest="1.9.0", newest="1.16.0")
 _IGNORE = -100
 _UTILS = "trl.trainer.utils"
-_originals = {}  # name -> TRL's object, while patched
-_patched = []  # (module, name, original) to restore
+_HEAD_DEFAULTS = dict(final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",))
+
+
+def _signature(*names: str) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                default=_HEAD_DEFAULTS.get(name, inspect.Parameter.empty))
+                              for name in names])
+
+
+# The chunked LM head's parameters, as each TRL version passes them (by the first version of each).
+_HEAD_SIGNATURES = {
+    "1.9": _signature("hidden", "weight", "targets", "temperature", "chunk_size", "final_logit_softcapping",
+                      "logit_scale"),
+    "1.13": _signature("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                       "final_logit_softcapping", "logit_scale"),
+    "1.15": _signature("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                       "final_logit_softcapping", "logit_scale", "outputs"),
+}
+
+
+def _head_generation() -> str:
+    return "1.15" if TRL.at_least("1.15") else "1.13" if TRL.at_least("1.13") else "1.9"
 
 
 def _trl(name: str):
     """TRL's own implementation of ``name`` (for the cases fastppo leaves to it)."""
-    if name in _originals:
-        return _originals[name]
-    if name == "ChunkedLogProbFunction":
-        return importlib.import_module("trl.kernels").ChunkedLogProbFunction
-    return getattr(importlib.import_module(_UTILS), name)
+    if name == "ChunkedLogProbFunction" and TRL.at_least("1.15"):
+        return _PATCH.original("trl.kernels", name)
+    return _PATCH.original(_UTILS, "_ChunkedLogProbFunction" if name == "ChunkedLogProbFunction" else name)
 
 
 def _out_dtype(logits: Tensor) -> torch.dtype:
-    return torch.float32 if logits.device.type in ("cuda", "xpu") else logits.dtype
+    trl_kernel = TRL.at_least("1.14") and logits.device.type in ("cuda", "xpu") and logits.ndim <= 3
+    return torch.float32 if trl_kernel else logits.dtype
 
 
 def _covered(logits: Tensor, index: Tensor = None) -> bool:
@@ -49,12 +84,19 @@ def _labels(index: Tensor, row_mask) -> Tensor:
     return index if row_mask is None else index.masked_fill(row_mask == 0, _IGNORE)
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0, row_mask=None) -> Tensor:
-    """``log_softmax(logits / temperature)`` gathered at ``index``; rows where ``row_mask`` is 0 give 0."""
+def _check_temperature(temperature: float) -> None:
     if temperature <= 0:
         raise ValueError("temperature must be positive")
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0, row_mask=None) -> Tensor:
+    """``log_softmax(logits / temperature)`` gathered at ``index``; rows where ``row_mask`` is 0 give 0."""
+    _check_temperature(temperature)
     if not _covered(logits, index):
-        return _trl("selective_log_softmax")(logits, index, temperature=temperature, row_mask=row_mask)
+        if TRL.at_least("1.14"):
+            return _trl("selective_log_softmax")(logits, index, temperature=temperature, row_mask=row_mask)
+        logp = _trl("selective_log_softmax")(logits / temperature if temperature != 1.0 else logits, index)
+        return logp if row_mask is None else logp.masked_fill(row_mask == 0, 0.0)  # as TRL 1.14 does
     logp = token_logprobs(logits, _labels(index, row_mask), temperature=temperature, ignore_index=_IGNORE)
     return logp.to(_out_dtype(logits))
 
@@ -70,9 +112,8 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
 
 def selective_log_softmax_and_entropy(logits: Tensor, index: Tensor, entropy_requires_grad: bool = True,
                                       temperature: float = 1.0, row_mask=None) -> tuple:
-    """Both of the above in one pass over the logits; rows where ``row_mask`` is 0 give zeros."""
-    if temperature <= 0:
-        raise ValueError("temperature must be positive")
+    """Both of the above in one pass over the logits; rows where ``row_mask`` is 0 give zeros (TRL >= 1.14)."""
+    _check_temperature(temperature)
     if not _covered(logits, index):
         return _trl("selective_log_softmax_and_entropy")(logits, index, entropy_requires_grad=entropy_requires_grad,
                                                          temperature=temperature, row_mask=row_mask)
@@ -84,71 +125,48 @@ def selective_log_softmax_and_entropy(logits: Tensor, index: Tensor, entropy_req
 
 
 class FusedLinearLogProb:
-    """Stands in for ``trl.kernels.ChunkedLogProbFunction`` (``.apply`` with the same arguments).
-
-    Returns TRL's five per-token outputs ``(log_probs, entropy, log_sum_sq_probs, mean_logits,
-    is_top1)``, fp32, None where not requested, from :func:`fastppo.linear_token_logprobs`.
-    """
+    """Stands in for TRL's chunked LM-head function: ``.apply`` with the arguments the followed
+    TRL version passes (see the module docstring), returning what that version returns, fp32."""
 
     @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=("log_probs",)):
-        if final_logit_softcapping is not None or logit_scale != 1.0 or not set(outputs) <= {"log_probs", "entropy"} \
+    def apply(*args, **kwargs):
+        generation = _head_generation()
+        a = {"bias": None, **_HEAD_DEFAULTS, **_HEAD_SIGNATURES[generation].bind(*args, **kwargs).arguments}
+        hidden, weight, bias, outputs = a["hidden"], a["weight"], a["bias"], a["outputs"]
+        if a["final_logit_softcapping"] is not None or a["logit_scale"] != 1.0 \
+                or not set(outputs) <= {"log_probs", "entropy"} \
                 or hidden.dtype != weight.dtype or hidden.dtype not in FLOAT_DTYPES:
-            return _trl("ChunkedLogProbFunction").apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                                        final_logit_softcapping, logit_scale, outputs)
+            return _trl("ChunkedLogProbFunction").apply(*args, **kwargs)
         if torch.is_autocast_enabled(hidden.device.type):  # TRL projects in the autocast dtype
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy = linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                                  return_entropy=True)
+            logp, entropy = linear_token_logprobs(hidden, weight, a["targets"], bias=bias,
+                                                  temperature=a["temperature"], return_entropy=True)
+        if generation == "1.9":
+            return logp, entropy.detach()
+        if generation == "1.13":
+            return logp, entropy
         return logp, entropy if "entropy" in outputs else None, None, None, None
 
 
-_REPLACEMENTS = {
-    "selective_log_softmax": selective_log_softmax,
-    "entropy_from_logits": entropy_from_logits,
-    "selective_log_softmax_and_entropy": selective_log_softmax_and_entropy,
-    "_ChunkedLogProbFunction": FusedLinearLogProb,  # trl.trainer.utils' name for ChunkedLogProbFunction
-}
+_PATCH = Patch("trl", {
+    (_UTILS, "selective_log_softmax"): selective_log_softmax,
+    (_UTILS, "entropy_from_logits"): entropy_from_logits,
+    (_UTILS, "selective_log_softmax_and_entropy"): selective_log_softmax_and_entropy,  # TRL >= 1.14
+    (_UTILS, "_ChunkedLogProbFunction"): FusedLinearLogProb,  # trl.kernels.ChunkedLogProbFunction from 1.15
+}, missing="fastppo.integrations.trl.patch() needs TRL: pip install trl")
 
 
-class _Patch:
-    """What ``patch()`` returns: also a context manager that unpatches on exit."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        unpatch()
-
-
-def patch() -> _Patch:
-    """Make the installed TRL call fastppo: every ``trl`` module holding one of TRL's helpers by
-    name (``trl.trainer.utils`` and the trainers that imported from it) gets the replacement."""
-    try:
-        utils = importlib.import_module(_UTILS)
-    except ImportError as error:
-        raise ImportError("fastppo.integrations.trl.patch() needs TRL: pip install trl") from error
-    if _patched:
-        return _Patch()
-    for name, replacement in _REPLACEMENTS.items():
-        original = getattr(utils, name, None)
-        if original is None:
-            continue  # an older TRL without this helper
-        _originals[name.lstrip("_")] = original
-        for module in list(sys.modules.values()):
-            if getattr(module, "__name__", "").startswith("trl") and getattr(module, name, None) is original:
-                setattr(module, name, replacement)
-                _patched.append((module, name, original))
-    return _Patch()
+def patch() -> Patch:
+    """Make the installed TRL call fastppo: every ``trl`` module holding one of TRL's helpers
+    (``trl.trainer.utils``, ``trl.kernels`` and the trainers that imported from them) gets the
+    replacement. Returns a context manager that unpatches on exit."""
+    _PATCH.install(TRL)
+    return _PATCH
 
 
 def unpatch() -> None:
-    """Restore every TRL function ``patch()`` replaced."""
-    while _patched:
-        module, name, original = _patched.pop()
-        setattr(module, name, original)
-    _originals.clear()
+    """Restore TRL's functions in every ``trl`` module, including those imported while patched."""
+    _PATCH.remove()

@@ -1,15 +1,27 @@
-"""fastppo.integrations.trl against the installed TRL: same values and gradients, and patching."""
+"""fastppo.integrations.trl against the installed TRL: same values and gradients, and patching.
+
+Each test calls TRL the way the installed version's own code does (CI runs this file with the
+newest TRL and again with TRL 1.9); what an older TRL lacks is computed from its own pieces.
+"""
+
+import importlib.util
+import sys
 
 import pytest
 import torch
 
 trl_utils = pytest.importorskip("trl.trainer.utils")
-trl_kernels = pytest.importorskip("trl.kernels")
 
 import fastppo.integrations.trl as integration  # noqa: E402
 from tests.oracles import relative_error  # noqa: E402
 
+TRL = integration.TRL
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}  # TRL's CPU path runs bf16 in bf16
+
+
+def test_the_installed_trl_is_followed_and_supported():
+    assert TRL.installed() is not None and TRL.version == min(TRL.installed(), TRL.newest)
+    assert TRL.oldest <= TRL.check_supported() <= TRL.newest
 
 
 def inputs(dtype, B=3, T=5, V=41):
@@ -17,6 +29,30 @@ def inputs(dtype, B=3, T=5, V=41):
     index = torch.randint(0, V, (B, T))
     row_mask = torch.rand(B, T) > 0.3
     return logits, index, row_mask
+
+
+def trl_selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
+    """TRL's own selective_log_softmax; before 1.14 (no temperature or row_mask) as its callers did it."""
+    if TRL.at_least("1.14"):
+        return trl_utils.selective_log_softmax(logits, index, temperature=temperature, row_mask=row_mask)
+    logp = trl_utils.selective_log_softmax(logits / temperature, index)
+    return logp if row_mask is None else logp.masked_fill(row_mask == 0, 0.0)
+
+
+def trl_head():
+    """TRL's chunked LM-head function, under the name the installed version defines it."""
+    if TRL.at_least("1.15"):
+        return importlib.import_module("trl.kernels").ChunkedLogProbFunction
+    return trl_utils._ChunkedLogProbFunction
+
+
+def head_arguments(hidden, weight, targets, temperature, chunk_size, outputs):
+    """The positional arguments the installed TRL passes its chunked LM head."""
+    if TRL.at_least("1.15"):
+        return hidden, weight, None, targets, temperature, chunk_size, None, 1.0, outputs
+    if TRL.at_least("1.13"):
+        return hidden, weight, None, targets, temperature, chunk_size, None, 1.0
+    return hidden, weight, targets, temperature, chunk_size, None, 1.0
 
 
 def check_same(ours, theirs, leaf, dtype):
@@ -36,8 +72,9 @@ def test_selective_log_softmax(dtype, temperature):
     logits, index, row_mask = inputs(dtype)
     for mask in (None, row_mask):
         ours = integration.selective_log_softmax(logits, index, temperature=temperature, row_mask=mask)
-        theirs = trl_utils.selective_log_softmax(logits, index, temperature=temperature, row_mask=mask)
-        check_same(ours, theirs, logits, dtype)
+        check_same(ours, trl_selective_log_softmax(logits, index, temperature, mask), logits, dtype)
+    check_same(integration.selective_log_softmax(logits, index),  # the two-argument call of every version
+               trl_utils.selective_log_softmax(logits, index), logits, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -46,6 +83,7 @@ def test_entropy_from_logits(dtype):
     check_same(integration.entropy_from_logits(logits), trl_utils.entropy_from_logits(logits), logits, dtype)
 
 
+@pytest.mark.skipif(not TRL.at_least("1.14"), reason="selective_log_softmax_and_entropy is new in TRL 1.14")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_selective_log_softmax_and_entropy(dtype):
     logits, index, row_mask = inputs(dtype)
@@ -57,11 +95,13 @@ def test_selective_log_softmax_and_entropy(dtype):
     assert not entropy.requires_grad
 
 
-def test_uncovered_cases_go_to_trl():
+@pytest.mark.parametrize("temperature,row_mask", [(1.0, False), (0.5, True)])
+def test_uncovered_cases_go_to_trl(temperature, row_mask):
     logits = torch.randn(2, 3, 11, dtype=torch.float64)
     index = torch.randint(0, 11, (2, 3, 2))  # two indices per row
-    torch.testing.assert_close(integration.selective_log_softmax(logits, index),
-                               trl_utils.selective_log_softmax(logits, index))
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]]).unsqueeze(-1) if row_mask else None
+    torch.testing.assert_close(integration.selective_log_softmax(logits, index, temperature, mask),
+                               trl_selective_log_softmax(logits, index, temperature, mask))
     with pytest.raises(ValueError, match="temperature must be positive"):
         integration.selective_log_softmax(logits, index[..., 0], temperature=0.0)
 
@@ -71,9 +111,10 @@ def test_fused_linear_log_prob_matches_trl_chunked_function():
     hidden = torch.randn(N, H, requires_grad=True)
     weight = (torch.randn(V, H) / 2).requires_grad_()
     targets = torch.randint(0, V, (N,))
-    outputs = ("log_probs", "entropy")
-    ours = integration.FusedLinearLogProb.apply(hidden, weight, None, targets, 0.9, 16, None, 1.0, outputs)
-    theirs = trl_kernels.ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.9, 16, None, 1.0, outputs)
+    args = head_arguments(hidden, weight, targets, 0.9, 16, ("log_probs", "entropy"))
+    ours = integration.FusedLinearLogProb.apply(*args)
+    theirs = trl_head().apply(*args)
+    assert len(ours) == len(theirs) == (5 if TRL.at_least("1.15") else 2)
     assert all(x is None for x in ours[2:]) and all(x is None for x in theirs[2:])
     for a, b in zip(ours[:2], theirs[:2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -84,22 +125,62 @@ def test_fused_linear_log_prob_matches_trl_chunked_function():
         assert relative_error(g_ours, g_theirs) <= 1e-5
 
 
+@pytest.mark.skipif(not TRL.at_least("1.15"), reason="the LM head's extra outputs are new in TRL 1.15")
+def test_extra_head_outputs_go_to_trl():
+    N, H, V = 9, 8, 19
+    hidden, weight, targets = torch.randn(N, H), torch.randn(V, H), torch.randint(0, V, (N,))
+    args = head_arguments(hidden, weight, targets, 1.0, 8, ("entropy", "is_top1", "mean_logits"))
+    for a, b in zip(integration.FusedLinearLogProb.apply(*args), trl_head().apply(*args)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+def names_patched():
+    """The helpers the installed TRL has, as fastppo patches them."""
+    return {name: drop_in for (module, name), drop_in in integration._PATCH.replacements.items()
+            if hasattr(trl_utils, name)}
+
+
 def test_patch_routes_trl_through_fastppo_and_unpatch_restores(monkeypatch):
-    originals = {name: getattr(trl_utils, name) for name in integration._REPLACEMENTS}
+    originals = {name: getattr(trl_utils, name) for name in names_patched()}
     calls = []
     real = integration.token_logprobs
     monkeypatch.setattr(integration, "token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     logits, index, _ = inputs(torch.float32)
     with integration.patch():
-        for name, replacement in integration._REPLACEMENTS.items():
+        for name, replacement in names_patched().items():
             assert getattr(trl_utils, name) is replacement
         trl_utils.selective_log_softmax(logits, index)  # called the way TRL's code calls it
-        trl_utils.selective_log_softmax_and_entropy(logits, index)
+        trl_utils.entropy_from_logits(logits)
         assert len(calls) == 2
     for name, original in originals.items():
         assert getattr(trl_utils, name) is original
     trl_utils.selective_log_softmax(logits, index)
     assert len(calls) == 2  # TRL's own again
+
+
+def test_unpatch_restores_modules_imported_while_patched():
+    source = "from trl.trainer.utils import selective_log_softmax, entropy_from_logits\n"
+    spec = importlib.util.spec_from_loader("trl.fastppo_probe", loader=None)
+    probe = importlib.util.module_from_spec(spec)
+    original = trl_utils.selective_log_softmax
+    try:
+        with integration.patch():
+            exec(source, probe.__dict__)  # what a trainer module imported now does
+            sys.modules["trl.fastppo_probe"] = probe
+            assert probe.selective_log_softmax is integration.selective_log_softmax
+        assert probe.selective_log_softmax is original
+        assert probe.entropy_from_logits is trl_utils.entropy_from_logits is not integration.entropy_from_logits
+    finally:
+        sys.modules.pop("trl.fastppo_probe", None)
+
+
+def test_patch_refuses_a_trl_older_than_supported(monkeypatch):
+    monkeypatch.setattr(TRL, "installed", lambda: (1, 8, 0))
+    with pytest.raises(ValueError, match=r"trl 1.8.0 is older than fastppo's drop-ins support \(1.9.0 to 1.16.0\)"):
+        integration.patch()
+    assert not integration._PATCH.active
 
 
 def test_patch_without_trl_is_a_clear_import_error(monkeypatch):
@@ -133,10 +214,11 @@ def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
                                          pad_token_id=0, eos_token_id=1, bos_token_id=None))
     prompts = datasets.Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j"] * 2})
 
-    calls = []
-    real = integration.FusedLinearLogProb.apply
+    calls = []  # GRPO scores completions through the fused head from TRL 1.15, through selective_log_softmax before
+    real_head, real_logprobs = integration.FusedLinearLogProb.apply, integration.token_logprobs
     monkeypatch.setattr(integration.FusedLinearLogProb, "apply",
-                        staticmethod(lambda *a, **k: calls.append(1) or real(*a, **k)))
+                        staticmethod(lambda *a, **k: calls.append("head") or real_head(*a, **k)))
+    monkeypatch.setattr(integration, "token_logprobs", lambda *a, **k: calls.append("logits") or real_logprobs(*a, **k))
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
                       save_strategy="no", learning_rate=1e-3)
@@ -144,6 +226,6 @@ def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
         trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(c.count("a")) for c in completions],
                               args=args, train_dataset=prompts, processing_class=tokenizer)
         trainer.train()
-    assert calls, "GRPO did not score completions through fastppo"
+    assert ("head" if TRL.at_least("1.15") else "logits") in calls, "GRPO did not score completions through fastppo"
     grad_norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
     assert len(grad_norms) == 2 and all(torch.isfinite(torch.tensor(g)) for g in grad_norms) and max(grad_norms) > 0

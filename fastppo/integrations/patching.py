@@ -1,0 +1,84 @@
+"""``patch()`` and ``unpatch()`` for a peer package: fastppo's drop-ins swapped in by identity.
+
+A trainer reaches a helper through many names: the module that defines it, every module that
+did ``from ... import helper``, and registries (verl looks its policy losses and advantage
+estimators up in module-level dicts). Patching by identity covers them all: every attribute, and
+every value of a module-level dict, of every imported module of the package that *is* the
+original becomes the replacement. Unpatching walks the package's modules again, so modules
+imported while patched (they copied the replacement) are restored too. Modules outside the
+package are never touched: a user's own ``from fastppo.integrations.trl import ...`` stays.
+"""
+
+import importlib
+import sys
+from types import ModuleType
+
+
+class Patch:
+    """Replacements ``{(module, name): drop_in}`` for the modules of ``package``."""
+
+    def __init__(self, package: str, replacements: dict, missing: str):
+        self.package = package
+        self.replacements = replacements
+        self.missing = missing  # the ImportError's message when the package is not installed
+        self._swapped = []  # (original, drop-in) pairs while patched
+
+    @property
+    def active(self) -> bool:
+        return bool(self._swapped)
+
+    def original(self, module: str, name: str):
+        """The peer's own object for ``module.name``, patched or not."""
+        current = getattr(importlib.import_module(module), name)
+        for original, drop_in in self._swapped:
+            if current is drop_in:
+                return original
+        return current
+
+    def install(self, peer) -> "Patch":
+        """Swap the drop-ins in, once the installed ``peer`` (a ``peers.Peer``) is supported."""
+        if self.active:
+            return self
+        try:
+            importlib.import_module(self.package)
+        except ImportError as error:
+            raise ImportError(self.missing) from error
+        peer.check_supported()
+        pairs = []
+        for (module, name), drop_in in self.replacements.items():
+            try:
+                original = getattr(importlib.import_module(module), name, None)
+            except ImportError:
+                continue  # a module this version of the package does not have
+            if original is not None and original is not drop_in:
+                pairs.append((original, drop_in))
+        self._swapped = pairs
+        self._swap({id(original): drop_in for original, drop_in in pairs})
+        return self
+
+    def remove(self) -> None:
+        self._swap({id(drop_in): original for original, drop_in in self._swapped})
+        self._swapped = []
+
+    def _swap(self, mapping: dict) -> None:
+        for module in self._modules():
+            for attribute, value in list(vars(module).items()):
+                if attribute.startswith("__"):
+                    continue
+                if id(value) in mapping:
+                    setattr(module, attribute, mapping[id(value)])
+                elif type(value) is dict:  # a registry
+                    for key, entry in list(value.items()):
+                        if id(entry) in mapping:
+                            value[key] = mapping[id(entry)]
+
+    def _modules(self) -> list:
+        prefix = self.package + "."
+        return [module for name, module in list(sys.modules.items())
+                if isinstance(module, ModuleType) and (name == self.package or name.startswith(prefix))]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
