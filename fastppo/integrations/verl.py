@@ -199,7 +199,7 @@ def _aggregation(mask: Tensor, mode: str, dp_size=1, batch_num_tokens=None, glob
         if any(x is not None for x in (batch_num_tokens, global_batch_size, loss_scale_factor)) or dp_size != 1:
             raise TypeError("verl 0.6's agg_loss takes no global-batch arguments")
         if mode == "seq-mean-token-mean":  # the mean over every row of each row's mean: NaN if a row is empty
-            return mode, rows.sum() / B, nan_unless(rows.all())
+            return mode, 1.0, nan_unless(rows.all())
         if mode == "seq-mean-token-sum-norm":
             return "seq-mean-token-sum", B / T, 0.0
         return mode, 1.0, 0.0
