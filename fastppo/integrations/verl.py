@@ -5,13 +5,13 @@ Supported: verl 0.6 to main (0.8.0.dev, January 2026), following the installed v
 (``logprobs_from_logits``, ``entropy_from_logits``, ``entropy_from_logits_with_chunking``,
 ``masked_sum``, ``masked_mean``, ``masked_whiten``) and ``verl.trainer.ppo.core_algos``
 (``compute_gae_advantage_return``, the GRPO, RLOO and REINFORCE++ outcome advantages,
-``kl_penalty``, ``agg_loss``, ``compute_policy_loss_vanilla``, the older
-``compute_policy_loss``, ``compute_value_loss``). ``patch()`` swaps them into the installed
+``kl_penalty``, ``agg_loss``, ``compute_policy_loss_vanilla``, ``compute_policy_loss_gspo``,
+the older ``compute_policy_loss``, ``compute_value_loss``). ``patch()`` swaps them into the installed
 verl, registries included. Importing this module does not import verl.
 
 What changed in 0.7 (and holds on main), followed by version:
 
-* ``compute_policy_loss_vanilla`` returns ``(pg_loss, metrics)``, the metrics a dict of floats
+* ``compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo`` return ``(pg_loss, metrics)``, the metrics a dict of floats
   (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``); 0.6 returned
   ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``. Both take ``rollout_is_weights``.
 * ``agg_loss`` takes ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and
@@ -258,6 +258,37 @@ def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantag
                      "actor/pg_clipfrac_lower": clipfrac_lower.item()}
 
 
+def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                             loss_agg_mode: str = "seq-mean-token-mean", config=None, rollout_is_weights=None) -> tuple:
+    """verl's GSPO loss (one importance ratio per sequence, its gradient through each token),
+    returned as ``compute_policy_loss_vanilla`` returns; always aggregated seq-mean-token-mean.
+
+    Plain PyTorch over ``(B, T)`` log-probs, as :func:`fastppo.sequence_ppo_loss` is (a
+    cross-token reduction); unlike that op it takes verl's per-token advantages and weights.
+    """
+    clip = _option(config, "clip_ratio", 0.2)
+    low, high = _option(config, "clip_ratio_low", clip), _option(config, "clip_ratio_high", clip)
+    valid = response_mask.bool()
+    log_prob32 = log_prob.float()
+    log_ratio = torch.where(valid, log_prob32 - old_log_prob.detach().float(), 0.0)  # (B, T)
+    sequence = log_ratio.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)  # (B,): the geometric mean's log
+    # s_{i,t} = sg[s_i] * p_t / sg[p_t]: the value of s_i, the gradient of one token's log-prob
+    ratio = torch.exp((log_prob32 - log_prob32.detach() + sequence.detach().unsqueeze(-1)).clamp(max=10.0))
+    advantages = advantages.detach().float()
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - low, 1 + high)
+    losses = torch.maximum(unclipped, clipped)
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights.detach()
+    batch_info = dict(_option(config, "global_batch_info", {})) if VERL.at_least("0.7") else {}
+    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **batch_info)
+    clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+    ppo_kl = masked_mean(-log_ratio.detach(), response_mask)
+    if not VERL.at_least("0.7"):
+        return pg_loss, clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
+    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
+                     "actor/pg_clipfrac_lower": 0.0}
+
+
 def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                         cliprange=None, cliprange_low=None, cliprange_high=None, clip_ratio_c: float = 3.0,
                         loss_agg_mode: str = "token-mean") -> tuple:
@@ -284,8 +315,8 @@ _PATCH = Patch("verl", {
                                              masked_whiten)},
     **{(_CORE, f.__name__): f for f in (compute_gae_advantage_return, compute_grpo_outcome_advantage,
                                        compute_rloo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
-                                       kl_penalty, agg_loss, compute_policy_loss_vanilla, compute_policy_loss,
-                                       compute_value_loss)},
+                                       kl_penalty, agg_loss, compute_policy_loss_vanilla, compute_policy_loss_gspo,
+                                       compute_policy_loss, compute_value_loss)},
 }, missing="fastppo.integrations.verl.patch() needs verl: pip install verl")
 
 

@@ -175,6 +175,49 @@ def test_vanilla_policy_loss(version, mode, weighted):
     assert expected[3] > 0  # dual clipping was exercised
 
 
+def ref_gspo(old, new, adv, mask, version, weights=None, low=0.2, high=0.28, **info):
+    """verl's GSPO as written: the sequence ratio's value, each token's own gradient."""
+    lr = new - old
+    seq = (lr * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    log_ratio = (new - new.detach() + seq.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = torch.exp(log_ratio)
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+    losses = torch.maximum(pg1, pg2)
+    if weights is not None:
+        losses = losses * weights
+    loss = ref_agg(losses, mask, "seq-mean-token-mean", version, **info)
+    return loss, ref_masked_mean((pg2 > pg1).float(), mask), ref_masked_mean(-lr, mask), torch.zeros(())
+
+
+@pytest.mark.parametrize("version", ["0.6.0", "0.8.0"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gspo_policy_loss(version, weighted):
+    new = (-torch.rand(4, 11) * 3).requires_grad_()
+    old = new.detach() + torch.randn(4, 11) * 0.3
+    old[0] -= 12.0  # a sequence ratio past verl's clamp at e^10: no gradient there
+    adv = torch.randn(4, 1) * torch.ones(4, 11) + torch.randn(4, 11) * 0.1  # near GRPO's constant per row
+    adv[0] = -adv[0].abs() - 0.5  # negative: the unclipped term, with the clamped ratio, wins
+    mask = (torch.rand(4, 11) > 0.3).float()
+    mask[:, 0] = 1
+    mask[3] = 0  # an empty row
+    weights = torch.rand(4, 11) + 0.5 if weighted else None
+    info = batch_info(version, full=False)
+    config = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "global_batch_info": info}
+    with verl.VERL.pinned(version):
+        ours = verl.compute_policy_loss_gspo(old, new, adv, mask, config=config, rollout_is_weights=weights)
+    if version >= "0.7":
+        ours = (ours[0], *map(torch.tensor, ours[1].values()))
+    ref_new = new.detach().double().requires_grad_()
+    expected = ref_gspo(old.double(), ref_new, adv.double(), mask.double(), version,
+                        None if weights is None else weights.double(), **info)
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a.double(), b.detach().double(), rtol=1e-5, atol=1e-6, equal_nan=True)
+    if version >= "0.7":  # verl 0.6 averages over every row, so the empty one makes the loss NaN
+        ours[0].backward()
+        expected[0].backward()
+        assert relative_error(new.grad, ref_new.grad) <= 1e-5 and (new.grad[0] == 0).all()
+
+
 def test_deprecated_compute_policy_loss():
     new, adv = -torch.rand(3, 8) * 3, torch.randn(3, 8)
     old = new + torch.randn(3, 8)
