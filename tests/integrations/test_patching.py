@@ -74,3 +74,21 @@ def test_versions_parse_and_pin(monkeypatch):
     assert peer.version == (0, 11, 0)  # a newer release is followed as the newest supported
     with pytest.warns(UserWarning, match="0.12.0 is newer than fastppo's drop-ins were tested with"):
         assert peer.check_supported() == (0, 11, 0)
+
+
+def test_the_readme_states_each_peers_supported_range():
+    from pathlib import Path
+
+    import fastppo.integrations.openrlhf as openrlhf
+    import fastppo.integrations.trl as trl
+    import fastppo.integrations.verl as verl
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in readme.splitlines()
+            if line.startswith("| ") and line.count("|") == 4}
+    for name, peer in (("TRL", trl.TRL), ("verl", verl.VERL), ("OpenRLHF", openrlhf.OPENRLHF)):
+        for version in (peer.oldest, peer.newest):
+            assert ".".join(map(str, version[:2])) in rows[name], (name, version)
+    assert "for trl in 1.9.0 1.13.0 1.14.0; do" in (root / ".ci" / "run").read_text()  # the TRLs CI tests
+    assert "under 1.9, 1.13 and 1.14" in readme
