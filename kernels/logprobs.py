@@ -10,7 +10,11 @@ Two kernels, both one pass over the logits:
 
   Then ``lse = m + log s`` and ``entropy = log s - w / s``. Accumulating ``w`` relative to the
   running max (instead of ``sum p * z``) keeps the entropy free of the cancellation that
-  ``lse - sum p z`` suffers when logits are large.
+  ``lse - sum p z`` suffers when logits are large. With ``HAS_STATS`` the same pass also
+  carries ``q = sum exp(2 (z - m))``, ``sum z`` and the largest ``z`` before the label, for
+  three statistics of the head that SFT and preference trainers log (``stats`` ``(N, 3)``):
+  ``log sum p^2 = log q - 2 log s``, the mean of ``z``, and whether the label is the first
+  argmax (1.0 or 0.0).
 
 * ``_logprobs_bwd_kernel`` reads each row once more and writes the gradient with respect to the
   logits, for upstream gradients ``g_lp`` (of the log-prob) and ``g_ent`` (of the entropy):
@@ -52,18 +56,22 @@ def _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP: tl.constexp
 def _logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, stride_v,
     labels_ptr, temp_ptr, inv_temp,
-    logp_ptr, ent_ptr, lse_ptr,
+    logp_ptr, ent_ptr, lse_ptr, stats_ptr,
     N, T, V, ignore_index,
-    HAS_TEMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_TEMP: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
     base = _row_offsets(rows, T, stride_b, stride_t)  # (BLOCK_N,)
     scale = _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP)  # (BLOCK_N,)
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
     w = tl.zeros((BLOCK_N,), tl.float32)
+    q = tl.zeros((BLOCK_N,), tl.float32)
+    z_sum = tl.zeros((BLOCK_N,), tl.float32)
+    before = tl.full((BLOCK_N,), float("-inf"), tl.float32)  # the largest z left of the label
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         ok = row_ok[:, None] & (cols < V)[None, :]
@@ -78,6 +86,11 @@ def _logprobs_fwd_kernel(
         e = tl.exp(d)
         w = decay * (w + shift * s) + tl.sum(tl.where(z == float("-inf"), 0.0, e * d), axis=1)
         s = decay * s + tl.sum(e, axis=1)
+        if HAS_STATS:
+            q = decay * decay * q + tl.sum(e * e, axis=1)
+            z_sum += tl.sum(tl.where(ok, z, 0.0), axis=1)
+            left = cols[None, :] < labels[:, None]
+            before = tl.maximum(before, tl.max(tl.where(left, z, float("-inf")), axis=1))
         m = m_new
 
     ref = tl.where(m == float("-inf"), 0.0, m)
@@ -85,7 +98,6 @@ def _logprobs_fwd_kernel(
     lse = ref + log_s
     entropy = log_s - w / s
 
-    labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     in_range = (labels >= 0) & (labels < V)
     ignored = labels == ignore_index
     z_label = tl.load(logits_ptr + base + tl.where(in_range, labels, 0) * stride_v,
@@ -94,6 +106,11 @@ def _logprobs_fwd_kernel(
     tl.store(logp_ptr + rows, tl.where(ignored, 0.0, logp), mask=row_ok)
     tl.store(ent_ptr + rows, tl.where(ignored, 0.0, entropy), mask=row_ok)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if HAS_STATS:
+        top1 = in_range & (z_label >= m) & (z_label > before)
+        tl.store(stats_ptr + rows * 3, tl.where(ignored, 0.0, tl.log(q) - 2.0 * log_s), mask=row_ok)
+        tl.store(stats_ptr + rows * 3 + 1, tl.where(ignored, 0.0, z_sum / V), mask=row_ok)
+        tl.store(stats_ptr + rows * 3 + 2, tl.where(ignored | ~top1, 0.0, 1.0), mask=row_ok)
 
 
 @triton.jit
@@ -170,8 +187,9 @@ def _launch(logits, temperature, inv_temperature, block_v):
 
 
 def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
-                     logp, entropy, lse, *, block_v=None):
-    """Fill ``logp``, ``entropy``, ``lse`` (fp32, ``(N,)``) from ``logits`` ``(B, T, V)``.
+                     logp, entropy, lse, stats=None, *, block_v=None):
+    """Fill ``logp``, ``entropy``, ``lse`` (fp32, ``(N,)``) from ``logits`` ``(B, T, V)``, and
+    ``stats`` (fp32 ``(N, 3)``, contiguous) when given: log sum p^2, mean z, label is top-1.
 
     ``labels`` is ``(N,)`` integer with N = B * T; ``temperature`` is ``(N,)`` or None, in which
     case the scalar ``inv_temperature`` (1 / temperature) applies to every row.
@@ -183,9 +201,9 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
     _logprobs_fwd_kernel[grid](
         logits, *logits.stride(),
         labels, *temperature_args,
-        logp, entropy, lse,
+        logp, entropy, lse, stats,
         *sizes, ignore_index,
-        **switches,
+        HAS_STATS=stats is not None, **switches,
     )
 
 

@@ -12,16 +12,18 @@ installed TRL (see ``fastppo.integrations.peers``; without TRL, the newest), who
   (``trl.trainer.utils._ChunkedLogProbFunction``, ``trl.kernels.ChunkedLogProbFunction`` from
   1.15) was called ``(hidden, weight, targets, temperature, chunk_size, softcap, logit_scale)``
   returning ``(log_probs, entropy)`` up to 1.12; 1.13 and 1.14 added ``bias`` after ``weight``;
-  1.15 added ``outputs`` and returns five per-token tensors, those not asked for None. Before
-  1.13 its backward ignored the entropy's gradient, so there the entropy comes back detached.
+  1.15 added ``outputs`` and returns five per-token tensors, those not asked for None: the
+  log-probs, the entropy and three detached statistics (``log_sum_sq_probs``, ``mean_logits``,
+  ``is_top1``, asked for by SFT, DPO and KTO), all from fastppo's one pass over each chunk.
+  Before 1.13 its backward ignored the entropy's gradient, so there the entropy comes back
+  detached.
   :class:`FusedLinearLogProb` reads the arguments as the followed version passes them.
 
 They compute in fp32 with fastppo's kernels, so in bf16 they are more accurate than TRL's CPU
 path, which runs the log-softmax in bf16. What fastppo does not cover goes to TRL's own code with
 the arguments as given: float64 logits, several indices per row, logit soft-capping or scaling,
-the LM head's extra outputs (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, asked for by
-SFT, DPO and KTO), and, on TRL before 1.14, a temperature other than 1 or a ``row_mask``
-(that TRL has no such arguments, so fastppo computes those itself). TRL's distillation head
+and, on TRL before 1.14, a temperature other than 1 or a ``row_mask`` (that TRL has no such
+arguments, so fastppo computes those itself). TRL's distillation head
 (``ChunkedDivergenceFunction``) is not replaced. Importing this module does not import TRL;
 ``patch()`` does, and raises ImportError without it.
 """
@@ -40,6 +42,7 @@ from .peers import Peer
 TRL = Peer("trl", oldest="1.9.0", newest="1.16.0")
 _IGNORE = -100
 _UTILS = "trl.trainer.utils"
+_HEAD_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # TRL >= 1.15's extra outputs, in its order
 _HEAD_DEFAULTS = dict(final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",))
 
 
@@ -134,7 +137,7 @@ class FusedLinearLogProb:
         a = {"bias": None, **_HEAD_DEFAULTS, **_HEAD_SIGNATURES[generation].bind(*args, **kwargs).arguments}
         hidden, weight, bias, outputs = a["hidden"], a["weight"], a["bias"], a["outputs"]
         if a["final_logit_softcapping"] is not None or a["logit_scale"] != 1.0 \
-                or not set(outputs) <= {"log_probs", "entropy"} \
+                or not set(outputs) <= {"log_probs", "entropy", *_HEAD_STATS} \
                 or hidden.dtype != weight.dtype or hidden.dtype not in FLOAT_DTYPES:
             return _trl("ChunkedLogProbFunction").apply(*args, **kwargs)
         if torch.is_autocast_enabled(hidden.device.type):  # TRL projects in the autocast dtype
@@ -142,13 +145,15 @@ class FusedLinearLogProb:
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy = linear_token_logprobs(hidden, weight, a["targets"], bias=bias,
-                                                  temperature=a["temperature"], return_entropy=True)
+            logp, entropy, stats = linear_token_logprobs(hidden, weight, a["targets"], bias=bias,
+                                                         temperature=a["temperature"], return_entropy=True,
+                                                         return_stats=True)
         if generation == "1.9":
             return logp, entropy.detach()
         if generation == "1.13":
             return logp, entropy
-        return logp, entropy if "entropy" in outputs else None, None, None, None
+        return (logp, entropy if "entropy" in outputs else None,
+                *(stats[name] if name in outputs else None for name in _HEAD_STATS))
 
 
 _PATCH = Patch("trl", {

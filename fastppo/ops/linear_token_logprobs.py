@@ -110,10 +110,12 @@ def row_slice(x: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
 @torch.library.custom_op("fastppo::linear_token_logprobs", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
              temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
-             chunk_size: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    # hidden: (N, H); weight: (V, H); bias: (V,); labels, temperature: (N,) -> 3 x (N,) fp32
+             chunk_size: int, backend: str, with_stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # hidden: (N, H); weight: (V, H); bias: (V,); labels, temperature: (N,)
+    # -> logp, entropy, lse (N,) fp32, and the head statistics (N, 3) fp32, (0, 3) without them
     N = hidden.shape[0]
     logp, entropy, lse = (torch.empty(N, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    stats = torch.empty(N if with_stats else 0, 3, dtype=torch.float32, device=hidden.device)
     kernels = implementation(backend, "logprobs")
     w = matmul_weight(weight)
     for r0 in range(0, N, chunk_size):
@@ -121,13 +123,15 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
         logits = chunk_logits(hidden[r0:r1], w, bias)  # (n, V) fp32
         kernels.logprobs_forward(logits.unsqueeze(0), labels[r0:r1], row_slice(temperature, r0, r1),
                                  inv_temperature, ignore_index,
-                                 logp[r0:r1], entropy[r0:r1], lse[r0:r1])
-    return logp, entropy, lse
+                                 logp[r0:r1], entropy[r0:r1], lse[r0:r1], stats[r0:r1] if with_stats else None)
+    return logp, entropy, lse, stats
 
 
 @_forward.register_fake
-def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend):
-    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend, with_stats):
+    N = hidden.shape[0]
+    return (*(hidden.new_empty(N, dtype=torch.float32) for _ in range(3)),
+            hidden.new_empty(N if with_stats else 0, 3, dtype=torch.float32))
 
 
 @torch.library.custom_op("fastppo::linear_token_logprobs_backward", mutates_args=())
@@ -157,21 +161,23 @@ def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, 
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, labels, temperature, *args = inputs
-    _, entropy, lse = output
+    (hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend,
+     _with_stats) = inputs
+    _, entropy, lse, stats = output
     ctx.save_for_backward(hidden, weight, bias, labels, temperature, lse, entropy)
-    ctx.args = args  # inv_temperature, ignore_index, chunk_size, backend
+    ctx.args = (inv_temperature, ignore_index, chunk_size, backend)
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
 
 
-def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_stats):
     hidden, weight, bias, labels, temperature, lse, entropy = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     grad_hidden, grad_weight, grad_bias = _backward(
         hidden, weight, bias, labels, temperature, *ctx.args, lse, entropy,
         *upstream_grads(grad_logp, grad_entropy, lse), need_hidden, need_weight, need_bias)
     return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
-            grad_bias if need_bias else None, None, None, None, None, None, None)
+            grad_bias if need_bias else None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
@@ -179,7 +185,7 @@ torch.library.register_autograd(_forward, _autograd_backward, setup_context=_set
 
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                           temperature=1.0, ignore_index: int = -100, return_entropy: bool = False,
-                          chunk_size: Optional[int] = None, backend: str = "auto"):
+                          return_stats: bool = False, chunk_size: Optional[int] = None, backend: str = "auto"):
     """``token_logprobs(hidden @ weight.T + bias, labels, ...)`` without materialising the logits.
 
     Args:
@@ -190,17 +196,27 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bia
         chunk_size: rows per chunk; peak extra memory is about ``chunk_size x V`` fp32 values.
             Default: the largest power of two that keeps a chunk under 256 MiB.
         temperature, ignore_index, return_entropy, backend: as in :func:`token_logprobs`.
+        return_stats: also return, from the same pass, a dict of detached statistics of the
+            tempered logits ``z``: ``log_sum_sq_probs`` (log of sum p^2, fp32), ``mean_logits``
+            (the mean of z over the vocabulary, fp32) and ``is_top1`` (bool: the label is the
+            first argmax). Ignored rows give 0 and False.
 
     Returns:
-        ``logp`` ``(...)`` fp32, or ``(logp, entropy)``; differentiable with respect to
-        ``hidden``, ``weight`` and ``bias`` (gradients in their own dtypes, accumulated in fp32).
+        ``logp`` ``(...)`` fp32, then ``entropy`` if asked, then the statistics if asked (a
+        tuple when more than ``logp``); ``logp`` and ``entropy`` are differentiable with
+        respect to ``hidden``, ``weight`` and ``bias`` (gradients in their own dtypes,
+        accumulated in fp32).
     """
     args = LinearArgs.check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend)
-    logp, entropy, _ = _forward(args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature,
-                                ignore_index, args.chunk_size, args.backend)
-    if return_entropy:
-        return logp.view(args.lead), entropy.view(args.lead)
-    return logp.view(args.lead)
+    logp, entropy, _, stats = _forward(args.hidden, weight, bias, args.labels, args.temperature,
+                                       args.inv_temperature, ignore_index, args.chunk_size, args.backend,
+                                       return_stats)
+    results = (logp.view(args.lead),) + (entropy.view(args.lead),) * return_entropy
+    if return_stats:
+        log_sum_sq, mean, top1 = stats.unbind(dim=1)  # (N,) each
+        results += ({"log_sum_sq_probs": log_sum_sq.view(args.lead), "mean_logits": mean.view(args.lead),
+                     "is_top1": (top1 != 0).view(args.lead)},)
+    return results if len(results) > 1 else results[0]
 
 
 @dataclass

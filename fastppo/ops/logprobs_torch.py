@@ -43,12 +43,16 @@ def _label_masks(labels, V, ignore_index):
 
 
 def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
-                     logp, entropy, lse):
-    """Fill ``logp``, ``entropy``, ``lse`` ``(N,)`` fp32 from ``logits`` ``(B, T, V)``."""
+                     logp, entropy, lse, stats=None):
+    """Fill ``logp``, ``entropy``, ``lse`` ``(N,)`` fp32 from ``logits`` ``(B, T, V)``, and
+    ``stats`` ``(N, 3)`` when given: log sum p^2, mean z, and 1.0 where the label is the first argmax."""
     B, T, V = logits.shape
     for box in _row_chunks(B, T, V):
         z, r0, r1, _ = _chunk(logits, temperature, inv_temperature, *box)  # (n, V)
         in_range, ignored, safe = _label_masks(labels[r0:r1], V, ignore_index)
+        if stats is not None:
+            mean_z = z.sum(dim=1) / V  # (n,), before z becomes log p
+            top1 = (z.argmax(dim=1) == safe) & in_range  # argmax: the first of equal maxima
         row_lse = torch.logsumexp(z, dim=1)  # (n,)
         log_p = z.sub_(row_lse.unsqueeze(1))  # z is a fresh fp32 tensor: reuse its storage
         p = log_p.exp()
@@ -59,6 +63,9 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
         logp[r0:r1] = row_logp.masked_fill(ignored, 0.0)
         entropy[r0:r1] = row_ent.masked_fill(ignored, 0.0)
         lse[r0:r1] = row_lse
+        if stats is not None:
+            row_stats = torch.stack([torch.logsumexp(2.0 * log_p, dim=1), mean_z, top1.float()], dim=1)  # (n, 3)
+            stats[r0:r1] = row_stats.masked_fill(ignored.unsqueeze(1), 0.0)
 
 
 def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,

@@ -126,14 +126,24 @@ def test_fused_linear_log_prob_matches_trl_chunked_function():
 
 
 @pytest.mark.skipif(not TRL.at_least("1.15"), reason="the LM head's extra outputs are new in TRL 1.15")
-def test_extra_head_outputs_go_to_trl():
-    N, H, V = 9, 8, 19
+@pytest.mark.parametrize("outputs", [("entropy", "is_top1", "mean_logits"), ("log_sum_sq_probs",),
+                                     ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")])
+def test_extra_head_outputs_from_fastppo(monkeypatch, outputs):
+    """SFT, DPO and KTO ask the head for these; fastppo computes them in its own pass."""
+    monkeypatch.setattr(integration, "_trl", lambda name: pytest.fail(f"fell back to TRL's {name}"))
+    N, H, V = 29, 8, 37
     hidden, weight, targets = torch.randn(N, H), torch.randn(V, H), torch.randint(0, V, (N,))
-    args = head_arguments(hidden, weight, targets, 1.0, 8, ("entropy", "is_top1", "mean_logits"))
-    for a, b in zip(integration.FusedLinearLogProb.apply(*args), trl_head().apply(*args)):
+    targets[:3] = (hidden[:3] @ weight.T).argmax(dim=-1)  # some labels are the top-1 token
+    args = head_arguments(hidden, weight, targets, 0.8, 8, outputs)
+    ours, theirs = integration.FusedLinearLogProb.apply(*args), trl_head().apply(*args)
+    assert len(ours) == len(theirs) == 5
+    for a, b in zip(ours, theirs):
         assert (a is None) == (b is None)
         if a is not None:
-            torch.testing.assert_close(a, b)
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if "is_top1" in outputs:
+        assert ours[4][:3].all()
 
 
 def names_patched():
@@ -198,11 +208,9 @@ def test_patch_without_trl_is_a_clear_import_error(monkeypatch):
         integration.patch()
 
 
-def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+def tiny_model_and_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from trl import GRPOConfig, GRPOTrainer
 
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *"abcdefghijklmnopqrstuvwxyz"])}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -212,13 +220,28 @@ def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          pad_token_id=0, eos_token_id=1, bos_token_id=None))
-    prompts = datasets.Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j"] * 2})
+    return model, tokenizer
 
-    calls = []  # GRPO scores completions through the fused head from TRL 1.15, through selective_log_softmax before
+
+def spy_on_fastppo(monkeypatch) -> list:
+    """Record each call into fastppo: ``"head"`` (the LM head, with its outputs) or ``"logits"``."""
+    calls = []
     real_head, real_logprobs = integration.FusedLinearLogProb.apply, integration.token_logprobs
     monkeypatch.setattr(integration.FusedLinearLogProb, "apply",
-                        staticmethod(lambda *a, **k: calls.append("head") or real_head(*a, **k)))
-    monkeypatch.setattr(integration, "token_logprobs", lambda *a, **k: calls.append("logits") or real_logprobs(*a, **k))
+                        staticmethod(lambda *a, **k: calls.append(("head", a[-1] if TRL.at_least("1.15") else ()))
+                                     or real_head(*a, **k)))
+    monkeypatch.setattr(integration, "token_logprobs", lambda *a, **k: calls.append(("logits", ()))
+                        or real_logprobs(*a, **k))
+    return calls
+
+
+def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    prompts = datasets.Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j"] * 2})
+    calls = spy_on_fastppo(monkeypatch)  # GRPO scores through the fused head from TRL 1.15, the logits before
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
                       save_strategy="no", learning_rate=1e-3)
@@ -226,6 +249,26 @@ def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
         trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(c.count("a")) for c in completions],
                               args=args, train_dataset=prompts, processing_class=tokenizer)
         trainer.train()
-    assert ("head" if TRL.at_least("1.15") else "logits") in calls, "GRPO did not score completions through fastppo"
+    kinds = {kind for kind, _ in calls}
+    assert ("head" if TRL.at_least("1.15") else "logits") in kinds, "GRPO did not score completions through fastppo"
     grad_norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
     assert len(grad_norms) == 2 and all(torch.isfinite(torch.tensor(g)) for g in grad_norms) and max(grad_norms) > 0
+
+
+@pytest.mark.skipif(not TRL.at_least("1.15"), reason="SFT scores through the fused LM head from TRL 1.15")
+def test_tiny_sft_run_goes_through_fastppo(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    texts = datasets.Dataset.from_dict({"text": ["a b c d", "e f g", "h i j k l", "m n"] * 2})
+    calls = spy_on_fastppo(monkeypatch)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                     report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, max_length=8)
+    with integration.patch():
+        trainer = SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tokenizer)
+        trainer.train()
+    assert any(kind == "head" and "is_top1" in outputs for kind, outputs in calls), calls
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logs) == 2 and all(0 < row["loss"] < 10 for row in logs)
+    assert all(0 <= row["mean_token_accuracy"] <= 1 for row in logs)  # TRL's metric from fastppo's is_top1

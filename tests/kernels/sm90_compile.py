@@ -41,12 +41,13 @@ def logprob_kernels():
     for V, dtype, has_temp in itertools.product((1, 17, 1000, 151936), ("bf16", "fp32"), (False, True)):
         BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
         tiles = {"stride_v": 1, "HAS_TEMP": has_temp, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-        types = {**rows, "logits_ptr": f"*{dtype}", "logp_ptr": "*fp32"}
-        ptx = build(logprobs._logprobs_fwd_kernel, types, tiles, warps,
-                    aligned=("logits_ptr", "stride_b", "stride_t", "V"))
-        if V >= 1000:
-            # 16-byte loads of the logits when rows are 16-element aligned (every real vocabulary)
-            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "forward logits loads are not vectorised"
+        for has_stats in (False, True) if dtype == "fp32" else (False,):  # the linear path's fp32 chunks
+            types = {**rows, "logits_ptr": f"*{dtype}", "logp_ptr": "*fp32", "stats_ptr": "*fp32"}
+            ptx = build(logprobs._logprobs_fwd_kernel, types, {**tiles, "HAS_STATS": has_stats}, warps,
+                        aligned=("logits_ptr", "stride_b", "stride_t", "V"))
+            if V >= 1000:
+                # 16-byte loads of the logits when rows are 16-element aligned (every real vocabulary)
+                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "forward logits loads are not vectorised"
         for has_g_ent in (False, True):
             types = {**rows, "logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "gstride_b": "i64",
                      "gstride_t": "i64", "g_lp_ptr": "*fp32", "g_ent_ptr": "*fp32"}

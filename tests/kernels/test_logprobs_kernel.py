@@ -98,4 +98,4 @@ def test_temperature_and_ignore_index_are_runtime_arguments():
     for kernel in (kernels._logprobs_fwd_kernel, kernels._logprobs_bwd_kernel):
         constexprs = set(kernel.fn.__annotations__)
         assert {"inv_temp", "ignore_index", "N", "T", "V"}.isdisjoint(constexprs)
-        assert constexprs <= {"HAS_TEMP", "HAS_G_ENT", "BLOCK_N", "BLOCK_V"}
+        assert constexprs <= {"HAS_TEMP", "HAS_G_ENT", "HAS_STATS", "BLOCK_N", "BLOCK_V"}

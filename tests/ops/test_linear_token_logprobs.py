@@ -117,3 +117,47 @@ def test_only_hidden_needs_grad(backend, device):
     ref_hidden = hidden.detach().double().requires_grad_()
     linear_logprobs_oracle(ref_hidden, weight.double(), labels, bias.double())[0].sum().backward()
     assert_grad_close(hidden.grad, ref_hidden.grad, torch.float32)
+
+
+def stats_oracle(hidden, weight, bias, labels, temperature, ignore_index=-100):
+    """float64: log sum p^2, mean z and first-argmax == label, of z = (hidden @ weight.T + bias) / T."""
+    z = hidden.double() @ weight.double().T
+    z = (z if bias is None else z + bias.double()) / temperature
+    log_p = torch.log_softmax(z, dim=-1)
+    ignored = labels == ignore_index
+    top1 = (z.argmax(dim=-1) == labels) & ~ignored
+    return {"log_sum_sq_probs": torch.logsumexp(2 * log_p, dim=-1).masked_fill(ignored, 0.0),
+            "mean_logits": z.mean(dim=-1).masked_fill(ignored, 0.0), "is_top1": top1}
+
+
+@pytest.mark.parametrize("V,block_v", [(37, None), (1, None), (300, 64)], ids=["odd", "V=1", "several-blocks"])
+def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v):
+    if block_v is not None and backend == "triton":  # blocks narrower than V, so the statistics cross blocks
+        from fastppo.kernels import logprobs as kernels
+        monkeypatch.setattr(kernels, "_TILE", block_v)
+    N, H = 11, 1
+    hidden = torch.rand(N, H, device=device) + 0.5  # positive: the two largest weights tie for the argmax
+    weight = torch.randn(V, H, device=device)
+    first, second = V // 4, V // 2  # past the first block when there are several: the running max moves
+    if V > 5:
+        weight[first] = weight[second] = 5.0
+    bias = torch.randn(V, device=device) * 0.1 if V > 5 else None
+    if bias is not None:
+        bias[first] = bias[second] = 0.0
+    labels = torch.randint(0, V, (N,), device=device)
+    if V > 5:
+        labels[:4] = torch.tensor([first, second, first, second])
+    labels[-1] = -100
+    logp, entropy, stats = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=0.7,
+                                                         return_entropy=True, return_stats=True, chunk_size=4,
+                                                         backend=backend)
+    expected = stats_oracle(hidden, weight, bias, labels, 0.7)
+    assert set(stats) == set(expected) and stats["is_top1"].dtype == torch.bool
+    assert torch.equal(stats["is_top1"].cpu(), expected["is_top1"].cpu())
+    if V > 5:
+        assert stats["is_top1"][:4].tolist() == [True, False, True, False]  # a tie goes to the first index
+    for name in ("log_sum_sq_probs", "mean_logits"):
+        assert stats[name].dtype == torch.float32 and not stats[name].requires_grad
+        torch.testing.assert_close(stats[name].double(), expected[name], rtol=1e-5, atol=2e-6)
+    only = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=0.7, backend=backend)
+    torch.testing.assert_close(only, logp)  # asking for the statistics changes nothing else
