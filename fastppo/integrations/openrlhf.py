@@ -4,9 +4,9 @@ Supported: OpenRLHF 0.8.0 to 0.11.0, following the installed OpenRLHF (see
 ``fastppo.integrations.peers``; without it, 0.11). Mirrors ``openrlhf.models.utils``
 (``log_probs_from_logits``, ``compute_approx_kl``, ``compute_entropy``, ``masked_mean``),
 ``openrlhf.models.loss`` (``PolicyLoss``, ``ValueLoss``) and the experience maker's
-``get_advantages_and_returns``. ``patch()`` swaps them into the installed OpenRLHF (build the
-trainer after it: losses already constructed stay OpenRLHF's); the experience maker's method is
-not patched. Importing this module does not import OpenRLHF.
+``get_advantages_and_returns``. ``patch()`` swaps them into the installed OpenRLHF, the
+experience maker's method included (build the trainer after it: losses already constructed stay
+OpenRLHF's). Importing this module does not import OpenRLHF.
 
 ``PolicyLoss`` changed often; by version it follows:
 
@@ -218,6 +218,8 @@ _PATCH = Patch("openrlhf", {
     **{(_UTILS, f.__name__): f for f in (log_probs_from_logits, compute_approx_kl, compute_entropy, masked_mean)},
     (_LOSS, "PolicyLoss"): PolicyLoss,
     (_LOSS, "ValueLoss"): ValueLoss,
+    ("openrlhf.trainer.ppo_utils.experience_maker", "RemoteExperienceMaker.get_advantages_and_returns"):
+        get_advantages_and_returns,
 }, missing="fastppo.integrations.openrlhf.patch() needs OpenRLHF: pip install openrlhf")
 
 

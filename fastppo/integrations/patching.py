@@ -7,6 +7,9 @@ every value of a module-level dict, of every imported module of the package that
 original becomes the replacement. Unpatching walks the package's modules again, so modules
 imported while patched (they copied the replacement) are restored too. Modules outside the
 package are never touched: a user's own ``from fastppo.integrations.trl import ...`` stays.
+
+A name ``"Class.method"`` is a method: the class gets the drop-in as a static method (it takes
+the method's arguments after ``self``), and gets its own back on unpatching.
 """
 
 import importlib
@@ -22,10 +25,11 @@ class Patch:
         self.replacements = replacements
         self.missing = missing  # the ImportError's message when the package is not installed
         self._swapped = []  # (original, drop-in) pairs while patched
+        self._methods = []  # (class, name, original) while patched
 
     @property
     def active(self) -> bool:
-        return bool(self._swapped)
+        return bool(self._swapped or self._methods)
 
     def original(self, module: str, name: str):
         """The peer's own object for ``module.name``, patched or not."""
@@ -47,9 +51,13 @@ class Patch:
         pairs = []
         for (module, name), drop_in in self.replacements.items():
             try:
-                original = getattr(importlib.import_module(module), name, None)
+                owner = importlib.import_module(module)
             except ImportError:
                 continue  # a module this version of the package does not have
+            if "." in name:
+                self._swap_method(owner, name, drop_in)
+                continue
+            original = getattr(owner, name, None)
             if original is not None and original is not drop_in:
                 pairs.append((original, drop_in))
         self._swapped = pairs
@@ -59,6 +67,16 @@ class Patch:
     def remove(self) -> None:
         self._swap({id(drop_in): original for original, drop_in in self._swapped})
         self._swapped = []
+        while self._methods:
+            cls, name, original = self._methods.pop()
+            setattr(cls, name, original)
+
+    def _swap_method(self, module: ModuleType, dotted: str, drop_in) -> None:
+        class_name, name = dotted.split(".")
+        cls = getattr(module, class_name, None)
+        if cls is not None and name in vars(cls):
+            self._methods.append((cls, name, vars(cls)[name]))
+            setattr(cls, name, staticmethod(drop_in))
 
     def _swap(self, mapping: dict) -> None:
         for module in self._modules():

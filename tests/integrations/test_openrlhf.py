@@ -233,8 +233,14 @@ def test_entropy_and_masked_mean():
 def test_patch_swaps_the_loss_classes_and_unpatch_restores(monkeypatch):
     modules = {name: types.ModuleType(name) for name in
                ("openrlhf", "openrlhf.models", "openrlhf.models.loss", "openrlhf.models.utils",
-                "openrlhf.trainer.ppo_trainer")}
+                "openrlhf.trainer.ppo_trainer", "openrlhf.trainer.ppo_utils.experience_maker")}
     theirs = type("PolicyLoss", (), {})
+
+    class RemoteExperienceMaker:  # its GAE is a method
+        def get_advantages_and_returns(self, values, rewards, action_mask, gamma, lambd):
+            return "openrlhf"
+
+    modules["openrlhf.trainer.ppo_utils.experience_maker"].RemoteExperienceMaker = RemoteExperienceMaker
     modules["openrlhf.models.loss"].PolicyLoss = theirs
     modules["openrlhf.models"].PolicyLoss = theirs  # the package re-exports it
     modules["openrlhf.models.utils"].masked_mean = len
@@ -244,5 +250,10 @@ def test_patch_swaps_the_loss_classes_and_unpatch_restores(monkeypatch):
         assert modules["openrlhf.models"].PolicyLoss is openrlhf.PolicyLoss
         assert modules["openrlhf.models.utils"].masked_mean is openrlhf.masked_mean
         modules["openrlhf.trainer.ppo_trainer"].PolicyLoss = modules["openrlhf.models"].PolicyLoss  # imported now
+        values, rewards, mask = torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5)
+        got = RemoteExperienceMaker().get_advantages_and_returns(values, rewards, mask, 0.9, 0.8)
+        for a, b in zip(got, openrlhf.get_advantages_and_returns(values, rewards, mask, 0.9, 0.8)):
+            torch.testing.assert_close(a, b)
     assert modules["openrlhf.models"].PolicyLoss is modules["openrlhf.trainer.ppo_trainer"].PolicyLoss is theirs
     assert modules["openrlhf.models.utils"].masked_mean is len
+    assert RemoteExperienceMaker().get_advantages_and_returns(None, None, None, 0.9, 0.8) == "openrlhf"
