@@ -43,7 +43,7 @@ TRL = Peer("trl", oldest="1.9.0", newest="1.16.0")
 _IGNORE = -100
 _UTILS = "trl.trainer.utils"
 _HEAD_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # TRL >= 1.15's extra outputs, in its order
-_HEAD_DEFAULTS = dict(final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",))
+_HEAD_DEFAULTS = dict(final_logit_softcapping=None, logit_scale=1.0, outputs=("entropy", *_HEAD_STATS))
 
 
 def _signature(*names: str) -> inspect.Signature:
@@ -144,14 +144,16 @@ class FusedLinearLogProb:
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
+        with_stats = generation == "1.15" and not set(outputs).isdisjoint(_HEAD_STATS)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy, stats = linear_token_logprobs(hidden, weight, a["targets"], bias=bias,
-                                                         temperature=a["temperature"], return_entropy=True,
-                                                         return_stats=True)
+            logp, entropy, *stats = linear_token_logprobs(hidden, weight, a["targets"], bias=bias,
+                                                          temperature=a["temperature"], return_entropy=True,
+                                                          return_stats=with_stats)
         if generation == "1.9":
             return logp, entropy.detach()
         if generation == "1.13":
             return logp, entropy
+        stats = stats[0] if stats else {}
         return (logp, entropy if "entropy" in outputs else None,
                 *(stats[name] if name in outputs else None for name in _HEAD_STATS))
 

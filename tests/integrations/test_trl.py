@@ -106,13 +106,18 @@ def test_uncovered_cases_go_to_trl(temperature, row_mask):
         integration.selective_log_softmax(logits, index[..., 0], temperature=0.0)
 
 
-def test_fused_linear_log_prob_matches_trl_chunked_function():
+def test_fused_linear_log_prob_matches_trl_chunked_function(monkeypatch):
     N, H, V = 37, 16, 53
     hidden = torch.randn(N, H, requires_grad=True)
     weight = (torch.randn(V, H) / 2).requires_grad_()
     targets = torch.randint(0, V, (N,))
     args = head_arguments(hidden, weight, targets, 0.9, 16, ("log_probs", "entropy"))
+    asked = []
+    real = integration.linear_token_logprobs
+    monkeypatch.setattr(integration, "linear_token_logprobs", lambda *a, **k: asked.append(k["return_stats"])
+                        or real(*a, **k))
     ours = integration.FusedLinearLogProb.apply(*args)
+    assert asked == [False]  # GRPO's outputs: no statistics computed
     theirs = trl_head().apply(*args)
     assert len(ours) == len(theirs) == (5 if TRL.at_least("1.15") else 2)
     assert all(x is None for x in ours[2:]) and all(x is None for x in theirs[2:])
