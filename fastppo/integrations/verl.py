@@ -113,10 +113,9 @@ def _groups(scores: Tensor, index) -> tuple:
     """Per response: its group's size, mean and unbiased std (0 and 1 for a group of one), ``(B,)`` each.
 
     ``index`` holds each response's prompt id (verl passes a NumPy array of uids), in any order."""
-    _, inverse = np.unique(np.asarray(index), return_inverse=True)
-    group = torch.as_tensor(inverse.reshape(-1), device=scores.device)
-    count = torch.zeros(int(group.max()) + 1 if group.numel() else 0, device=scores.device).index_add_(
-        0, group, torch.ones_like(scores))
+    uids, inverse = np.unique(np.asarray(index), return_inverse=True)
+    group = torch.as_tensor(inverse.reshape(-1), device=scores.device)  # (B,) each response's group
+    count = torch.zeros(len(uids), device=scores.device).index_add_(0, group, torch.ones_like(scores))
     mean = torch.zeros_like(count).index_add_(0, group, scores) / count
     squares = torch.zeros_like(count).index_add_(0, group, (scores - mean[group]) ** 2)
     std = torch.sqrt(squares / (count - 1))
