@@ -190,6 +190,7 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
                      logp, entropy, lse, stats=None, *, block_v=None):
     """Fill ``logp``, ``entropy``, ``lse`` (fp32, ``(N,)``) from ``logits`` ``(B, T, V)``, and
     ``stats`` (fp32 ``(N, 3)``, contiguous) when given: log sum p^2, mean z, label is top-1.
+    ``entropy`` may be None when it is not wanted.
 
     ``labels`` is ``(N,)`` integer with N = B * T; ``temperature`` is ``(N,)`` or None, in which
     case the scalar ``inv_temperature`` (1 / temperature) applies to every row.
@@ -197,6 +198,8 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
     launch = _launch(logits, temperature, inv_temperature, block_v)
     if launch is None:
         return
+    if entropy is None:  # not wanted: the kernel computes it in its one pass anyway, into scratch
+        entropy = lse.new_empty(lse.shape)
     grid, temperature_args, sizes, switches = launch
     _logprobs_fwd_kernel[grid](
         logits, *logits.stride(),

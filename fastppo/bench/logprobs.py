@@ -21,7 +21,14 @@ from .case import Case, Contender, compiled, random_tokens
 from .peers import linear_logprobs_peers, logprobs_peers
 
 TOKENS, VOCABS, HIDDENS = (4096, 16384), (32000, 128256, 151936), (896, 4096)
+CPU_TOKENS, CPU_VOCABS = (2048,), (32000, 49152)  # a CPU batch; Llama-2's and SmolLM2's vocabularies
 QUICK_TOKENS, QUICK_VOCABS, QUICK_HIDDENS = (256,), (1000,), (64,)
+
+
+def logit_shapes(device: torch.device, quick: bool) -> tuple:
+    if quick:
+        return QUICK_TOKENS, QUICK_VOCABS
+    return (CPU_TOKENS, CPU_VOCABS) if device.type == "cpu" else (TOKENS, VOCABS)
 
 
 def naive_logprobs(logits, labels):
@@ -44,12 +51,13 @@ def logprobs_cases(device: torch.device, quick: bool) -> list:
     e = torch.finfo(dtype).bits // 8
     compiled_naive = compiled("torch.compile(naive)", lambda x: naive_logprobs(x["logits"], x["labels"]), device)
     cases = []
-    for N, V in itertools.product(*((QUICK_TOKENS, QUICK_VOCABS) if quick else (TOKENS, VOCABS))):
+    for N, V in itertools.product(*logit_shapes(device, quick)):
         def make(N=N, V=V):
             return {"logits": random_tokens(N, V, device=device, dtype=dtype, requires_grad=True),
                     "labels": torch.randint(0, V, (N,), device=device)}
         contenders = [
             Contender("fastppo", lambda x: fastppo.token_logprobs(x["logits"], x["labels"], return_entropy=True)),
+            Contender("fastppo (logp only)", lambda x: fastppo.token_logprobs(x["logits"], x["labels"])),
             Contender("naive", lambda x: naive_logprobs(x["logits"], x["labels"]), baseline=True),
             compiled_naive,
             *logprobs_peers(device),

@@ -34,6 +34,8 @@ def logprobs_peers(device: torch.device) -> list:
     return [
         _peer("trl selective_log_softmax_and_entropy", "trl.trainer.utils", "selective_log_softmax_and_entropy",
               device, lambda fn, x: fn(x["logits"], x["labels"]), cuda_only=False),
+        _peer("trl selective_log_softmax (logp only)", "trl.trainer.utils", "selective_log_softmax",
+              device, lambda fn, x: fn(x["logits"], x["labels"]), cuda_only=False),
         _peer("liger cross_entropy (logp only)", "liger_kernel.transformers.functional", "liger_cross_entropy",
               device, lambda fn, x: fn(x["logits"], x["labels"], reduction="none"), cuda_only=True),
         _peer("flash-attn cross_entropy (logp only)", "flash_attn.ops.triton.cross_entropy", "cross_entropy_loss",

@@ -29,12 +29,22 @@ def _row_chunks(B: int, T: int, V: int):
 
 
 def _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1):
-    """fp32 scaled logits ``(n, V)`` of one box, its flat row range, and the per-row scale."""
+    """fp32 scaled logits ``(n, V)`` of one box, its flat row range, and the per-row scale.
+
+    A fresh tensor, which the caller may overwrite."""
     T = logits.shape[1]
     r0, r1 = b0 * T + t0, (b1 - 1) * T + t1
     z = logits[b0:b1, t0:t1].reshape(-1, logits.shape[2]).float()  # (n, V)
     scale = inv_temperature if temperature is None else (1.0 / temperature[r0:r1]).unsqueeze(1)
     return z * scale, r0, r1, scale
+
+
+def _scaled(logits, temperature, inv_temperature, b0, b1, t0, t1):
+    """Like ``_chunk``, for reading only: the logits themselves when they need no cast or scale."""
+    if temperature is None and inv_temperature == 1.0 and logits.dtype == torch.float32:
+        T = logits.shape[1]
+        return logits[b0:b1, t0:t1].reshape(-1, logits.shape[2]), b0 * T + t0, (b1 - 1) * T + t1
+    return _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1)[:3]
 
 
 def _label_masks(labels, V, ignore_index):
@@ -44,28 +54,38 @@ def _label_masks(labels, V, ignore_index):
 
 def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
                      logp, entropy, lse, stats=None):
-    """Fill ``logp``, ``entropy``, ``lse`` ``(N,)`` fp32 from ``logits`` ``(B, T, V)``, and
-    ``stats`` ``(N, 3)`` when given: log sum p^2, mean z, and 1.0 where the label is the first argmax."""
+    """Fill ``logp``, ``lse`` ``(N,)`` fp32 from ``logits`` ``(B, T, V)``, and ``entropy`` ``(N,)``
+    and ``stats`` ``(N, 3)`` when given (None: not computed): log sum p^2, mean z, and 1.0 where
+    the label is the first argmax.
+
+    Per chunk, with ``d = z - max z``: ``lse = max + log s`` for ``s = sum exp(d)``, and
+    ``entropy = log s - sum exp(d) d / s``, the kernel's cancellation-free form; without the
+    entropy, one ``logsumexp``. Few passes over each chunk are what make this fast on a CPU.
+    """
     B, T, V = logits.shape
     for box in _row_chunks(B, T, V):
-        z, r0, r1, _ = _chunk(logits, temperature, inv_temperature, *box)  # (n, V)
+        z, r0, r1 = _scaled(logits, temperature, inv_temperature, *box)  # (n, V)
         in_range, ignored, safe = _label_masks(labels[r0:r1], V, ignore_index)
+        if entropy is None and stats is None:
+            row_lse = torch.logsumexp(z, dim=1)  # (n,)
+        else:
+            top = z.amax(dim=1, keepdim=True)  # (n, 1); NaN stays NaN
+            top = top.masked_fill(top == float("-inf"), 0.0)  # a row of -inf: no -inf - -inf
+            # d >= the fp32 minimum, so exp(d) * d is 0, not 0 * -inf, at -inf logits
+            d = torch.sub(z, top).clamp_(min=torch.finfo(torch.float32).min)  # (n, V)
+            e = d.exp()
+            sum_e = e.sum(dim=1)  # (n,)
+            row_lse = top.squeeze(1) + sum_e.log()
+        if entropy is not None:
+            row_ent = sum_e.log() - torch.linalg.vecdot(e, d, dim=1) / sum_e
+            entropy[r0:r1] = row_ent.masked_fill(ignored, 0.0)
         if stats is not None:
-            mean_z = z.sum(dim=1) / V  # (n,), before z becomes log p
-            top1 = (z.argmax(dim=1) == safe) & in_range  # argmax: the first of equal maxima
-        row_lse = torch.logsumexp(z, dim=1)  # (n,)
-        log_p = z.sub_(row_lse.unsqueeze(1))  # z is a fresh fp32 tensor: reuse its storage
-        p = log_p.exp()
-        # p == 0 covers -inf logits, whose p * log p is 0 * -inf; NaN logits stay NaN.
-        row_ent = -(p * log_p).masked_fill_(p == 0, 0.0).sum(dim=1)
-        row_logp = log_p.gather(1, safe.unsqueeze(1)).squeeze(1)
-        row_logp = torch.where(in_range, row_logp, float("nan"))
-        logp[r0:r1] = row_logp.masked_fill(ignored, 0.0)
-        entropy[r0:r1] = row_ent.masked_fill(ignored, 0.0)
+            row_stats = torch.stack([torch.logsumexp(2.0 * d, dim=1) - 2.0 * sum_e.log(), z.sum(dim=1) / V,
+                                     ((z.argmax(dim=1) == safe) & in_range).float()], dim=1)  # (n, 3)
+            stats[r0:r1] = row_stats.masked_fill(ignored.unsqueeze(1), 0.0)  # argmax: the first maximum
+        row_logp = z.gather(1, safe.unsqueeze(1)).squeeze(1) - row_lse
+        logp[r0:r1] = torch.where(in_range, row_logp, float("nan")).masked_fill(ignored, 0.0)
         lse[r0:r1] = row_lse
-        if stats is not None:
-            row_stats = torch.stack([torch.logsumexp(2.0 * log_p, dim=1), mean_z, top1.float()], dim=1)  # (n, 3)
-            stats[r0:r1] = row_stats.masked_fill(ignored.unsqueeze(1), 0.0)
 
 
 def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,

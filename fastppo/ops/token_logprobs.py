@@ -18,18 +18,22 @@ from .dispatch import implementation, resolve_backend
 
 @torch.library.custom_op("fastppo::token_logprobs", mutates_args=())
 def _forward(logits: Tensor, labels: Tensor, temperature: Optional[Tensor], inv_temperature: float,
-             ignore_index: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    # logits: (B, T, V) any strides; labels, temperature: (N,) -> logp, entropy, lse: (N,) fp32
-    logp, entropy, lse = (torch.empty(labels.shape[0], dtype=torch.float32, device=logits.device)
-                          for _ in range(3))
+             ignore_index: int, backend: str, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    # logits: (B, T, V) any strides; labels, temperature: (N,) -> logp, entropy, lse: (N,) fp32,
+    # entropy (0,) when not asked for (the PyTorch twin then skips its passes)
+    N = labels.shape[0]
+    logp, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(2))
+    entropy = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=logits.device)
     implementation(backend, "logprobs").logprobs_forward(
-        logits, labels, temperature, inv_temperature, ignore_index, logp, entropy, lse)
+        logits, labels, temperature, inv_temperature, ignore_index, logp, entropy if with_entropy else None, lse)
     return logp, entropy, lse
 
 
 @_forward.register_fake
-def _(logits, labels, temperature, inv_temperature, ignore_index, backend):
-    return tuple(labels.new_empty(labels.shape[0], dtype=torch.float32) for _ in range(3))
+def _(logits, labels, temperature, inv_temperature, ignore_index, backend, with_entropy):
+    N = labels.shape[0]
+    return (labels.new_empty(N, dtype=torch.float32), labels.new_empty(N if with_entropy else 0, dtype=torch.float32),
+            labels.new_empty(N, dtype=torch.float32))
 
 
 @torch.library.custom_op("fastppo::token_logprobs_backward", mutates_args=())
@@ -50,7 +54,7 @@ def _(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, 
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, temperature, inv_temperature, ignore_index, backend = inputs
+    logits, labels, temperature, inv_temperature, ignore_index, backend, _with_entropy = inputs
     _, entropy, lse = output
     ctx.save_for_backward(logits, labels, temperature, lse, entropy)
     ctx.args = (inv_temperature, ignore_index, backend)
@@ -71,7 +75,7 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     inv_temperature, ignore_index, backend = ctx.args
     grad = _backward(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, entropy,
                      *upstream_grads(grad_logp, grad_entropy, lse))
-    return grad, None, None, None, None, None
+    return grad, None, None, None, None, None, None
 
 
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
@@ -108,7 +112,7 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature=1.0, ignore_in
     checks.check_label_values(labels, logits.shape[-1], ignore_index)
 
     logp, entropy, _ = _forward(checks.as_rows(logits), checks.as_tokens(labels), per_row_temperature,
-                                inv_temperature, ignore_index, backend)
+                                inv_temperature, ignore_index, backend, return_entropy)
     if return_entropy:
         return logp.view(lead), entropy.view(lead)
     return logp.view(lead)
