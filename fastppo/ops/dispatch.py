@@ -6,14 +6,19 @@ the production path on CPU. ``"triton"`` forces the kernels: on CPU that works o
 tensors, which is how the tests check every kernel without a GPU). ``"torch"`` forces the twin.
 
 The two implementations of an op family expose the same launcher signatures, so an op picks one
-with :func:`implementation` and calls it without caring which it got.
+with :func:`implementation` and calls it without caring which it got. The table below is the one
+hop from a family to its code: the twins are imported with this module, the kernels on first use
+(importing triton is slow, and it is absent off Linux).
 """
 
-import importlib
 import importlib.util
 import os
 
 import torch
+
+from . import gae_torch, logprobs_torch, ppo_loss_torch, sampling_torch
+
+TWINS = {"gae": gae_torch, "logprobs": logprobs_torch, "ppo_loss": ppo_loss_torch, "sampling": sampling_torch}
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -38,12 +43,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def implementation(backend: str, family: str):
-    """The module holding ``family``'s launchers for a resolved ``backend``.
+def kernels() -> dict:
+    """The Triton launchers of each family (imports triton)."""
+    from ..kernels import gae, logprobs, ppo_loss, sampling
 
-    ``family`` names a module both in ``fastppo.kernels`` (Triton) and, with a ``_torch`` suffix,
-    in ``fastppo.ops`` (the PyTorch twin).
-    """
-    if backend == "triton":
-        return importlib.import_module(f"fastppo.kernels.{family}")
-    return importlib.import_module(f"fastppo.ops.{family}_torch")
+    return {"gae": gae, "logprobs": logprobs, "ppo_loss": ppo_loss, "sampling": sampling}
+
+
+def implementation(backend: str, family: str):
+    """The module holding ``family``'s launchers for a resolved ``backend``: ``"triton"`` or ``"torch"``."""
+    return kernels()[family] if backend == "triton" else TWINS[family]

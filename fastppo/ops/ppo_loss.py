@@ -59,8 +59,13 @@ def _(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
             logprobs.new_empty(logprobs.shape[0], **f32))
 
 
+# _ppo_loss's input names in order (autograd hands the inputs over as a tuple), from its schema
+_INPUTS = tuple(argument.name for argument in torch.ops.fastppo.ppo_policy_loss.default._schema.arguments)
+
+
 def _setup_context(ctx, inputs, output):
-    logprobs, entropy, weights, entropy_coef = inputs[0], inputs[6], inputs[3], inputs[12]
+    named = dict(zip(_INPUTS, inputs))
+    logprobs, entropy, weights, entropy_coef = (named[k] for k in ("logprobs", "entropy", "weights", "entropy_coef"))
     _, stats, grad = output
     ctx.mark_non_differentiable(stats, grad)
     ctx.save_for_backward(grad, weights if entropy is not None else None)
@@ -70,11 +75,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_stats, _grad_grad):
     grad, weights = ctx.saved_tensors
-    grad_logprobs = (grad_loss * grad).to(ctx.logprobs_dtype) if ctx.needs_input_grad[0] else None
+    needs = dict(zip(_INPUTS, ctx.needs_input_grad))
+    grad_logprobs = (grad_loss * grad).to(ctx.logprobs_dtype) if needs["logprobs"] else None
     grad_entropy = None
-    if ctx.needs_input_grad[6] and ctx.entropy_coef != 0:
+    if needs["entropy"] and ctx.entropy_coef != 0:
         grad_entropy = -ctx.entropy_coef * grad_loss * weights
-    return (grad_logprobs, None, None, None, None, None, grad_entropy) + (None,) * 7
+    grads = {"logprobs": grad_logprobs, "entropy": grad_entropy}
+    return tuple(grads.get(name) for name in _INPUTS)
 
 
 torch.library.register_autograd(_ppo_loss, _backward, setup_context=_setup_context)
