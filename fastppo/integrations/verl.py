@@ -237,6 +237,25 @@ def _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
     return pg_loss * scale + poison, stats["clipfrac"], ppo_kl, stats["dual_clipfrac"]
 
 
+def _clip_range(config) -> tuple:
+    """``(clip_ratio_low, clip_ratio_high)`` from verl's actor config, each defaulting to ``clip_ratio``."""
+    clip = _option(config, "clip_ratio", 0.2)
+    return _option(config, "clip_ratio_low", clip), _option(config, "clip_ratio_high", clip)
+
+
+def _batch_info(config) -> dict:
+    """``config.global_batch_info``, which the policy losses pass to ``agg_loss`` from verl 0.7."""
+    return dict(_option(config, "global_batch_info", {})) if VERL.at_least("0.7") else {}
+
+
+def _policy_result(pg_loss: Tensor, clipfrac: Tensor, ppo_kl: Tensor, clipfrac_lower: Tensor) -> tuple:
+    """A policy loss's result as the followed verl returns it: four values in 0.6, ``(pg_loss, metrics)`` from 0.7."""
+    if not VERL.at_least("0.7"):
+        return pg_loss, clipfrac, ppo_kl, clipfrac_lower
+    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
+                     "actor/pg_clipfrac_lower": clipfrac_lower.item()}
+
+
 def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                                 loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None) -> tuple:
     """verl's vanilla PPO loss: ``(pg_loss, metrics)`` from verl 0.7, ``(pg_loss, pg_clipfrac,
@@ -245,16 +264,9 @@ def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantag
     ``config`` holds ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` and
     (from 0.7) ``global_batch_info``, as attributes or keys, as verl's actor config.
     """
-    clip = _option(config, "clip_ratio", 0.2)
-    low, high = _option(config, "clip_ratio_low", clip), _option(config, "clip_ratio_high", clip)
-    batch_info = dict(_option(config, "global_batch_info", {})) if VERL.at_least("0.7") else {}
-    pg_loss, clipfrac, ppo_kl, clipfrac_lower = _vanilla(old_log_prob, log_prob, advantages, response_mask,
-                                                         loss_agg_mode, low, high, _option(config, "clip_ratio_c", 3.0),
-                                                         rollout_is_weights, batch_info)
-    if not VERL.at_least("0.7"):
-        return pg_loss, clipfrac, ppo_kl, clipfrac_lower
-    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
-                     "actor/pg_clipfrac_lower": clipfrac_lower.item()}
+    low, high = _clip_range(config)
+    return _policy_result(*_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high,
+                                    _option(config, "clip_ratio_c", 3.0), rollout_is_weights, _batch_info(config)))
 
 
 def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
@@ -265,8 +277,7 @@ def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     Plain PyTorch over ``(B, T)`` log-probs, as :func:`fastppo.sequence_ppo_loss` is (a
     cross-token reduction); unlike that op it takes verl's per-token advantages and weights.
     """
-    clip = _option(config, "clip_ratio", 0.2)
-    low, high = _option(config, "clip_ratio_low", clip), _option(config, "clip_ratio_high", clip)
+    low, high = _clip_range(config)
     valid = response_mask.bool()
     log_prob32 = log_prob.float()
     log_ratio = torch.where(valid, log_prob32 - old_log_prob.detach().float(), 0.0)  # (B, T)
@@ -278,14 +289,10 @@ def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     losses = torch.maximum(unclipped, clipped)
     if rollout_is_weights is not None:
         losses = losses * rollout_is_weights.detach()
-    batch_info = dict(_option(config, "global_batch_info", {})) if VERL.at_least("0.7") else {}
-    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **batch_info)
+    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **_batch_info(config))
     clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
     ppo_kl = masked_mean(-log_ratio.detach(), response_mask)
-    if not VERL.at_least("0.7"):
-        return pg_loss, clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device)
-    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
-                     "actor/pg_clipfrac_lower": 0.0}
+    return _policy_result(pg_loss, clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device))  # no dual clip
 
 
 def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,

@@ -13,6 +13,7 @@ hop from a family to its code: the twins are imported with this module, the kern
 
 import importlib.util
 import os
+from functools import lru_cache
 
 import torch
 
@@ -43,8 +44,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@lru_cache(maxsize=1)
 def kernels() -> dict:
-    """The Triton launchers of each family (imports triton)."""
+    """The Triton launchers of each family (imports triton, once)."""
     from ..kernels import gae, logprobs, ppo_loss, sampling
 
     return {"gae": gae, "logprobs": logprobs, "ppo_loss": ppo_loss, "sampling": sampling}
