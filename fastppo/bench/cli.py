@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from .report import markdown, to_json
+from .roofline import GPU
 from .runner import FAMILIES, run_suite
 
 
@@ -36,7 +37,19 @@ def main(argv=None) -> int:
                          help="one PPO iteration on 2 gloo ranks with and without --fsdp instead of the op tables")
     sharded.add_argument("--hidden", type=int, default=512, help="hidden size of the random Llama")
     sharded.add_argument("--layers", type=int, default=8, help="layers of the random Llama")
+    sass = parser.add_argument_group("predicted from sm_90 machine code, no GPU needed (--sass)")
+    sass.add_argument("--sass", action="store_true",
+                      help="compile every kernel at realistic shapes and print the roofline estimate of its SASS")
+    gpu = GPU()
+    sass.add_argument("--gpu-name", help=f"the GPU the figures describe (default: {gpu.name})")
+    sass.add_argument("--gpu-sms", type=int, help=f"multiprocessors (default: {gpu.sms})")
+    sass.add_argument("--gpu-clock-ghz", type=float, help=f"SM clock (default: {gpu.clock_ghz})")
+    sass.add_argument("--gpu-copy-tbs", type=float, help=f"copy bandwidth, read + write (default: {gpu.copy_tbs})")
+    sass.add_argument("--gpu-matmul-tflops", type=float, help=f"dense bf16 matmul rate (default: {gpu.matmul_tflops})")
+    sass.add_argument("--gpu-latency-us", type=float, help=f"DRAM latency under load (default: {gpu.latency_us})")
     args = parser.parse_args(argv)
+    if args.sass:
+        return _sass(args, parser)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.versus_trl:
@@ -73,6 +86,32 @@ def _sharding(args) -> int:
 
     result = compare(hidden=args.hidden, layers=args.layers, iterations=args.iterations or 3)
     return _report(args, result, sharding_markdown(result, machine(torch.device("cpu"))))
+
+
+def _sass(args, parser) -> int:
+    import datetime
+    import os
+    from dataclasses import asdict
+
+    from ..ops.dispatch import TRITON_INSTALLED
+    from .kernel_cases import all_cases, linear_plans
+    from .roofline import estimate, markdown as roofline_markdown, with_overrides
+    from .runner import commit
+
+    if os.environ.get("TRITON_INTERPRET"):
+        parser.error("--sass compiles for a GPU: unset TRITON_INTERPRET")
+    if not TRITON_INSTALLED:
+        parser.error("--sass needs triton (pip install triton)")
+    import triton
+
+    gpu = with_overrides(GPU(), name=args.gpu_name, sms=args.gpu_sms, clock_ghz=args.gpu_clock_ghz,
+                         copy_tbs=args.gpu_copy_tbs, matmul_tflops=args.gpu_matmul_tflops,
+                         latency_us=args.gpu_latency_us)
+    meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "triton": triton.__version__}
+    rows = [estimate(case, gpu) for case in all_cases()]
+    linear = linear_plans(gpu)
+    return _report(args, {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "linear": linear},
+                   roofline_markdown(rows, linear, gpu, meta))
 
 
 def _report(args, result: dict, table: str) -> int:

@@ -110,7 +110,7 @@ def run_case(case, device, *, quick, smoke, copy_gbps, deadline) -> list:
     return rows
 
 
-def _commit() -> str:
+def commit() -> str:
     """The checkout's commit, ``+changes`` when its working tree differs from it."""
     root = Path(__file__).parent
     try:
@@ -143,7 +143,7 @@ def run_suite(ops, device: torch.device, *, quick: bool = False, smoke: bool = F
         triton_version = "not installed"
     meta = {"machine": machine(device), "device": device.type, "date": datetime.datetime.now(
                 datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": _commit(), "fastppo": fastppo.__version__, "torch": torch.__version__,
+            "commit": commit(), "fastppo": fastppo.__version__, "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(), "quick": quick,
             "copy_gbps": copy_bandwidth_gbps(device, quick=quick, smoke=smoke)}
     deadline = time.monotonic() + time_budget_s

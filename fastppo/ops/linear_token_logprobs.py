@@ -28,6 +28,11 @@ from .token_logprobs import upstream_grads
 # three times, so small chunks are bound by those reads: on a 2-core CPU, 512 tokens of a 49k x 576
 # head took 1.29 s in chunks of 64 rows and 0.79 s in one chunk of 512.
 CHUNK_ELEMENTS = 1 << 26
+# The chunk plan's two choices (the bench's FLOP/byte model reads them): whether the weight
+# gradient accumulates as each chunk's matmul output, and whether the kernel writes the logits'
+# gradient in half precision for the matmuls, rather than fp32 and then a cast.
+WEIGHT_GRAD_IN_PLACE = False
+HALF_LOGIT_GRAD = False
 
 
 def default_chunk_size(num_rows: int, vocab_size: int) -> int:

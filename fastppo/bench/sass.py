@@ -1,0 +1,124 @@
+"""Compile a Triton kernel for Hopper (sm_90) on a machine without a GPU, and read its machine code.
+
+Triton's wheel ships its NVIDIA backend, ptxas and cuobjdump, so Triton IR -> PTX -> cubin ->
+SASS runs on a CPU. This module does the compiling (shared with the sm_90 compile check in the
+tests) and turns a cubin into the numbers a kernel engineer reads first: registers, local memory
+(spills), shared memory, and per region of code the instruction mix: global load and store
+widths, barriers, warp shuffles, special-function (MUFU) instructions.
+
+The *hot loop* is the region of the widest backward branch (SASS addresses ``[target, branch]``):
+each fastppo kernel has one loop, over vocabulary or time blocks, and everything else runs once
+per program. A kernel with no loop has no hot loop; its whole body is the per-program cost.
+"""
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+HOPPER_ARCH = 90
+ALIGNED = [["tt.divisibility", 16]]  # what Triton infers for 16-aligned pointers and strides
+
+
+def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, aligned=()):
+    """``triton.compile`` of ``kernel`` for sm_90: ``types`` maps each runtime argument to a Triton
+    type string (``"*bf16"``, ``"i64"``), ``constexprs`` the rest; ``aligned`` names arguments
+    Triton may assume 16-divisible, as it does at run time for aligned pointers and strides."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+    attrs = {(names.index(n),): ALIGNED for n in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", HOPPER_ARCH, 32), options={"num_warps": num_warps})
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: this triton wheel does not ship {name}")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str  # e.g. "LDG.E.128", predicate stripped
+    operands: str
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    local_bytes: int  # per thread; nonzero means spills (fastppo kernels keep no local arrays)
+    shared_bytes: int
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The instruction mix of a region of SASS (NOPs, the scheduler's padding, not counted)."""
+
+    instructions: int
+    barriers: int
+    shuffles: int
+    mufu: int
+    load_bits: tuple  # the distinct widths of the global loads, sorted
+    store_bits: tuple
+
+
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_WIDTH = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
+
+
+def disassemble(cubin: bytes) -> tuple:
+    """(the SASS instructions in address order, the kernel's resource usage) of a one-kernel cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", str(path)], capture_output=True, text=True, check=True)
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True,
+                               check=True)
+    return parse(sass.stdout), resources(usage.stdout)
+
+
+def parse(sass: str) -> list:
+    return [Instruction(int(a, 16), op, rest.strip()) for a, op, rest in _LINE.findall(sass)]
+
+
+def resources(res_usage: str) -> Resources:
+    fields = dict(re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", res_usage))
+    return Resources(int(fields["REG"]), int(fields["LOCAL"]), int(fields["SHARED"]))
+
+
+def hot_loop(instructions: list) -> Optional[tuple]:
+    """(first, last) index of the widest backward branch's region, or None without a loop."""
+    index = {ins.address: i for i, ins in enumerate(instructions)}
+    loops = []
+    for i, ins in enumerate(instructions):
+        target = re.match(r"(?:`\()?0x([0-9a-f]+)", ins.operands) if ins.opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < ins.address and int(target.group(1), 16) in index:
+            loops.append((index[int(target.group(1), 16)], i))
+    return max(loops, key=lambda r: r[1] - r[0], default=None)
+
+
+def _width(opcode: str) -> int:
+    parts = opcode.split(".")
+    return next((_WIDTH[p] for p in parts[1:] if p in _WIDTH), 32)
+
+
+def mix(instructions: list) -> Mix:
+    ops = [ins.opcode for ins in instructions if ins.opcode != "NOP"]
+    return Mix(
+        instructions=len(ops),
+        barriers=sum(op.startswith("BAR") for op in ops),
+        shuffles=sum(op.startswith("SHFL") for op in ops),
+        mufu=sum(op.startswith("MUFU") for op in ops),
+        load_bits=tuple(sorted({_width(op) for op in ops if op.startswith("LDG")})),
+        store_bits=tuple(sorted({_width(op) for op in ops if op.startswith("STG")})),
+    )
