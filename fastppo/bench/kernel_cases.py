@@ -3,7 +3,8 @@
 Argument types are declared here once, per kernel, for both uses of an sm_90 compile: this report
 and the compile check over every variant (``tests/kernels/sm90_compile.py``). Shapes are those of
 a real RL step on a 150k-vocabulary model: 8192 tokens of log-probs, a 256-row sampling step,
-512 rollouts of 8192 positions for GAE, and the same 4M tokens for the PPO loss.
+512 rollouts of 8192 positions for GAE, and the same 4M tokens for the PPO loss; plus one small
+vocabulary (1000) for the log-prob kernels' one-warp tiling.
 """
 
 import triton
@@ -106,7 +107,8 @@ def ppo_loss_cases(N: int = 512 * 8192) -> list:
 
 
 def all_cases() -> list:
-    return logprob_cases() + sample_cases() + gae_cases() + ppo_loss_cases()
+    small_vocabulary = logprob_cases(N=65536, V=1000)[:1]  # the one-warp tiling
+    return logprob_cases() + small_vocabulary + sample_cases() + gae_cases() + ppo_loss_cases()
 
 
 def linear_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> list:

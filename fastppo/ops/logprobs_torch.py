@@ -85,7 +85,7 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
             stats[r0:r1] = row_stats.masked_fill(ignored.unsqueeze(1), 0.0)  # argmax: the first maximum
         row_logp = z.gather(1, safe.unsqueeze(1)).squeeze(1) - row_lse
         logp[r0:r1] = torch.where(in_range, row_logp, float("nan")).masked_fill(ignored, 0.0)
-        lse[r0:r1] = row_lse
+        lse[r0:r1] = row_lse.masked_fill(ignored, 0.0)  # as the kernel, which never reads those rows
 
 
 def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,

@@ -69,6 +69,24 @@ def test_in_place_backward_matches_out_of_place():
     torch.testing.assert_close(in_place, expected, rtol=0, atol=0)
 
 
+def test_backward_writes_a_half_gradient_of_fp32_logits():
+    # The linear path on CUDA: fp32 logits in, the gradient out in the matmuls' bf16.
+    from fastppo.kernels import logprobs as kernels
+
+    logits = torch.randn(1, 9, 130) * 5
+    labels = torch.randint(0, 130, (9,))
+    labels[3] = -100
+    logp, entropy, lse = (torch.empty(9) for _ in range(3))
+    kernels.logprobs_forward(logits, labels, None, 0.7, -100, logp, entropy, lse, block_v=32)
+    g_logp, g_entropy = torch.randn(9), torch.randn(9)
+    full = torch.empty_like(logits)
+    half = torch.empty_like(logits, dtype=torch.bfloat16)
+    for grad in (full, half):
+        kernels.logprobs_backward(logits, grad, labels, None, 0.7, -100, lse, entropy, g_logp, g_entropy, block_v=32)
+    torch.testing.assert_close(half.float(), full, rtol=2**-7, atol=0)  # one bf16 rounding (the interpreter's)
+    assert (half[0, 3] == 0).all()
+
+
 def test_kernels_and_twin_agree():
     from fastppo.kernels import logprobs as kernels
 
