@@ -4,8 +4,9 @@ The loss is a fixed weight per token times a function of that token's log-prob a
 ``aggregation.py``), so each token's gradient is known as soon as its log-prob is. Per chunk of
 rows the forward therefore does everything: one matmul into an fp32 ``(chunk, V)`` buffer, the
 log-prob kernel over it, the loss kernel over the chunk's tokens (partial sums and per-token
-gradients), the log-prob backward kernel in place, and the two matmuls for the hidden and weight
-gradients. The backward only scales those gradients by the upstream scalar.
+gradients), the log-prob backward kernel (into the logits, or a half buffer on CUDA), and the
+two matmuls for the hidden and weight gradients. The backward only scales those gradients by
+the upstream scalar.
 
 Against chaining ``linear_token_logprobs`` and ``ppo_policy_loss`` (whose backward must rebuild
 each chunk's logits, since it cannot know the loss in its forward), that is three matmuls per
@@ -65,9 +66,10 @@ def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
         partials.append(chunk_partials)
         if backward:
             grad_entropy = -entropy_coef * weights[r0:r1] if entropy_coef != 0 else None
-            logprob_kernels.logprobs_backward(logits, logits, labels[r0:r1], row_slice(temperature, r0, r1),
+            grad_logits = InputGrads.logit_grad_buffer(logits, w)
+            logprob_kernels.logprobs_backward(logits, grad_logits, labels[r0:r1], row_slice(temperature, r0, r1),
                                               inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy)
-            grads.add(r0, r1, logits[0], hidden[r0:r1], w, valid[r0:r1])  # logits now hold their gradient
+            grads.add(r0, r1, grad_logits[0], hidden[r0:r1], w, valid[r0:r1])
     if not partials:
         partials.append(torch.zeros(1, len(PARTIALS), dtype=torch.float32, device=hidden.device))
     return (*summarize(torch.cat(partials), kl_coef, entropy_coef), all_logp, *grads.results())

@@ -10,8 +10,10 @@ Why the backward recomputes the chunk's logits instead of keeping gradients from
 the upstream gradients of the log-probs and the entropy are per token and unknown until the
 backward (a PPO loss is not a sum of log-probs), so a gradient computed in the forward would be
 right only for one loss. Per chunk the backward does one matmul to rebuild the logits, one
-kernel pass that overwrites them in place with their gradient, and two matmuls for the hidden
-and weight gradients. Weight and bias gradients accumulate in fp32 across chunks.
+kernel pass that writes their gradient (over the fp32 logits on a CPU; into a half buffer on
+CUDA, which the matmuls read as is), and two matmuls for the hidden and weight gradients. The
+weight gradient accumulates in fp32 as the output of its own matmul (no per-chunk product and
+add), the bias gradient in fp32 too.
 """
 
 from dataclasses import dataclass
@@ -24,20 +26,23 @@ from . import checks
 from .dispatch import implementation, resolve_backend
 from .token_logprobs import upstream_grads
 
-# Default fp32 elements in a chunk of logits: 256 MiB. Each chunk reads the whole (V, H) weight
-# three times, so small chunks are bound by those reads: on a 2-core CPU, 512 tokens of a 49k x 576
-# head took 1.29 s in chunks of 64 rows and 0.79 s in one chunk of 512.
-CHUNK_ELEMENTS = 1 << 26
-# The chunk plan's two choices (the bench's FLOP/byte model reads them): whether the weight
-# gradient accumulates as each chunk's matmul output, and whether the kernel writes the logits'
-# gradient in half precision for the matmuls, rather than fp32 and then a cast.
-WEIGHT_GRAD_IN_PLACE = False
-HALF_LOGIT_GRAD = False
+# Default fp32 elements in a chunk of logits, per device type. Each chunk reads the whole (V, H)
+# weight three times and reads and writes the (V, H) fp32 weight gradient once, so small chunks
+# are bound by those bytes: on a 2-core CPU, 512 tokens of a 49k x 576 head took 1.29 s in chunks
+# of 64 rows and 0.79 s in one chunk of 512. On a GPU a chunk of n rows against a 4096-wide head
+# is compute-bound from about n = 1024 (the matmul's n*H*V*2 FLOPs against the 4*V*H*2 bytes of
+# the accumulator, at ~200 FLOP/byte on an H200): 1 GiB of fp32 logits gives 1024 rows at V = 152k.
+CHUNK_ELEMENTS = {"cpu": 1 << 26, "cuda": 1 << 28}
+# The chunk plan's two choices (the bench's FLOP/byte model reads them): the weight gradient is
+# each chunk's matmul output, accumulated in place in fp32, and on CUDA the log-prob kernel writes
+# the logits' gradient in half precision for the matmuls (no fp32 gradient, no cast pass).
+WEIGHT_GRAD_IN_PLACE = True
+HALF_LOGIT_GRAD = True
 
 
-def default_chunk_size(num_rows: int, vocab_size: int) -> int:
+def default_chunk_size(num_rows: int, vocab_size: int, device_type: str = "cpu") -> int:
     """Rows per chunk: the largest power of two whose fp32 logits fit ``CHUNK_ELEMENTS``."""
-    rows = max(1, CHUNK_ELEMENTS // max(vocab_size, 1))
+    rows = max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]) // max(vocab_size, 1))
     return max(1, min(num_rows, 1 << (rows.bit_length() - 1)))
 
 
@@ -48,6 +53,15 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     if a.is_cuda and a.dtype == b.dtype:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+def add_matmul_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 as the matmul's own output (beta = 1): no product tensor,
+    no separate add; half operands stay half on CUDA."""
+    if a.is_cuda and a.dtype == b.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())  # .float() is free for fp32
 
 
 def matmul_weight(weight: Tensor) -> Tensor:
@@ -77,22 +91,28 @@ class InputGrads:
         self.weight_grad = torch.zeros(weight.shape, **f32) if need_weight else None  # (V, H)
         self.bias_grad = torch.zeros(weight.shape[0], **f32) if need_bias else None  # (V,)
 
+    @staticmethod
+    def logit_grad_buffer(logits: Tensor, weight: Tensor) -> Tensor:
+        """Where the log-prob backward writes a chunk's logit gradient: the fp32 logits themselves,
+        or, when the matmul weight is half (CUDA), a half buffer the matmuls read as they are."""
+        return logits if weight.dtype == torch.float32 else torch.empty_like(logits, dtype=weight.dtype)
+
     def add(self, r0: int, r1: int, grad_logits: Tensor, hidden: Tensor, weight: Tensor, used: Tensor) -> None:
-        """Fold in rows ``r0:r1``: grad_logits (n, V) fp32, their hidden (n, H), the matmul weight,
-        and ``used`` (n,) bool, false for ignored rows.
+        """Fold in rows ``r0:r1``: grad_logits (n, V) in the matmul weight's dtype (see
+        ``logit_grad_buffer``), their hidden (n, H), the matmul weight, and ``used`` (n,) bool,
+        false for ignored rows.
 
         An ignored row's logit gradient is exactly 0, but its hidden state may be NaN or inf
         (padding), and 0 * NaN would spread NaN over the whole weight gradient: such rows are
         zeroed first.
         """
         if self.bias_grad is not None:
-            self.bias_grad += grad_logits.sum(0)
-        grad_logits = grad_logits.to(weight.dtype)  # half on CUDA: the matmuls take it as cuBLAS wants
+            self.bias_grad += grad_logits.sum(0, dtype=torch.float32)
         if self.hidden_grad is not None:
             self.hidden_grad[r0:r1] = matmul_fp32(grad_logits, weight)  # (n, V) @ (V, H)
         if self.weight_grad is not None:
             hidden = torch.where(used.unsqueeze(1), hidden, 0.0)  # (n, H)
-            self.weight_grad += matmul_fp32(grad_logits.t(), hidden)  # (V, n) @ (n, H)
+            add_matmul_fp32(self.weight_grad, grad_logits.t(), hidden)  # (V, n) @ (n, H)
 
     def results(self) -> tuple:
         # Three distinct empty tensors: custom-op outputs may not alias each other.
@@ -152,10 +172,11 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
     for r0 in range(0, hidden.shape[0], chunk_size):
         r1 = min(hidden.shape[0], r0 + chunk_size)
         logits = chunk_logits(hidden[r0:r1], w, bias).unsqueeze(0)  # (1, n, V) fp32
-        kernels.logprobs_backward(logits, logits, labels[r0:r1], row_slice(temperature, r0, r1),
+        grad_logits = InputGrads.logit_grad_buffer(logits, w)
+        kernels.logprobs_backward(logits, grad_logits, labels[r0:r1], row_slice(temperature, r0, r1),
                                   inv_temperature, ignore_index, lse[r0:r1], entropy[r0:r1],
                                   grad_logp[r0:r1], row_slice(grad_entropy, r0, r1))
-        grads.add(r0, r1, logits[0], hidden[r0:r1], w, labels[r0:r1] != ignore_index)  # logits hold their gradient
+        grads.add(r0, r1, grad_logits[0], hidden[r0:r1], w, labels[r0:r1] != ignore_index)
     return grads.results()
 
 
@@ -198,8 +219,9 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bia
         weight: ``(V, H)``, the LM head, same dtype and device as ``hidden``.
         labels: integer tensor of shape ``(...)``.
         bias: optional ``(V,)``.
-        chunk_size: rows per chunk; peak extra memory is about ``chunk_size x V`` fp32 values.
-            Default: the largest power of two that keeps a chunk under 256 MiB.
+        chunk_size: rows per chunk; peak extra memory is about ``chunk_size x V`` fp32 values
+            (and as many half values on CUDA, the logits' gradient). Default: the largest power
+            of two that keeps a chunk's fp32 logits under 256 MiB on a CPU, 1 GiB on CUDA.
         temperature, ignore_index, return_entropy, backend: as in :func:`token_logprobs`.
         return_stats: also return, from the same pass, a dict of detached statistics of the
             tempered logits ``z``: ``log_sum_sq_probs`` (log of sum p^2, fp32), ``mean_logits``
@@ -261,7 +283,7 @@ class LinearArgs:
         per_row_temperature, inv_temperature = checks.normalize_temperature(temperature, lead, hidden.device)
         N = labels.numel()
         if chunk_size is None:
-            chunk_size = default_chunk_size(N, V)
+            chunk_size = default_chunk_size(N, V, hidden.device.type)
         elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         backend = resolve_backend(backend, hidden.device)

@@ -153,9 +153,11 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
         kept = m.layers * block + outside
         how = f"{m.layers} blocks x {tokens:,} tokens per minibatch"
     lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
-    chunk = default_chunk_size(responses, m.vocab)
-    lines.append(Line("loss head", 4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden),
-                      f"fp32 logits chunk {chunk} x {m.vocab:,}, head gradient, hidden gradient"))
+    chunk = default_chunk_size(responses, m.vocab, device_type)
+    half_grad = 2 * chunk * m.vocab if device_type == "cuda" else 0  # the chunk's logit gradient, bf16
+    lines.append(Line("loss head", 4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden) + half_grad,
+                      f"fp32 logits chunk {chunk} x {m.vocab:,}{' and its bf16 gradient' if half_grad else ''}, "
+                      "head gradient, hidden gradient"))
     if world_size > 1 and not fsdp:
         lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients"))
     return lines

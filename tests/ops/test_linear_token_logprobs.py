@@ -5,7 +5,7 @@ import torch
 
 import fastppo
 from fastppo.bench.measure import LiveBytes
-from fastppo.ops.linear_token_logprobs import default_chunk_size
+from fastppo.ops.linear_token_logprobs import InputGrads, add_matmul_fp32, default_chunk_size
 from tests.oracles import assert_grad_close, assert_values_close, linear_logprobs_oracle
 from tests.ops.test_token_logprobs import DTYPES, make_labels
 
@@ -106,6 +106,26 @@ def test_default_chunk_size():
     assert default_chunk_size(100_000, 151936) == 256  # 2**26 // 151936 = 441 -> 256
     assert default_chunk_size(100_000, 49152) == 1024  # 2**26 // 49152 = 1365 -> 1024
     assert default_chunk_size(100_000, 10**9) == 1
+    # On CUDA chunks are 4x larger: 1024 rows of a 152k head, where its matmuls are compute-bound.
+    assert default_chunk_size(100_000, 151936, "cuda") == 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_gradient_accumulates_in_place_in_fp32(dtype):
+    acc = torch.randn(7, 5)
+    a, b = torch.randn(7, 3).to(dtype), torch.randn(3, 5).to(dtype)
+    expected = acc + a.float() @ b.float()
+    where = acc.data_ptr()
+    add_matmul_fp32(acc, a, b)
+    assert acc.data_ptr() == where and acc.dtype == torch.float32
+    torch.testing.assert_close(acc, expected)
+
+
+def test_the_logit_gradient_buffer_is_the_logits_unless_the_matmuls_take_half():
+    logits = torch.randn(1, 4, 9)
+    assert InputGrads.logit_grad_buffer(logits, torch.randn(9, 3)) is logits
+    half = InputGrads.logit_grad_buffer(logits, torch.randn(9, 3).bfloat16())
+    assert half.dtype == torch.bfloat16 and half.shape == logits.shape
 
 
 def test_only_hidden_needs_grad(backend, device):
