@@ -41,18 +41,20 @@ def _check_no_entropy(loss_options: dict, name: str) -> None:
 
 
 def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                         mask: Tensor, *, temperature=1.0, backend: str = "auto",
+                         mask: Tensor, *, temperature=1.0, inplace_backward: bool = False, backend: str = "auto",
                          **loss_options) -> tuple[Tensor, dict]:
     """:func:`fastppo.ppo_policy_loss` of the labels' log-probs under ``softmax(logits / temperature)``.
 
     ``logits`` ``(..., V)`` and ``labels`` ``(...)`` as in :func:`fastppo.token_logprobs`; the
-    token tensors have the labels' shape. ``loss_options`` are the keyword arguments of
+    token tensors have the labels' shape. ``inplace_backward`` as in :func:`fastppo.token_logprobs`:
+    the backward writes the logits' gradient over them. ``loss_options`` are the keyword arguments of
     :func:`fastppo.ppo_policy_loss` (``clip_eps``, ``kl_coef``, ``ref_logprobs``, ``agg``, ...),
     except ``entropy``, which is computed here.
     """
     _check_no_entropy(loss_options, "ppo_loss_from_logits")
     logp, entropy = token_logprobs(logits, _masked_labels(labels, mask), temperature=temperature,
-                                   ignore_index=_IGNORE, return_entropy=True, backend=backend)
+                                   ignore_index=_IGNORE, return_entropy=True, inplace_backward=inplace_backward,
+                                   backend=backend)
     return ppo_policy_loss(logp, old_logprobs, advantages, mask, entropy=entropy, backend=backend, **loss_options)
 
 

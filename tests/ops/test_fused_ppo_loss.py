@@ -43,6 +43,14 @@ def test_three_entry_points_agree_with_the_oracle(backend, temperature):
                                                    temperature=temperature, backend=backend, **OPTIONS)
     grad_b, = torch.autograd.grad(loss_b, logits)
 
+    overwritten = logits.detach().clone().requires_grad_()
+    loss_d, _ = fastppo.ppo_loss_from_logits(overwritten * 1, labels, old, adv, mask, ref_logprobs=ref,
+                                             temperature=temperature, inplace_backward=True, backend=backend,
+                                             **OPTIONS)
+    grad_d, = torch.autograd.grad(loss_d, overwritten)
+    torch.testing.assert_close(loss_d, loss_b, rtol=0, atol=0)
+    torch.testing.assert_close(grad_d, grad_b, rtol=0, atol=0)
+
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss_c, stats_c = fastppo.ppo_loss_from_hidden(h, w, labels, old, adv, mask, ref_logprobs=ref, chunk_size=4,
                                                    temperature=temperature, backend=backend, **OPTIONS)

@@ -184,3 +184,32 @@ def test_twin_chunk_boundaries(device, monkeypatch):
     for elements in (10, 23 * 3, 23 * 15):
         monkeypatch.setattr(logprobs_torch, "ROW_CHUNK_ELEMENTS", elements)
         check_op(logits, labels, "torch", temperature=torch.rand(3, 1, device=device) + 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inplace_backward_writes_the_gradient_over_the_logits(backend, device, dtype):
+    torch.manual_seed(0)
+    values = (torch.randn(3, 5, 300, device=device) * 3).to(dtype)
+    labels = make_labels((3, 5), 300, device=device)
+    g_logp, g_entropy = torch.randn(3, 5, device=device), torch.randn(3, 5, device=device)
+
+    def run(inplace):
+        leaf = values.clone().requires_grad_()
+        logits = leaf * 1  # an intermediate with its own storage, as an LM head's output
+        seen = []
+        logits.register_hook(seen.append)
+        logp, entropy = fastppo.token_logprobs(logits, labels, temperature=0.7, return_entropy=True,
+                                               inplace_backward=inplace, backend=backend)
+        (logp * g_logp + entropy * g_entropy).sum().backward()
+        return logp, entropy, leaf.grad, seen[0].data_ptr() == logits.data_ptr()
+
+    logp, entropy, grad, shared = run(inplace=False)
+    logp_in, entropy_in, grad_in, shared_in = run(inplace=True)
+    assert shared_in and not shared  # the gradient lives in the logits' own storage
+    for a, b in ((logp, logp_in), (entropy, entropy_in), (grad, grad_in)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_inplace_backward_must_be_a_bool():
+    with pytest.raises(TypeError, match="inplace_backward"):
+        fastppo.token_logprobs(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), inplace_backward="yes")
