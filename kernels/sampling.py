@@ -1,103 +1,190 @@
-"""Triton kernel that draws the next token of every row and its log-prob in one pass over the logits.
+"""Triton kernels that draw the next token of every row and its log-prob in one pass over the logits.
 
 A rollout step has to turn logits ``(B, V)`` into a token per row and the token's log-prob under
 ``softmax(logits / T)``. Done with separate PyTorch ops that is an fp32 copy, a scaled copy, a
 tensor of uniforms, two logs, an argmax and a log-softmax: about eight full passes over ``B x V``
-fp32 values. Here each row is read once, in blocks of the vocabulary, carrying
+fp32 values. Here each row is read once, in blocks of the vocabulary, and the draw is Gumbel-max:
+``argmax(z + g)`` with ``g = -log(-log(u))`` is an exact draw from ``softmax(z)``, with no
+normalisation and no second pass. In base-2 units (log2(e) folded into the scale, constants
+dropped from the argmax) the score is ``x * scale * log2(e) - log2(-log2(u))``: two
+flush-to-zero ``lg2`` instructions per element (``fastmath.py``). Greedy mode scores the logit
+itself (log-prob then at the given scale).
 
-    m, s          the running max and ``sum exp(z - m)`` of ``z = logits / T`` (log-sum-exp), and
-    best, i, z_i  the largest ``z + g`` seen, its column, and its ``z``,
+What the loop carries is per *lane*, not per row, so a block costs one cross-thread reduction
+(its max, for the log-sum-exp's reference point), not five:
 
-where ``g = -log(-log(u))`` is Gumbel noise: ``argmax(z + g)`` is an exact draw from
-``softmax(z)`` (the Gumbel-max trick), with no normalisation and no second pass. The log-prob is
-``z_i - (m + log s)``. Greedy mode skips the noise (log-prob then at the given scale).
+    m_x            the running max of the row's raw logits (per row),
+    s              sum exp2(y - m_x * scale2) over the lane's columns, rescaled as m_x grows,
+    best, best_col the lane's best score so far and its column (ties keep the lower column).
+
+At the end the lanes are reduced once: the row's best score, the lowest column holding it, and
+``sum s``. The token's log-prob is ``z_token - lse`` with ``z_token`` read again from the logits.
+
+Few rows leave most of the GPU idle (256 rows is 2 programs per multiprocessor on an H200), so
+the vocabulary is split across ``SPLITS`` programs per row: each writes its partial
+``(m_x, s, best, best_col)`` and ``_combine_kernel`` merges them per row. With one split the
+main kernel finishes the row itself.
 
 The uniforms come from Triton's counter-based Philox-4x32 generator keyed by ``seed``. One Philox
-evaluation (ten rounds of 32-bit multiplies) is more arithmetic than everything else the kernel
-does for a logit, and it yields four numbers, so all four are used: column ``c`` of row ``r``
-takes output ``c % 4`` of counter ``r * ceil(V / 4) + c // 4`` (int64). A draw thus depends on
-the seed and the logits only, never on the tiling.
-
-Ties go to the lowest column, as ``torch.argmax`` does. Rows are on grid axis 0, all offsets are
-int64, and the seed is a runtime value that is never specialised, so a new seed per step
-does not recompile.
+evaluation yields four numbers, so all four are used: column ``c`` of row ``r`` takes output
+``c % 4`` of counter ``r * ceil(V / 4) + c // 4`` (int64). A draw thus depends on the seed and
+the logits only, never on the tiling or the split. Ties go to the lowest column, as
+``torch.argmax`` does. Rows are on grid axis 0, all offsets are int64, and the seed is a runtime
+value that is never specialised, so a new seed per step does not recompile.
 """
 
 import triton
 import triton.language as tl
 
-from .logprobs import _tiling
+from .fastmath import LN2, LOG2E, exp2, log2
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
 _SMALLEST_UNIFORM = tl.constexpr(2.0 ** -32)
+_NO_COLUMN = tl.constexpr(2 ** 31 - 1)
+
+
+@triton.jit
+def _finish(logits_ptr, rows, row_ok, stride_b, stride_v, m_x, s, col, inv_temp, tokens_ptr, logp_ptr):
+    # m_x, s, col: (BLOCK_N,) a row's max raw logit, sum exp2(y - m_x * scale2), chosen column.
+    # s >= 1 in exact arithmetic (the max contributes exp2(0)); the clamp keeps the max's
+    # log-prob <= 0 against rounding. An all -inf row has lse = -inf and a NaN log-prob.
+    log2_s = tl.maximum(log2(s), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    lse = m_x * inv_temp + log2_s * LN2
+    col = col.to(tl.int64)
+    z = tl.load(logits_ptr + rows * stride_b + col * stride_v, mask=row_ok, other=0.0).to(tl.float32) * inv_temp
+    tl.store(tokens_ptr + rows, col, mask=row_ok)
+    tl.store(logp_ptr + rows, z - lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _sample_kernel(
     logits_ptr, stride_b, stride_v,
-    tokens_ptr, logp_ptr,
-    inv_temp, seed, B, V,
-    GREEDY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    tokens_ptr, logp_ptr, part_ptr, part_col_ptr,
+    inv_temp, seed, B, V, split_cols,
+    GREEDY: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < B
+    split = tl.program_id(1)
+    v_begin = split * split_cols  # a multiple of BLOCK_V
+    v_end = tl.minimum(V, v_begin + split_cols)
+    scale2 = inv_temp * LOG2E
 
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    best_col = tl.zeros((BLOCK_N,), tl.int64)
-    best_z = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)  # (BLOCK_V,)
-        ok = row_ok[:, None] & (cols < V)[None, :]
-        z = tl.load(logits_ptr + rows[:, None] * stride_b + cols[None, :] * stride_v,
-                    mask=ok, other=float("-inf")).to(tl.float32) * inv_temp  # (BLOCK_N, BLOCK_V)
+    m_x = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    best = tl.full((BLOCK_N, BLOCK_V), float("-inf"), tl.float32)
+    best_col = tl.zeros((BLOCK_N, BLOCK_V), tl.int32)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,) int32: V < 2**31
+        ok = row_ok[:, None] & (cols < v_end)[None, :]
+        x = tl.load(logits_ptr + rows[:, None] * stride_b + cols[None, :].to(tl.int64) * stride_v,
+                    mask=ok, other=float("-inf")).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
 
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while a row has seen only -inf
-        s = s * tl.exp(m - ref) + tl.sum(tl.exp(z - ref[:, None]), axis=1)
-        m = m_new
+        m_new = tl.maximum(m_x, tl.max(x, axis=1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)  # finite while a row has seen only -inf
+        decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))  # s is 0 until then
+        s = s * decay[:, None] + exp2(x * scale2 - ref[:, None])
+        m_x = m_new
 
         if GREEDY:
-            score = z
+            score = x
         else:
             counters = rows[:, None] * tl.cdiv(V, 4) + v0 // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
             u0, u1, u2, u3 = tl.rand4x(seed, counters)  # (BLOCK_N, BLOCK_V // 4) each
             # Interleave so that column 4k + j takes output j of counter k.
             u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_N, BLOCK_V))
-            score = z - tl.log(-tl.log(tl.maximum(u, _SMALLEST_UNIFORM)))
-        score = tl.where(ok, score, float("-inf"))
-        block_best = tl.max(score, axis=1)  # (BLOCK_N,)
-        block_col = v0 + tl.argmax(score, axis=1, tie_break_left=True).to(tl.int64)
-        block_z = tl.sum(tl.where(cols[None, :] == block_col[:, None], z, 0.0), axis=1)
-        better = block_best > best  # strictly: an equal score in a later block loses the tie
-        best = tl.where(better, block_best, best)
-        best_col = tl.where(better, block_col, best_col)
-        best_z = tl.where(better, block_z, best_z)
+            score = x * scale2 - log2(-log2(tl.maximum(u, _SMALLEST_UNIFORM)))
+        better = ok & (score > best)  # strictly: a later column with an equal score loses the tie
+        best = tl.where(better, score, best)
+        best_col = tl.where(better, cols[None, :], best_col)
 
-    lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
-    tl.store(tokens_ptr + rows, best_col, mask=row_ok)
-    tl.store(logp_ptr + rows, best_z - lse, mask=row_ok)
+    top = tl.max(best, axis=1)  # (BLOCK_N,)
+    col = tl.min(tl.where(best == top[:, None], best_col, _NO_COLUMN), axis=1)
+    col = tl.where(col == _NO_COLUMN, v_begin, col)  # nothing finite: the split's first column
+    s_row = tl.sum(s, axis=1)
+    if SPLITS == 1:
+        _finish(logits_ptr, rows, row_ok, stride_b, stride_v, m_x, s_row, col, inv_temp, tokens_ptr, logp_ptr)
+    else:
+        part = (rows * SPLITS + split) * 3  # (B, SPLITS, 3) fp32: m_x, s, best; (B, SPLITS) int64 columns
+        tl.store(part_ptr + part, m_x, mask=row_ok)
+        tl.store(part_ptr + part + 1, s_row, mask=row_ok)
+        tl.store(part_ptr + part + 2, top, mask=row_ok)
+        tl.store(part_col_ptr + rows * SPLITS + split, col, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    logits_ptr, stride_b, stride_v,
+    tokens_ptr, logp_ptr, part_ptr, part_col_ptr,
+    inv_temp, B,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < B
+    k = tl.arange(0, SPLITS)  # (SPLITS,)
+    at = rows[:, None] * SPLITS + k[None, :]  # (BLOCK_N, SPLITS)
+    m_x = tl.load(part_ptr + at * 3, mask=row_ok[:, None], other=float("-inf"))
+    s = tl.load(part_ptr + at * 3 + 1, mask=row_ok[:, None], other=0.0)
+    best = tl.load(part_ptr + at * 3 + 2, mask=row_ok[:, None], other=float("-inf"))
+    cols = tl.load(part_col_ptr + at, mask=row_ok[:, None], other=0)
+
+    row_max = tl.max(m_x, axis=1)  # (BLOCK_N,)
+    ref = tl.where(row_max == float("-inf"), 0.0, row_max)
+    scale2 = inv_temp * LOG2E
+    # A split that saw only -inf holds s = 0: its weight exp2(-inf) must not meet a 0 * inf.
+    weight = exp2(tl.where(m_x == float("-inf"), float("-inf"), (m_x - ref[:, None]) * scale2))
+    s_row = tl.sum(s * weight, axis=1)
+    top = tl.max(best, axis=1)
+    col = tl.min(tl.where(best == top[:, None], cols, _NO_COLUMN), axis=1)  # the lowest split wins a tie
+    _finish(logits_ptr, rows, row_ok, stride_b, stride_v, row_max, s_row, col, inv_temp, tokens_ptr, logp_ptr)
+
+
+# Tiling: 4 warps per 2048-column block (16 columns per thread, each carrying three values), a few
+# rows per program when the vocabulary is small. Against 8 warps x 4096 columns this halves the
+# registers (about 110 per thread), so twice the programs are resident to cover memory latency
+# (``fastppo bench --sass``).
+_TILE, _WARPS = 2048, 4
+_MAX_BLOCK_N = 64
+# Programs to aim for when splitting the vocabulary: about 8 per multiprocessor of a 132-SM GPU.
+_TARGET_PROGRAMS = 1024
 
 
 def _sample_tiling(V, block_v):
-    """(BLOCK_N, BLOCK_V, num_warps): the log-prob kernels' tiling, with blocks of 4 columns or more."""
-    return _tiling(max(V, 4), block_v)
+    """(BLOCK_N, BLOCK_V, num_warps); blocks of 4 columns or more (Philox yields 4 at a time)."""
+    BLOCK_V = block_v or min(triton.next_power_of_2(max(V, 4)), _TILE)
+    BLOCK_N = max(1, min(_MAX_BLOCK_N, _TILE // BLOCK_V))
+    return BLOCK_N, BLOCK_V, _WARPS
 
 
-def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, block_v=None):
+def _floor_power_of_2(n):
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _splits(B, V, BLOCK_N, BLOCK_V):
+    """Programs per row along the vocabulary: a power of two, each with at least 4 blocks."""
+    wanted = triton.next_power_of_2(max(1, _TARGET_PROGRAMS // triton.cdiv(B, BLOCK_N)))
+    return min(wanted, _floor_power_of_2(V // (4 * BLOCK_V)))
+
+
+def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, block_v=None, splits=None):
     """Fill ``tokens`` (int64) and ``logprobs`` (fp32), both ``(B,)``, from ``logits`` ``(B, V)``.
 
     ``inv_temperature`` scales the logits; ``greedy`` takes the argmax instead of a draw;
-    ``seed`` (an int in ``[0, 2**63)``) keys the draw. ``block_v`` (tests) must be a multiple of 4.
+    ``seed`` (an int in ``[0, 2**63)``) keys the draw. ``block_v`` (a multiple of 4) and
+    ``splits`` (a power of two) override the tiling for tests; neither changes the draw.
     """
     B, V = logits.shape
     if B == 0:
         return
     BLOCK_N, BLOCK_V, num_warps = _sample_tiling(V, block_v)
-    _sample_kernel[(triton.cdiv(B, BLOCK_N),)](
-        logits, *logits.stride(),
-        tokens, logprobs,
-        inv_temperature, seed, B, V,
-        GREEDY=greedy, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
+    SPLITS = splits or _splits(B, V, BLOCK_N, BLOCK_V)
+    split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
+    part = logprobs.new_empty((B, SPLITS, 3) if SPLITS > 1 else (0,))  # fp32 m_x, s, best
+    part_col = tokens.new_empty((B, SPLITS) if SPLITS > 1 else (0,))  # int64 columns
+    pointers = (logits, *logits.stride(), tokens, logprobs, part, part_col)
+    _sample_kernel[(triton.cdiv(B, BLOCK_N), SPLITS)](
+        *pointers, inv_temperature, seed, B, V, split_cols,
+        GREEDY=greedy, SPLITS=SPLITS, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
     )
+    if SPLITS > 1:
+        _combine_kernel[(triton.cdiv(B, 32),)](*pointers, inv_temperature, B, SPLITS=SPLITS, BLOCK_N=32, num_warps=1)

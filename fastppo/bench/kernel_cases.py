@@ -40,10 +40,11 @@ PPO_LOSS_TYPES = {"logp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "
 
 def sample_types(dtype: str) -> dict:
     return {"logits_ptr": f"*{dtype}", "stride_b": "i64", "tokens_ptr": "*i64", "logp_ptr": "*fp32",
-            "inv_temp": "fp32", "seed": "i64", "B": "i32", "V": "i32"}
+            "part_ptr": "*fp32", "part_col_ptr": "*i64", "inv_temp": "fp32", "seed": "i64", "B": "i32", "V": "i32",
+            "split_cols": "i32"}
 
 
-SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V")
+SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V", "split_cols")
 
 
 def logprob_cases(N: int = 8192, V: int = 151936) -> list:
@@ -71,12 +72,15 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
     from .roofline import KernelCase
 
     BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
+    SPLITS = sampling._splits(B, V, BLOCK_N, BLOCK_V)
+    split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
     cases = []
     for greedy in (False, True):
         cases.append(KernelCase(
-            f"sample_tokens{' (greedy)' if greedy else ''}", f"bf16 [{B}, {V}]", sampling._sample_kernel,
-            sample_types("bf16"), {"stride_v": 1, "GREEDY": greedy, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V},
-            num_warps=warps, programs=triton.cdiv(B, BLOCK_N), trips=triton.cdiv(V, BLOCK_V),
+            f"sample_tokens{' (greedy)' if greedy else ''}, {SPLITS} splits", f"bf16 [{B}, {V}]",
+            sampling._sample_kernel, sample_types("bf16"),
+            {"stride_v": 1, "GREEDY": greedy, "SPLITS": SPLITS, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V},
+            num_warps=warps, programs=triton.cdiv(B, BLOCK_N) * SPLITS, trips=triton.cdiv(split_cols, BLOCK_V),
             elements_per_trip=BLOCK_N * BLOCK_V, loaded_per_trip=2 * BLOCK_N * BLOCK_V, bytes=2 * B * V + 12 * B,
             target=0.7, aligned=SAMPLE_ALIGNED))
     return cases

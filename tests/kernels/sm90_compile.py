@@ -58,12 +58,17 @@ def ppo_loss_kernels():
 
 
 def sampling_kernels():
-    for V, dtype, greedy in itertools.product((1, 1000, 151936), ("bf16", "fp32"), (False, True)):
+    for (B, V), dtype, greedy in itertools.product(((64, 1), (64, 1000), (256, 151936), (1024, 151936)),
+                                                   ("bf16", "fp32"), (False, True)):
         BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
-        tiles = {"stride_v": 1, "GREEDY": greedy, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
+        splits = sampling._splits(B, V, BLOCK_N, BLOCK_V)
+        tiles = {"stride_v": 1, "GREEDY": greedy, "SPLITS": splits, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
         ptx = build(sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps, aligned=signatures.SAMPLE_ALIGNED)
         if V >= 1000:
             assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "sampling logits loads are not vectorised"
+        if splits > 1:
+            types = {k: v for k, v in signatures.sample_types(dtype).items() if k not in ("seed", "V", "split_cols")}
+            build(sampling._combine_kernel, types, {"stride_v": 1, "SPLITS": splits, "BLOCK_N": 32}, 1)
 
 
 if __name__ == "__main__":

@@ -31,20 +31,22 @@ def gumbel_oracle(logits, temperature, seed):
     return tokens, logprobs, top2[:, 0] - top2[:, 1]
 
 
-def run_kernel(logits, temperature, seed, block_v=None):
+def run_kernel(logits, temperature, seed, block_v=None, splits=None):
     B = logits.shape[0]
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     greedy = temperature == 0
-    sample_forward(logits, 1.0 if greedy else 1.0 / temperature, greedy, seed, tokens, logprobs, block_v=block_v)
+    sample_forward(logits, 1.0 if greedy else 1.0 / temperature, greedy, seed, tokens, logprobs,
+                   block_v=block_v, splits=splits)
     return tokens.cpu(), logprobs.cpu()
 
 
-@pytest.mark.parametrize("B,V,block_v", [(7, 300, 64), (5, 1000, None), (3, 1, None), (64, 37, 16)])
+@pytest.mark.parametrize("B,V,block_v,splits", [(7, 300, 64, None), (5, 1000, None, None), (3, 1, None, None),
+                                                (64, 37, 16, None), (7, 300, 16, 4), (5, 1000, 32, 8)])
 @pytest.mark.parametrize("seed", [0, 12345, 2 ** 40 + 7])
-def test_kernel_draw_is_the_oracle_draw(device, B, V, block_v, seed):
+def test_kernel_draw_is_the_oracle_draw(device, B, V, block_v, splits, seed):
     logits = torch.randn(B, V, device=device) * 3
-    tokens, logprobs = run_kernel(logits, 0.7, seed, block_v)
+    tokens, logprobs = run_kernel(logits, 0.7, seed, block_v, splits)
     ref_tokens, ref_logprobs, gap = gumbel_oracle(logits, 0.7, seed)
     clear = gap > 1e-4
     assert clear.sum() >= B - 1  # a near-tie is rare: the comparison below must cover nearly all rows
@@ -54,7 +56,8 @@ def test_kernel_draw_is_the_oracle_draw(device, B, V, block_v, seed):
 
 def test_kernel_draw_does_not_depend_on_the_tiling(device):
     logits = torch.randn(9, 203, device=device)
-    draws = [run_kernel(logits, 1.0, 42, block_v) for block_v in (4, 16, 64, 256)]
+    draws = [run_kernel(logits, 1.0, 42, block_v, splits)
+             for block_v, splits in ((4, None), (16, None), (64, None), (256, None), (16, 2), (4, 8), (32, 4))]
     for tokens, logprobs in draws[1:]:
         assert torch.equal(tokens, draws[0][0])
         torch.testing.assert_close(logprobs, draws[0][1], rtol=0, atol=1e-6)
@@ -102,6 +105,22 @@ def test_greedy_takes_the_first_of_tied_maxima_across_blocks(backend, device):
     assert tokens.tolist() == [17, 17, V - 1, 0]
     expected = torch.log_softmax(logits.double(), 1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_vocabulary_keeps_greedy_ties_and_lone_columns(device, splits):
+    V = 300
+    logits = torch.zeros(4, V, device=device)
+    logits[0, [17, 250]] = 5.0  # a tie across splits: the lower column wins
+    logits[1, [250, 17, 251]] = 5.0
+    logits[2, :] = float("-inf")
+    logits[2, V - 1] = -3.0  # only the last column is finite (the last split)
+    logits[3, :] = float("-inf")  # nothing finite: column 0, log-prob NaN
+    tokens, logprobs = run_kernel(logits, 0, 0, block_v=16, splits=splits)
+    assert tokens.tolist() == [17, 17, V - 1, 0]
+    expected = torch.log_softmax(logits[:3].double().cpu(), 1).gather(1, tokens[:3, None]).squeeze(1)
+    torch.testing.assert_close(logprobs[:3].double(), expected, rtol=0, atol=2e-5)
+    assert logprobs[3].isnan()
 
 
 def test_peaked_rows_and_lone_finite_columns_are_drawn(backend, device):
