@@ -32,6 +32,8 @@ def gae_types(values: str) -> dict:
             "ret_ptr": "*fp32", "B": "i32", "T": "i32", "gamma": "fp32", "gamma_lam": "fp32"}
 
 
+GAE_ALIGNED = ("rewards_ptr", "srb", "values_ptr", "svb", "mask_ptr", "smb", "adv_ptr", "ret_ptr", "T")
+
 PPO_LOSS_TYPES = {"logp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "weight_ptr": "*fp32",
                   "valid_ptr": "*i1", "ref_ptr": "*fp32", "ent_ptr": "*fp32", "grad_ptr": "*fp32",
                   "partials_ptr": "*fp32", "N": "i32", "clip_low": "fp32", "clip_high": "fp32",
@@ -90,12 +92,14 @@ def gae_cases(B: int = 512, T: int = 8192) -> list:
     from ..kernels import gae
     from .roofline import KernelCase
 
-    BLOCK_B, BLOCK_T = gae._tiling(B, T, None)
+    BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
     per_element = 4 + 4 + 1 + 4 + 4  # rewards, values, mask in; advantages, returns out
+    contiguous = {"srt": 1, "svt": 1, "smt": 1}  # what Triton specialises unit strides to
     return [KernelCase("gae", f"fp32 [{B}, {T}]", gae._gae_kernel, gae_types("fp32"),
-                       {"BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T}, num_warps=4, programs=triton.cdiv(B, BLOCK_B),
-                       trips=triton.cdiv(T, BLOCK_T), elements_per_trip=BLOCK_B * BLOCK_T,
-                       loaded_per_trip=9 * BLOCK_B * BLOCK_T, bytes=per_element * B * T, target=0.6)]
+                       {**contiguous, "BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T}, num_warps=warps,
+                       programs=triton.cdiv(B, BLOCK_B), trips=triton.cdiv(T, BLOCK_T),
+                       elements_per_trip=BLOCK_B * BLOCK_T, loaded_per_trip=9 * BLOCK_B * BLOCK_T,
+                       bytes=per_element * B * T, target=0.6, aligned=GAE_ALIGNED)]
 
 
 def ppo_loss_cases(N: int = 512 * 8192) -> list:

@@ -43,9 +43,17 @@ def logprob_kernels():
 
 
 def gae_kernels():
-    for (B, T), values in itertools.product(((512, 8192), (3, 5), (100, 37)), ("bf16", "fp32")):
-        BLOCK_B, BLOCK_T = gae._tiling(B, T, None)
-        build(gae._gae_kernel, signatures.gae_types(values), {"BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T}, 4)
+    for (B, T), values, contiguous in itertools.product(((512, 8192), (3, 5), (100, 37)), ("bf16", "fp32"),
+                                                        (False, True)):
+        BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
+        unit_strides = {"srt": 1, "svt": 1, "smt": 1} if contiguous else {}
+        ptx = build(gae._gae_kernel, signatures.gae_types(values), {**unit_strides, "BLOCK_B": BLOCK_B,
+                                                                   "BLOCK_T": BLOCK_T}, warps,
+                    aligned=signatures.GAE_ALIGNED if contiguous else ())
+        if contiguous and T >= 1024:
+            # forward-ordered blocks of contiguous rows: 16-byte loads and stores
+            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "GAE loads are not vectorised"
+            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx), "GAE stores are not vectorised"
 
 
 def ppo_loss_kernels():
