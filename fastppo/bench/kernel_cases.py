@@ -125,7 +125,7 @@ def linear_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> list:
     from ..ops.linear_token_logprobs import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
     from .roofline import linear_model
 
-    default = (default_chunk_size(N, V), WEIGHT_GRAD_IN_PLACE, HALF_LOGIT_GRAD)
+    default = (default_chunk_size(N, V, "cuda"), WEIGHT_GRAD_IN_PLACE, HALF_LOGIT_GRAD)
     plans = [default] + [p for p in ((256, False, False), (256, True, True), (1024, True, True)) if p != default]
     return [{**linear_model(gpu, N, H, V, *plan, recompute=recompute), "default": plan == default}
             for recompute in (False, True) for plan in plans]
