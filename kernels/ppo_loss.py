@@ -22,8 +22,13 @@ stays NaN through every clamp (``propagate_nan``), so it shows in the loss.
 import triton
 import triton.language as tl
 
-# The columns of the per-program partials, in the order the kernel stores them.
-PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
+from .layout import PARTIALS
+
+# The partials' row width and column of each sum, from the one definition of their layout.
+_WIDTH = tl.constexpr(len(PARTIALS))
+_PG, _KL, _ENTROPY, _CLIPPED, _HALF_LR_SQ, _RATIO, _RATIO_MAX, _DUAL_CLIPPED, _COUNT = (
+    tl.constexpr(PARTIALS.index(name)) for name in
+    ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count"))
 
 
 @triton.jit
@@ -87,17 +92,17 @@ def _ppo_loss_fwd_kernel(
     ent = tl.zeros_like(pg)
     if HAS_ENTROPY:
         ent = tl.where(valid, tl.load(ent_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
-    row = partials_ptr + pid * 9  # one row of PARTIALS per program
-    tl.store(row + 0, tl.sum(w * pg))
-    tl.store(row + 1, tl.sum(w * kl))
-    tl.store(row + 2, tl.sum(w * ent))
-    tl.store(row + 3, tl.sum((valid & clipped).to(tl.float32)))
-    tl.store(row + 4, tl.sum(m * 0.5 * lr * lr))
-    tl.store(row + 5, tl.sum(m * ratio))
+    row = partials_ptr + pid * _WIDTH  # one row of PARTIALS per program
+    tl.store(row + _PG, tl.sum(w * pg))
+    tl.store(row + _KL, tl.sum(w * kl))
+    tl.store(row + _ENTROPY, tl.sum(w * ent))
+    tl.store(row + _CLIPPED, tl.sum((valid & clipped).to(tl.float32)))
+    tl.store(row + _HALF_LR_SQ, tl.sum(m * 0.5 * lr * lr))
+    tl.store(row + _RATIO, tl.sum(m * ratio))
     ratio_max = tl.max(m * ratio)  # a max reduction drops NaN: put it back
-    tl.store(row + 6, tl.where(tl.sum((ratio != ratio).to(tl.int32)) > 0, float("nan"), ratio_max))
-    tl.store(row + 7, dual_clipped)
-    tl.store(row + 8, tl.sum(m))
+    tl.store(row + _RATIO_MAX, tl.where(tl.sum((ratio != ratio).to(tl.int32)) > 0, float("nan"), ratio_max))
+    tl.store(row + _DUAL_CLIPPED, dual_clipped)
+    tl.store(row + _COUNT, tl.sum(m))
 
 
 _BLOCK = 1024

@@ -28,6 +28,20 @@ def test_kernels_import_as_a_subpackage():
     assert fastppo.__version__
 
 
+def test_the_cpu_path_needs_no_triton():
+    # As on a machine without triton: the twins, and the layouts they share with the kernels, import
+    # and run; the kernel families are not imported with the package.
+    script = ("import sys; sys.modules['triton'] = None\n"
+              "import torch, fastppo, fastppo.kernels.layout\n"
+              "m = torch.ones(2, 5, dtype=torch.bool)\n"
+              "loss, _ = fastppo.ppo_policy_loss(-torch.rand(2, 5), -torch.rand(2, 5), torch.randn(2, 5), m)\n"
+              "logp = fastppo.token_logprobs(torch.randn(2, 5, 7), torch.zeros(2, 5, dtype=torch.long))\n"
+              "assert torch.isfinite(loss) and logp.shape == (2, 5)\n"
+              "assert 'fastppo.kernels.ppo_loss' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_demo_matches_float64_pytorch():
     r = run_demo(batch=2, seq_len=16, vocab_size=1000)
     for name in ("token_logprobs", "linear_token_logprobs"):

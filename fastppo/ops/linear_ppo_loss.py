@@ -22,7 +22,7 @@ from torch import Tensor
 from .dispatch import implementation
 from .linear_token_logprobs import InputGrads, chunk_logits, matmul_weight, row_slice
 from .ppo_loss import STATS, summarize
-from .ppo_loss_torch import PARTIALS
+from ..kernels.layout import PARTIALS
 from .rollout_is_weights import truncated_weights
 
 

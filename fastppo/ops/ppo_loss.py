@@ -19,7 +19,7 @@ from . import checks
 from .aggregation import aggregation_weights
 from .dispatch import implementation, resolve_backend
 from .kl import KL_ESTIMATORS
-from .ppo_loss_torch import PARTIALS
+from ..kernels.layout import PARTIALS
 
 # The statistics vector the op returns, in order.
 STATS = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac")

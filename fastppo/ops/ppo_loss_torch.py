@@ -7,10 +7,8 @@ every call, and measured twice as slow on a CPU. See the kernel's docstring for 
 
 import torch
 
+from ..kernels.layout import PARTIALS
 from .kl import kl_penalty
-
-# The columns of the partial sums both implementations write, in order.
-PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
 
 
 # Tokens per chunk: 512 KiB per fp32 temporary, cache-sized (2**16 to 2**18 measured best).
@@ -71,7 +69,7 @@ def _chunk_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logpr
 
     ent = safe(entropy) if entropy is not None else torch.zeros_like(pg)
     m = valid.float()
-    partials_row.copy_(torch.stack([
-        (weights * pg).sum(), (weights * kl).sum(), (weights * ent).sum(), (valid & clipped).sum(),
-        (m * 0.5 * lr * lr).sum(), (m * ratio).sum(), (m * ratio).max(), dual_on.sum(), m.sum(),
-    ]).float())
+    sums = {"pg": (weights * pg).sum(), "kl": (weights * kl).sum(), "entropy": (weights * ent).sum(),
+            "clipped": (valid & clipped).sum(), "half_lr_sq": (m * 0.5 * lr * lr).sum(), "ratio": (m * ratio).sum(),
+            "ratio_max": (m * ratio).max(), "dual_clipped": dual_on.sum(), "count": m.sum()}
+    partials_row.copy_(torch.stack([sums[name].float() for name in PARTIALS]))
