@@ -7,6 +7,11 @@
 #   tests.log    the test suite's output
 #   results.json every bench row and the machine
 #   results.md   the bench tables, printed again last
+# Peers: the GPU image has no Liger-Kernel or TRL and no network. bash bench/fetch_peer_wheels.sh,
+# run beforehand where the index is reachable, leaves their wheels in bench/wheels/ (carry that
+# folder to the GPU machine); they are installed into a temporary folder after the tests, so the
+# bench measures them side by side, and their versions go into gpu.txt. Without the folder the
+# peers' rows say "not installed".
 # Usage: bash bench/gpu_check.sh [OUT_DIR]      Budget: well inside 8 minutes on an H200.
 # A dry run without a GPU: GPU_CHECK_BENCH_ARGS="--device cpu --quick" bash bench/gpu_check.sh /tmp/out
 set -uo pipefail
@@ -28,6 +33,20 @@ $python -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$out/
 echo "== tests (compiled kernels) =="
 timeout 240 $python -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
+
+if compgen -G "bench/wheels/*.whl" >/dev/null; then
+  peers=$(mktemp -d)
+  if $python -m pip install -q --no-index --no-deps --no-compile --target "$peers" bench/wheels/*.whl >>"$out/install.log" 2>&1; then
+    export PYTHONPATH="$peers${PYTHONPATH:+:$PYTHONPATH}"
+    $python -c "import importlib.metadata as m; print('peers: liger-kernel', m.version('liger-kernel'), '| trl', m.version('trl'))" \
+      2>&1 | tee -a "$out/gpu.txt"
+  else
+    echo "gpu_check: the carried peer wheels did not install (install.log)" | tee -a "$out/gpu.txt"
+  fi
+else
+  echo "no peer wheels in bench/wheels (bash bench/fetch_peer_wheels.sh): Liger and TRL rows say not installed" \
+    | tee -a "$out/gpu.txt"
+fi
 
 echo "== bench (full shapes) =="
 # shellcheck disable=SC2086  (the arguments are meant to split)
