@@ -17,6 +17,7 @@ from .ops import (
     sample_tokens,
     sequence_ppo_loss,
     token_logprobs,
+    token_logprobs_from_hidden,
     token_rewards,
     value_loss,
 )

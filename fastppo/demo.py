@@ -2,7 +2,7 @@
 
 It builds a small Llama from a config (random weights, no download), runs one batch through it,
 and computes every token's log-prob and entropy three ways: from the full logits with
-``token_logprobs``, from the last hidden states with ``linear_token_logprobs`` (no logits at
+``token_logprobs``, from the last hidden states with ``token_logprobs_from_hidden`` (no logits at
 all), and with plain float64 PyTorch as the reference. It prints how far each is from the
 reference, for the values and for the LM head's gradient, and how much memory the logits would
 have taken.
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .ops import linear_token_logprobs, token_logprobs
+from .ops import token_logprobs_from_hidden, token_logprobs
 
 
 def build_tiny_llama(vocab_size: int, seed: int):
@@ -45,7 +45,7 @@ def run_demo(*, device: str = "cpu", backend: str = "auto", batch: int = 4, seq_
     ref_logp, ref_entropy = _reference(hidden, weight, labels, temperature)
 
     results = {}
-    for name in ("token_logprobs", "linear_token_logprobs"):
+    for name in ("token_logprobs", "token_logprobs_from_hidden"):
         w = weight.clone().requires_grad_()
         start = time.perf_counter()
         if name == "token_logprobs":
@@ -53,7 +53,7 @@ def run_demo(*, device: str = "cpu", backend: str = "auto", batch: int = 4, seq_
             logp, entropy = token_logprobs(logits, labels, temperature=temperature, return_entropy=True,
                                            backend=backend)
         else:
-            logp, entropy = linear_token_logprobs(hidden, w, labels, temperature=temperature,
+            logp, entropy = token_logprobs_from_hidden(hidden, w, labels, temperature=temperature,
                                                   return_entropy=True, backend=backend)
         (logp.sum() + 0.1 * entropy.sum()).backward()
         seconds = time.perf_counter() - start
@@ -86,9 +86,9 @@ def main(argv=None) -> int:
     print(f"tiny Llama, {r['tokens']} tokens, V={args.vocab_size}, device={args.device}, backend={args.backend}")
     print(f"mean log-prob of the next token: {r['mean_logp']:.4f}  (uniform would be {-torch.log(torch.tensor(args.vocab_size)).item():.4f})")
     print(f"{'op':<24}{'max |logp err|':>16}{'max |H err|':>14}{'LM-head grad rel err':>22}{'seconds':>10}")
-    for name in ("token_logprobs", "linear_token_logprobs"):
+    for name in ("token_logprobs", "token_logprobs_from_hidden"):
         x = r[name]
         print(f"{name:<24}{x['logp_err']:>16.2e}{x['entropy_err']:>14.2e}{x['grad_rel_err']:>22.2e}{x['seconds']:>10.3f}")
-    print(f"errors are against float64 PyTorch; linear_token_logprobs never built the "
+    print(f"errors are against float64 PyTorch; token_logprobs_from_hidden never built the "
           f"{r['full_logits_mib']:.0f} MiB of fp32 logits")
     return 0

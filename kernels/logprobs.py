@@ -21,8 +21,8 @@ Two kernels, both one pass over the logits:
 
       dz_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + entropy),   dlogits = dz / T.
 
-  The output pointer may alias the input (the linear path on a CPU overwrites its fp32 logits
-  chunk with their gradient), or have another dtype (on CUDA it writes a half gradient for the
+  The output pointer may alias the input (the ops from hidden states, on a CPU, overwrite its fp32 logits
+  chunk with their gradient), or have another dtype (on CUDA they write a half gradient for the
   matmuls): every element is read before it is written, by the same program.
 
 Logits are addressed as a ``(B, T, V)`` view with arbitrary strides, so slices such as

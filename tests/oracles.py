@@ -45,7 +45,7 @@ def logprobs_grad_oracle(logits, labels, grad_logp, grad_entropy, temperature=1.
     return keep * dz / temperature
 
 
-def linear_logprobs_oracle(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100):
+def logprobs_from_hidden_oracle(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100):
     logits = hidden.double() @ weight.double().T
     if bias is not None:
         logits = logits + bias.double()

@@ -46,17 +46,17 @@ def test_resources_are_read_from_res_usage():
     assert sass.resources(text) == sass.Resources(registers=48, local_bytes=8, shared_bytes=1024)
 
 
-def test_linear_model_charges_what_each_plan_moves():
+def test_from_hidden_model_charges_what_each_plan_moves():
     gpu = roofline.GPU()
     N, H, V = 8192, 4096, 151936
 
     def ratio(chunk, in_place, half, recompute=False):
-        return roofline.linear_model(gpu, N, H, V, chunk, in_place, half, recompute)["ratio"]
+        return roofline.from_hidden_model(gpu, N, H, V, chunk, in_place, half, recompute)["ratio"]
 
     assert ratio(256, False, False) > ratio(256, True, False) > ratio(256, True, True) > ratio(1024, True, True) > 1
     # Rebuilding the logits in the backward is a fourth matmul: at least 4/3 of the bare three.
     assert ratio(1024, True, True, recompute=True) > 4 / 3
-    bare = roofline.linear_model(gpu, N, H, V, N, True, True, False)["bare_ms"]
+    bare = roofline.from_hidden_model(gpu, N, H, V, N, True, True, False)["bare_ms"]
     assert bare == pytest.approx(3 * 2 * N * H * V / 788e12 * 1e3)
 
 
@@ -81,7 +81,7 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
         assert row["predicted_us"] == max(row["issue_us"], row["mufu_us"], row["memory_us"]), row
     backward = next(r for r in report["kernels"] if r["kernel"] == "token_logprobs backward")
     assert backward["load_bits"] == [128] and 128 in backward["store_bits"]  # streamed 16 bytes at a time
-    assert any(m["default"] for m in report["linear"])
+    assert any(m["default"] for m in report["from_hidden"])
 
 
 def test_sass_refuses_the_interpreter_in_one_line():

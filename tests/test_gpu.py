@@ -1,5 +1,5 @@
 """Checks that need a real GPU: int64 offsets past 2**31 elements, CUDA-graph capture, and the
-linear path's memory bound under the CUDA allocator. Skipped without CUDA."""
+memory bound of the ops from hidden states under the CUDA allocator. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -55,7 +55,7 @@ def test_cuda_graph_capture():
         torch.testing.assert_close(a, b)
 
 
-def test_linear_memory_bound_on_the_allocator():
+def test_from_hidden_memory_bound_on_the_allocator():
     N, H, V, chunk = 4096, 64, 32_000, 128
     hidden = torch.randn(N, H, device="cuda", requires_grad=True)
     weight = torch.randn(V, H, device="cuda", requires_grad=True)
@@ -63,7 +63,7 @@ def test_linear_memory_bound_on_the_allocator():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=chunk)
+    logp, entropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, return_entropy=True, chunk_size=chunk)
     (logp.sum() + entropy.sum()).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base

@@ -94,7 +94,7 @@ def _sass(args, parser) -> int:
     from dataclasses import asdict
 
     from ..ops.dispatch import TRITON_INSTALLED
-    from .kernel_cases import all_cases, linear_plans
+    from .kernel_cases import all_cases, from_hidden_plans
     from .roofline import estimate, markdown as roofline_markdown, with_overrides
     from .runner import commit
 
@@ -109,9 +109,9 @@ def _sass(args, parser) -> int:
                          latency_us=args.gpu_latency_us)
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "triton": triton.__version__}
     rows = [estimate(case, gpu) for case in all_cases()]
-    linear = linear_plans(gpu)
-    return _report(args, {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "linear": linear},
-                   roofline_markdown(rows, linear, gpu, meta))
+    plans = from_hidden_plans(gpu)
+    return _report(args, {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "from_hidden": plans},
+                   roofline_markdown(rows, plans, gpu, meta))
 
 
 def _report(args, result: dict, table: str) -> int:

@@ -64,7 +64,8 @@ def logprob_cases(N: int = 8192, V: int = 151936) -> list:
     for g_ent in (False, True):
         cases.append(KernelCase(f"token_logprobs backward{' (+ entropy grad)' if g_ent else ''}", shape,
                                 logprobs._logprobs_bwd_kernel, logprob_bwd_types("bf16"),
-                                {**tiles, "gstride_v": 1, "HAS_G_ENT": g_ent}, bytes=4 * N * V + (32 if g_ent else 16) * N,
+                                {**tiles, "gstride_v": 1, "HAS_G_ENT": g_ent},
+                                bytes=4 * N * V + (32 if g_ent else 16) * N,
                                 aligned=LOGPROB_BWD_ALIGNED, **launch))
     return cases
 
@@ -79,7 +80,7 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
     cases = []
     for greedy in (False, True):
         cases.append(KernelCase(
-            f"sample_tokens{' (greedy)' if greedy else ''}, {SPLITS} splits", f"bf16 [{B}, {V}]",
+            f"sample_tokens{' (greedy)' if greedy else ''}", f"bf16 [{B}, {V}], {SPLITS} splits",
             sampling._sample_kernel, sample_types("bf16"),
             {"stride_v": 1, "GREEDY": greedy, "SPLITS": SPLITS, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V},
             num_warps=warps, programs=triton.cdiv(B, BLOCK_N) * SPLITS, trips=triton.cdiv(split_cols, BLOCK_V),
@@ -119,13 +120,13 @@ def all_cases() -> list:
     return logprob_cases() + small_vocabulary + sample_cases() + gae_cases() + ppo_loss_cases()
 
 
-def linear_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> list:
-    """The linear path's FLOP/byte model at a 7B head: for each op, the launcher's plan on CUDA
+def from_hidden_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> list:
+    """The FLOP/byte model of the ops from hidden states at a 7B head: for each op, the launcher's plan on CUDA
     first (marked), then the plan before it (256-row chunks, fp32 gradient then a cast, += per chunk)."""
-    from ..ops.linear_token_logprobs import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
-    from .roofline import linear_model
+    from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
+    from .roofline import from_hidden_model
 
     default = (default_chunk_size(N, V, "cuda"), WEIGHT_GRAD_IN_PLACE, HALF_LOGIT_GRAD)
     plans = [default] + [p for p in ((256, False, False), (256, True, True), (1024, True, True)) if p != default]
-    return [{**linear_model(gpu, N, H, V, *plan, recompute=recompute), "default": plan == default}
+    return [{**from_hidden_model(gpu, N, H, V, *plan, recompute=recompute), "default": plan == default}
             for recompute in (False, True) for plan in plans]

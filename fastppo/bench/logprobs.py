@@ -5,7 +5,7 @@ Bytes, the fewest a fused implementation must move (e = bytes per logit or hidde
 * ``logprobs`` forward: logits ``N*V*e`` read, labels ``8N`` read, log-prob and entropy ``8N``
   written. Forward+backward adds the logits read again, their gradient ``N*V*e`` written and the
   two upstream gradients ``8N`` read.
-* ``linear_logprobs`` forward: hidden ``N*H*e`` and weight ``V*H*e`` read, labels and outputs as
+* ``logprobs_from_hidden`` forward: hidden ``N*H*e`` and weight ``V*H*e`` read, labels and outputs as
   above. Forward+backward adds hidden and weight read again and their gradients written. The op
   is bound by its matmuls (2*N*H*V FLOPs each), so its GB/s stays far from the copy bandwidth by
   nature; compare its time and memory.
@@ -18,7 +18,7 @@ import torch
 import fastppo
 
 from .case import Case, Contender, compiled, random_tokens
-from .peers import linear_logprobs_peers, logprobs_peers
+from .peers import logprobs_from_hidden_peers, logprobs_peers
 
 TOKENS, VOCABS, HIDDENS = (4096, 16384), (32000, 128256, 151936), (896, 4096)
 CPU_TOKENS, CPU_VOCABS = (2048,), (32000, 49152)  # a CPU batch; Llama-2's and SmolLM2's vocabularies
@@ -37,7 +37,7 @@ def naive_logprobs(logits, labels):
     return log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
-def naive_linear_logprobs(hidden, weight, labels):
+def naive_logprobs_from_hidden(hidden, weight, labels):
     return naive_logprobs(hidden @ weight.T, labels)  # materialises the (N, V) logits
 
 
@@ -68,11 +68,11 @@ def logprobs_cases(device: torch.device, quick: bool) -> list:
     return cases
 
 
-def linear_logprobs_cases(device: torch.device, quick: bool) -> list:
+def logprobs_from_hidden_cases(device: torch.device, quick: bool) -> list:
     dtype = dtype_for(device)
     e = torch.finfo(dtype).bits // 8
     compiled_naive = compiled("torch.compile(naive)",
-                              lambda x: naive_linear_logprobs(x["hidden"], x["weight"], x["labels"]), device)
+                              lambda x: naive_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"]), device)
     shapes = (QUICK_TOKENS, QUICK_VOCABS, QUICK_HIDDENS) if quick else (TOKENS, VOCABS, HIDDENS)
     cases = []
     for N, V, H in itertools.product(*shapes):
@@ -81,15 +81,15 @@ def linear_logprobs_cases(device: torch.device, quick: bool) -> list:
                     "weight": (random_tokens(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
                     "labels": torch.randint(0, V, (N,), device=device)}
         contenders = [
-            Contender("fastppo", lambda x: fastppo.linear_token_logprobs(x["hidden"], x["weight"], x["labels"],
+            Contender("fastppo", lambda x: fastppo.token_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"],
                                                                          return_entropy=True)),
-            Contender("naive", lambda x: naive_linear_logprobs(x["hidden"], x["weight"], x["labels"]),
+            Contender("naive", lambda x: naive_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"]),
                       baseline=True),
             compiled_naive,
-            *linear_logprobs_peers(device),
+            *logprobs_from_hidden_peers(device),
         ]
         operands = (N * H + V * H) * e
-        cases.append(Case("linear_logprobs", f"N={N} V={V} H={H}", make, contenders,
+        cases.append(Case("logprobs_from_hidden", f"N={N} V={V} H={H}", make, contenders,
                           bytes_fwd=operands + 16 * N, bytes_fwd_bwd=4 * operands + 24 * N,
                           grad_inputs=("hidden", "weight")))
     return cases

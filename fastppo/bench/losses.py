@@ -5,7 +5,7 @@ Bytes, the fewest each must move (e = bytes per logit; token tensors are fp32, t
 * ``ppo_loss`` (from logits, with KL and entropy terms) forward: logits ``N*V*e`` and labels
   ``8N`` read, old log-probs, advantages and reference log-probs ``12N``, mask ``N``.
   Forward+backward adds the logits read again and their gradient written.
-* ``ppo_loss_hidden`` (from hidden states and the LM head): as ``linear_logprobs`` (hidden and
+* ``ppo_loss_hidden`` (from hidden states and the LM head): as ``logprobs_from_hidden`` (hidden and
   weight read, their gradients written), plus ``21N`` for the token tensors. Bound by its
   matmuls: fastppo runs three per chunk where the unfused chain of its own ops runs four.
 * ``ppo_loss_tokens`` (from log-probs) forward: four fp32 token tensors and the mask, ``17N``;
@@ -90,7 +90,7 @@ def ppo_loss_hidden_cases(device: torch.device, quick: bool) -> list:
         return naive_ppo_loss(logp, x["old"], x["adv"], x["mask"], x["ref"], entropy)
 
     def unfused(x):
-        logp, entropy = fastppo.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], return_entropy=True)
+        logp, entropy = fastppo.token_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"], return_entropy=True)
         return fastppo.ppo_policy_loss(logp, x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"], entropy=entropy,
                                        entropy_coef=0.01, **LOSS_OPTIONS)[0]
 
@@ -109,7 +109,7 @@ def ppo_loss_hidden_cases(device: torch.device, quick: bool) -> list:
             Contender("fastppo", lambda x: fastppo.ppo_loss_from_hidden(
                 x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"],
                 entropy_coef=0.01, **LOSS_OPTIONS)[0]),
-            Contender("fastppo unfused (linear_token_logprobs + ppo_policy_loss)", unfused),
+            Contender("fastppo unfused (token_logprobs_from_hidden + ppo_policy_loss)", unfused),
             Contender("naive", naive, baseline=True),
             compiled_naive,
         ]

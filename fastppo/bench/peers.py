@@ -43,7 +43,7 @@ def logprobs_peers(device: torch.device) -> list:
     ]
 
 
-def linear_logprobs_peers(device: torch.device) -> list:
+def logprobs_from_hidden_peers(device: torch.device) -> list:
     return [
         _peer("trl ChunkedLogProbFunction", "trl.kernels", "ChunkedLogProbFunction", device,
               lambda fn, x: fn.apply(x["hidden"], x["weight"], None, x["labels"], 1.0, 4096, None, 1.0,

@@ -19,9 +19,9 @@ bandwidth over it. It is an estimate from compiled code: it ignores stalls on de
 instructions, the L2, the tail of a partial wave and clocks below boost, so a kernel predicted
 at 100% is necessary-but-not-sufficient evidence. ``bench/gpu_check.sh`` measures the real thing.
 
-The matmul-bound linear path (log-probs and the PPO loss from hidden states and the LM head) has
+The matmul-bound ops from hidden states (log-probs and the PPO loss from hidden states and the LM head) have
 no SASS of its own worth reading: its cost is cuBLAS. It gets a FLOP/byte model of the launcher's
-chunk plan instead (``linear_model``), against the three bare matmuls.
+chunk plan instead (``from_hidden_model``), against the three bare matmuls.
 """
 
 from dataclasses import dataclass, field, replace
@@ -107,13 +107,13 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
     }
 
 
-def linear_model(gpu: GPU, N: int, H: int, V: int, chunk: int, in_place: bool, half_grad: bool,
+def from_hidden_model(gpu: GPU, N: int, H: int, V: int, chunk: int, in_place: bool, half_grad: bool,
                  recompute: bool, element_bytes: int = 2) -> dict:
-    """Predicted time of the chunked linear path, forward and backward, against the three bare
+    """Predicted time of the chunked ops from hidden states, forward and backward, against the three bare
     matmuls of the same shapes, each step bound by FLOPs or by bytes.
 
     Per chunk of n rows: the logits ``(n, V)`` fp32 come out of a matmul (twice with
-    ``recompute``: ``linear_token_logprobs`` rebuilds them in its backward; ``ppo_loss_from_hidden``
+    ``recompute``: ``token_logprobs_from_hidden`` rebuilds them in its backward; ``ppo_loss_from_hidden``
     knows its gradients in the forward and does not), the log-prob kernel reads them, its backward
     reads them again and writes their gradient (in half directly with ``half_grad``, else fp32 in
     place and then a cast to half), and two matmuls follow: ``grad_hidden = g @ W`` and
@@ -140,7 +140,7 @@ def linear_model(gpu: GPU, N: int, H: int, V: int, chunk: int, in_place: bool, h
             "recompute": recompute, "predicted_ms": total * 1e3, "bare_ms": bare * 1e3, "ratio": total / bare}
 
 
-def markdown(rows: list, linear: list, gpu: GPU, meta: dict) -> str:
+def markdown(rows: list, plans: list, gpu: GPU, meta: dict) -> str:
     lines = [
         f"# fastppo kernels on {gpu.name}, predicted from sm_90 machine code (an estimate, not a measurement)",
         "",
@@ -163,14 +163,14 @@ def markdown(rows: list, linear: list, gpu: GPU, meta: dict) -> str:
             f"{r['spill_bytes']} | {r['shared_bytes']} | {bits} | {r['instructions_per_element']:.1f} | "
             f"{r['barriers']} | {r['shuffles']} | {r['issue_us']:.0f} | {r['memory_us']:.0f} | "
             f"{r['predicted_us']:.0f} | {r['bound']} | {r['copy_share']:.0%} | {target} |")
-    if linear:
-        lines += ["", "## The linear path, from a FLOP/byte model of its chunk plan", "",
+    if plans:
+        lines += ["", "## From hidden states: a FLOP/byte model of the chunk plan", "",
                   "Each step of each chunk takes max(FLOPs / matmul rate, bytes / copy bandwidth); "
                   "bare = the three matmuls (logits, hidden and weight gradients) alone.", "",
                   "| op | N x H x V | chunk rows | logit grad | weight grad | predicted ms | bare matmuls ms | ratio |",
                   "| --- " * 8 + "|"]
-        for m in linear:
-            op = "linear_token_logprobs" if m["recompute"] else "ppo_loss_from_hidden"
+        for m in plans:
+            op = "token_logprobs_from_hidden" if m["recompute"] else "ppo_loss_from_hidden"
             chunk = f"{m['chunk']} (the launcher's)" if m.get("default") else str(m["chunk"])
             grad = "half, by the kernel" if m["half_grad"] else "fp32, then cast"
             how = "in place (fp32 out)" if m["in_place"] else "+= per chunk"

@@ -14,7 +14,7 @@ import torch
 import fastppo
 
 from .advantages import gae_cases, whiten_cases
-from .logprobs import linear_logprobs_cases, logprobs_cases
+from .logprobs import logprobs_from_hidden_cases, logprobs_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
 from .sampler import sampler_cases, sampling_cases
 from .trainer import trainer_cases, trainer_options_cases
@@ -34,7 +34,7 @@ FAMILIES = {
     "value_loss": value_loss_cases,
     "whiten": whiten_cases,
     "ppo_loss_hidden": ppo_loss_hidden_cases,
-    "linear_logprobs": linear_logprobs_cases,
+    "logprobs_from_hidden": logprobs_from_hidden_cases,
 }
 
 

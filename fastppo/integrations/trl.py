@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..ops.checks import FLOAT_DTYPES
-from ..ops.linear_token_logprobs import linear_token_logprobs
+from ..ops.token_logprobs_from_hidden import token_logprobs_from_hidden
 from ..ops.token_logprobs import token_logprobs
 from .patching import Patch
 from .peers import Peer
@@ -146,7 +146,7 @@ class FusedLinearLogProb:
             bias = None if bias is None else bias.to(dtype)
         with_stats = generation == "1.15" and not set(outputs).isdisjoint(_HEAD_STATS)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, entropy, *stats = linear_token_logprobs(hidden, weight, a["targets"], bias=bias,
+            logp, entropy, *stats = token_logprobs_from_hidden(hidden, weight, a["targets"], bias=bias,
                                                           temperature=a["temperature"], return_entropy=True,
                                                           return_stats=with_stats)
         if generation == "1.9":

@@ -6,7 +6,7 @@ and clips it per sequence: ``loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps, 1 + 
 averaged over the sequences with a valid token. Its gradient reaches every token of a sequence
 as ``-A_i s_i / |y_i|`` (zero when the clip is active), so it needs the whole sequence's
 log-probs first: a cross-token reduction the chunked kernels, which see rows of tokens, do not
-have. It is therefore plain PyTorch over token log-probs (from ``linear_token_logprobs``), a few
+have. It is therefore plain PyTorch over token log-probs (from ``token_logprobs_from_hidden``), a few
 reductions over ``(B, T)``. On-policy (the first step after a rollout) every ``s_i`` is exactly 1
 and the gradient is ``-A_i / |y_i|`` per token, which is ``ppo_loss_from_hidden`` with
 ``agg="seq-mean-token-mean"``: the trainer takes that fused path there.

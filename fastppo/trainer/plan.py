@@ -92,7 +92,7 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
                 reward_model_config=None) -> list:
     """The lines of one device's memory for a run of ``config`` (a validated ``TrainConfig``) on the
     model ``model_config``, prompts of up to ``prompt_tokens`` tokens."""
-    from ..ops.linear_token_logprobs import default_chunk_size
+    from ..ops.token_logprobs_from_hidden import default_chunk_size
 
     r, a, lora = config.rollout, config.algo, config.lora
     precision = Precision.of(config.optim.autocast, r.rollout_dtype, config.run.save_dtype, device_type,

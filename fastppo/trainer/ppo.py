@@ -6,7 +6,7 @@ reference log-probs and the values, and for the old log-probs unless the update 
 on-policy (then they are the update's own, detached) -> advantages as the estimator table says
 (``estimators.py``) -> ``ppo_epochs`` passes of minibatch updates with ``ppo_loss_from_hidden``
 (or GSPO's sequence loss) and ``value_loss`` -> metrics, and the held-out evaluation when it is
-due (``evaluation.py``). Log-probs come from hidden states with the fused linear ops, never full
+due (``evaluation.py``). Log-probs come from hidden states with the fused ops from hidden states, never full
 logits. Precision (fp32 masters, bf16 compute) is ``precision.py``'s; prompts are ``data.py``'s.
 
 The details that trip trainers up are explicit here: dropout is off in every model; the
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import (gae, group_advantages, linear_token_logprobs, masked_whiten, ppo_loss_from_hidden,
+from ..ops import (gae, group_advantages, token_logprobs_from_hidden, masked_whiten, ppo_loss_from_hidden,
                    rollout_is_weights, sequence_ppo_loss, token_rewards, value_loss)
 from ..ops.aggregation import denominator
 from ..rollout import Sampler
@@ -116,7 +116,7 @@ def response_labels(batch: Batch) -> Tensor:
 def response_logprobs(model, batch: Batch, temperature: float) -> Tensor:
     hidden = response_hidden(model, batch)
     weight, bias = head_params(model, hidden)
-    return linear_token_logprobs(hidden, weight, response_labels(batch), bias=bias, temperature=temperature)
+    return token_logprobs_from_hidden(hidden, weight, response_labels(batch), bias=bias, temperature=temperature)
 
 
 def _tensorboard(out: Path):
@@ -398,11 +398,11 @@ class PPOTrainer:
         return loss, stats
 
     def _sequence_loss(self, mb: Batch, hidden: Tensor, kl_in_loss: bool) -> tuple:
-        """GSPO's loss off-policy: each response's token log-probs from the fused linear op, then
+        """GSPO's loss off-policy: each response's token log-probs from the fused op from hidden states, then
         :func:`~fastppo.ops.sequence_ppo_loss` over them, a mean over the minibatch's responses."""
         c = self.config
         weight, bias = head_params(self.policy, hidden)
-        logp, entropy = linear_token_logprobs(hidden, weight, response_labels(mb), bias=bias,
+        logp, entropy = token_logprobs_from_hidden(hidden, weight, response_labels(mb), bias=bias,
                                               temperature=c.rollout.temperature, return_entropy=True)
         per_row = mb.advantages.sum(1) / mb.mask.sum(1).clamp(min=1)  # the group advantage each token holds
         return sequence_ppo_loss(logp, mb.old_logprobs, per_row, mb.mask, clip_eps=c.algo.clip_eps,

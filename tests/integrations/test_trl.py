@@ -113,8 +113,8 @@ def test_fused_linear_log_prob_matches_trl_chunked_function(monkeypatch):
     targets = torch.randint(0, V, (N,))
     args = head_arguments(hidden, weight, targets, 0.9, 16, ("log_probs", "entropy"))
     asked = []
-    real = integration.linear_token_logprobs
-    monkeypatch.setattr(integration, "linear_token_logprobs", lambda *a, **k: asked.append(k["return_stats"])
+    real = integration.token_logprobs_from_hidden
+    monkeypatch.setattr(integration, "token_logprobs_from_hidden", lambda *a, **k: asked.append(k["return_stats"])
                         or real(*a, **k))
     ours = integration.FusedLinearLogProb.apply(*args)
     assert asked == [False]  # GRPO's outputs: no statistics computed

@@ -30,9 +30,9 @@ def logprob_kernels():
     for V, dtype, has_temp in itertools.product((1, 17, 1000, 151936), ("bf16", "fp32"), (False, True)):
         BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
         tiles = {"stride_v": 1, "HAS_TEMP": has_temp, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-        for has_stats in (False, True) if dtype == "fp32" else (False,):  # the linear path's fp32 chunks
-            ptx = build(logprobs._logprobs_fwd_kernel, signatures.logprob_fwd_types(dtype), {**tiles, "HAS_STATS": has_stats},
-                        warps, aligned=signatures.LOGPROB_ALIGNED)
+        for has_stats in (False, True) if dtype == "fp32" else (False,):  # fp32 chunks from hidden states
+            ptx = build(logprobs._logprobs_fwd_kernel, signatures.logprob_fwd_types(dtype),
+                        {**tiles, "HAS_STATS": has_stats}, warps, aligned=signatures.LOGPROB_ALIGNED)
             if V >= 1000:
                 # 16-byte loads of the logits when rows are 16-element aligned (every real vocabulary)
                 assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "forward logits loads are not vectorised"
@@ -71,7 +71,8 @@ def sampling_kernels():
         BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
         splits = sampling._splits(B, V, BLOCK_N, BLOCK_V)
         tiles = {"stride_v": 1, "GREEDY": greedy, "SPLITS": splits, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-        ptx = build(sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps, aligned=signatures.SAMPLE_ALIGNED)
+        ptx = build(sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps,
+                    aligned=signatures.SAMPLE_ALIGNED)
         if V >= 1000:
             assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "sampling logits loads are not vectorised"
         if splits > 1:

@@ -57,7 +57,7 @@ def test_loss_head_kernels_read_only_their_tensors():
         loss.backward()
         loss, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, chunk_size=16, backend="triton")
         loss.backward()
-        logp = fastppo.linear_token_logprobs(hidden, weight, labels, chunk_size=16, backend="triton")
+        logp = fastppo.token_logprobs_from_hidden(hidden, weight, labels, chunk_size=16, backend="triton")
         logp.sum().backward()
         fastppo.sample_tokens(logits.detach()[:5], temperature=0.8, seed=1, backend="triton")
     assert violations == []

@@ -2,7 +2,7 @@
 
 The op tests cover semantics; these force small vocabulary blocks so that a handful of tokens
 exercise the online-softmax loop across many blocks, a partial last block, and tiles of several
-rows with a partial last tile, and they check the in-place mode the linear path relies on.
+rows with a partial last tile, and they check the in-place mode the ops from hidden states rely on.
 """
 
 import os
@@ -70,7 +70,7 @@ def test_in_place_backward_matches_out_of_place():
 
 
 def test_backward_writes_a_half_gradient_of_fp32_logits():
-    # The linear path on CUDA: fp32 logits in, the gradient out in the matmuls' bf16.
+    # The ops from hidden states on CUDA: fp32 logits in, the gradient out in the matmuls' bf16.
     from fastppo.kernels import logprobs as kernels
 
     logits = torch.randn(1, 9, 130) * 5

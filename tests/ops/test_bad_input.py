@@ -15,10 +15,10 @@ def logits_call(**overrides):
     return fastppo.token_logprobs(args.pop("logits"), args.pop("labels"), **args)
 
 
-def linear_call(**overrides):
+def from_hidden_call(**overrides):
     args = dict(hidden=torch.randn(2, 3, H), weight=torch.randn(V, H), labels=torch.randint(0, V, (2, 3)))
     args.update(overrides)
-    return fastppo.linear_token_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+    return fastppo.token_logprobs_from_hidden(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
 
 
 @pytest.mark.parametrize("call,overrides,error,match", [
@@ -38,14 +38,14 @@ def linear_call(**overrides):
     (logits_call, dict(temperature=torch.ones(2, 1, dtype=torch.long)), TypeError, "temperature must be a floating"),
     (logits_call, dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
     (logits_call, dict(backend="cuda"), ValueError, "backend must be one of"),
-    (linear_call, dict(weight=torch.randn(V, H + 1)), ValueError, r"weight must have shape \(V, 6\)"),
-    (linear_call, dict(weight=torch.randn(V)), ValueError, "weight must have at least 2"),
-    (linear_call, dict(weight=torch.randn(V, H).half()), TypeError, "weight has dtype torch.float16"),
-    (linear_call, dict(bias=torch.randn(V + 1)), ValueError, r"bias must have shape \(11,\)"),
-    (linear_call, dict(bias=torch.randn(V).half()), TypeError, "bias has dtype"),
-    (linear_call, dict(labels=torch.randint(0, V, (3, 2))), ValueError, "leading dims of hidden"),
-    (linear_call, dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
-    (linear_call, dict(chunk_size=2.0), ValueError, "chunk_size must be a positive int"),
+    (from_hidden_call, dict(weight=torch.randn(V, H + 1)), ValueError, r"weight must have shape \(V, 6\)"),
+    (from_hidden_call, dict(weight=torch.randn(V)), ValueError, "weight must have at least 2"),
+    (from_hidden_call, dict(weight=torch.randn(V, H).half()), TypeError, "weight has dtype torch.float16"),
+    (from_hidden_call, dict(bias=torch.randn(V + 1)), ValueError, r"bias must have shape \(11,\)"),
+    (from_hidden_call, dict(bias=torch.randn(V).half()), TypeError, "bias has dtype"),
+    (from_hidden_call, dict(labels=torch.randint(0, V, (3, 2))), ValueError, "leading dims of hidden"),
+    (from_hidden_call, dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    (from_hidden_call, dict(chunk_size=2.0), ValueError, "chunk_size must be a positive int"),
 ])
 def test_bad_input(call, overrides, error, match):
     with pytest.raises(error, match=match):
@@ -57,7 +57,7 @@ def test_tensors_on_different_devices():
     with pytest.raises(ValueError, match="labels is on meta but logits is on "):
         logits_call(labels=meta_labels)
     with pytest.raises(ValueError, match="weight is on meta but hidden is on "):
-        linear_call(weight=torch.randn(V, H, device="meta"))
+        from_hidden_call(weight=torch.randn(V, H, device="meta"))
     with pytest.raises(ValueError, match="temperature is on meta"):
         logits_call(temperature=torch.ones(2, 1, device="meta"))
 
@@ -72,7 +72,7 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
 def test_value_checks_on_request(monkeypatch):
     monkeypatch.setenv("FASTPPO_CHECK", "1")
     with pytest.raises(ValueError, match=r"outside \[0, 11\)"):
-        linear_call(labels=torch.full((2, 3), V))
+        from_hidden_call(labels=torch.full((2, 3), V))
     with pytest.raises(ValueError, match="temperature must be positive and finite everywhere"):
         logits_call(temperature=torch.tensor([[1.0], [-1.0]]))
     logits_call(labels=torch.full((2, 3), -100))  # ignore_index is never out of range
@@ -82,7 +82,7 @@ def test_an_empty_vocabulary_is_refused_before_any_kernel(backend):
     with pytest.raises(ValueError, match="logits has a vocabulary of 0 entries"):
         fastppo.token_logprobs(torch.randn(2, 3, 0), torch.zeros(2, 3, dtype=torch.long), backend=backend)
     with pytest.raises(ValueError, match="weight has a vocabulary of 0 entries"):
-        linear_call(weight=torch.randn(0, H), labels=torch.zeros(2, 3, dtype=torch.long), backend=backend)
+        from_hidden_call(weight=torch.randn(0, H), labels=torch.zeros(2, 3, dtype=torch.long), backend=backend)
 
 
 def test_bool_labels_are_no_token_ids():

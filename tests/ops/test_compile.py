@@ -7,7 +7,7 @@ import fastppo
 
 def loss_fn(logits, labels, hidden, weight):
     logp, entropy = fastppo.token_logprobs(logits, labels, temperature=0.9, return_entropy=True)
-    hlogp, hentropy = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=4)
+    hlogp, hentropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, return_entropy=True, chunk_size=4)
     mask = labels != -100
     old = logp.detach() - 0.1
     ppo, _ = fastppo.ppo_loss_from_logits(logits, labels, old, torch.ones_like(old), mask, kl_coef=0.1,
@@ -44,6 +44,6 @@ def test_fake_tensors_give_shapes_without_running():
         logits = torch.empty(3, 4, 50, dtype=torch.bfloat16)
         labels = torch.empty(3, 4, dtype=torch.long)
         logp, entropy = fastppo.token_logprobs(logits, labels, return_entropy=True)
-        hlogp = fastppo.linear_token_logprobs(torch.empty(3, 4, 8), torch.empty(50, 8), labels)
+        hlogp = fastppo.token_logprobs_from_hidden(torch.empty(3, 4, 8), torch.empty(50, 8), labels)
     assert logp.shape == entropy.shape == hlogp.shape == (3, 4)
     assert logp.dtype == hlogp.dtype == torch.float32

@@ -57,7 +57,7 @@ OPS = {
         entropy_coef=0.01, chunk_size=4, backend=b)[:1], ["hidden", "weight"]),
     "token_logprobs": (lambda t, b: fastppo.token_logprobs(
         t["logits"], t["labels"].masked_fill(~t["mask"], -100), return_entropy=True, backend=b), ["logits"]),
-    "linear_token_logprobs": (lambda t, b: fastppo.linear_token_logprobs(
+    "token_logprobs_from_hidden": (lambda t, b: fastppo.token_logprobs_from_hidden(
         t["hidden"], t["weight"], t["labels"].masked_fill(~t["mask"], -100), return_entropy=True, chunk_size=4,
         backend=b), ["hidden", "weight"]),
     "value_loss": (lambda t, b: fastppo.value_loss(t["values"], t["old"], t["returns"], t["mask"])[:1], ["values"]),
@@ -101,7 +101,7 @@ VALID_NAN = {
                              ("logits", float("nan"))],
     "ppo_loss_from_hidden": [("labels", V), ("old", float("nan")), ("ref", float("nan")), ("hidden", float("nan"))],
     "token_logprobs": [("logits", float("nan")), ("labels", V)],
-    "linear_token_logprobs": [("hidden", float("nan")), ("labels", V)],
+    "token_logprobs_from_hidden": [("hidden", float("nan")), ("labels", V)],
     "value_loss": [("values", float("nan")), ("old", float("nan")), ("returns", float("nan"))],
     "gae": [("rewards", float("nan")), ("values", float("nan"))],
     "masked_whiten": [("adv", float("nan"))],

@@ -56,11 +56,11 @@ def test_off_policy_importance_weights_equal_weighted_advantages(backend):
     torch.testing.assert_close(weighted, direct, rtol=1e-6, atol=1e-7)
 
 
-def test_returned_logprobs_are_linear_token_logprobs():
+def test_returned_logprobs_are_token_logprobs_from_hidden():
     hidden, weight, labels, old, adv, _, mask = make_inputs()
     _, _, logp = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, return_logprobs=True,
                                               temperature=0.8)
-    expected = fastppo.linear_token_logprobs(hidden, weight, torch.where(mask, labels, -100), temperature=0.8)
+    expected = fastppo.token_logprobs_from_hidden(hidden, weight, torch.where(mask, labels, -100), temperature=0.8)
     torch.testing.assert_close(logp, expected)
 
 

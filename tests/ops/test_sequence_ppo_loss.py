@@ -104,7 +104,7 @@ def test_on_policy_it_is_the_fused_token_loss_with_seq_mean_token_mean():
     fused.backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    logp = fastppo.linear_token_logprobs(hidden, weight, labels.masked_fill(~mask, -100))
+    logp = fastppo.token_logprobs_from_hidden(hidden, weight, labels.masked_fill(~mask, -100))
     sequence, _ = fastppo.sequence_ppo_loss(logp, logp.detach(), adv, mask, clip_eps=3e-4)
     sequence.backward()
     torch.testing.assert_close(sequence, fused, rtol=1e-6, atol=1e-7)

@@ -55,8 +55,8 @@ def token_logprobs(t, backend):
     return logp, entropy
 
 
-def linear_token_logprobs(t, backend):
-    return fastppo.linear_token_logprobs(t["hidden"], t["weight"], t["labels"], temperature=t["temperature"],
+def token_logprobs_from_hidden(t, backend):
+    return fastppo.token_logprobs_from_hidden(t["hidden"], t["weight"], t["labels"], temperature=t["temperature"],
                                          return_entropy=True, chunk_size=3, backend=backend)
 
 
@@ -86,7 +86,7 @@ OPS = {
     ppo_loss_from_logits: ([(20,), (4, 5)], ["logits"]),
     ppo_loss_from_hidden: ([(20,), (4, 5)], ["hidden", "weight"]),
     token_logprobs: ([(20,), (4, 5)], ["logits"]),
-    linear_token_logprobs: ([(20,), (4, 5)], ["hidden", "weight"]),
+    token_logprobs_from_hidden: ([(20,), (4, 5)], ["hidden", "weight"]),
     value_loss: ([(20,), (4, 5)], ["logp"]),
     gae: ([(4, 5)], []),
     masked_whiten: ([(20,), (4, 5)], []),

@@ -30,7 +30,7 @@ def direct_logprobs(model, batch, temperature):
     hidden = response_hidden(model, batch)
     head = model.get_output_embeddings()
     labels = batch.response_ids.masked_fill(~batch.mask, -100)
-    return fastppo.linear_token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature)
+    return fastppo.token_logprobs_from_hidden(hidden, head.weight, labels, bias=head.bias, temperature=temperature)
 
 
 def rolled_out(trainer):

@@ -1,12 +1,12 @@
-"""linear_token_logprobs against the float64 oracle, and its O(chunk x V) memory bound."""
+"""token_logprobs_from_hidden against the float64 oracle, and its O(chunk x V) memory bound."""
 
 import pytest
 import torch
 
 import fastppo
 from fastppo.bench.measure import LiveBytes
-from fastppo.ops.linear_token_logprobs import InputGrads, add_matmul_fp32, default_chunk_size
-from tests.oracles import assert_grad_close, assert_values_close, linear_logprobs_oracle
+from fastppo.ops.token_logprobs_from_hidden import InputGrads, add_matmul_fp32, default_chunk_size
+from tests.oracles import assert_grad_close, assert_values_close, logprobs_from_hidden_oracle
 from tests.ops.test_token_logprobs import DTYPES, make_labels
 
 CASES = [  # (leading shape, H, V, chunk_size, bias)
@@ -17,14 +17,14 @@ CASES = [  # (leading shape, H, V, chunk_size, bias)
 ]
 
 
-def check_linear(hidden, weight, bias, labels, backend, *, chunk_size=None, temperature=1.0):
+def check_from_hidden(hidden, weight, bias, labels, backend, *, chunk_size=None, temperature=1.0):
     dtype = hidden.dtype
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
     hidden, weight, bias = leaves
-    logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
+    logp, entropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
                                                   return_entropy=True, chunk_size=chunk_size, backend=backend)
     refs = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
-    ref_logp, ref_entropy = linear_logprobs_oracle(refs[0], refs[1], labels, refs[2], temperature)
+    ref_logp, ref_entropy = logprobs_from_hidden_oracle(refs[0], refs[1], labels, refs[2], temperature)
     scale = (refs[0].detach() @ refs[1].detach().T).abs().max().item() / temperature if labels.numel() else 0.0
     assert_values_close(logp, ref_logp, dtype, scale)
     assert_values_close(entropy, ref_entropy, dtype, scale)
@@ -43,7 +43,7 @@ def test_matches_oracle(backend, device, dtype, lead, H, V, chunk_size, with_bia
     hidden = torch.randn(*lead, H, device=device).to(dtype)
     weight = (torch.randn(V, H, device=device) / H**0.5 * 3).to(dtype)
     bias = torch.randn(V, device=device).to(dtype) if with_bias else None
-    check_linear(hidden, weight, bias, make_labels(lead, V, device=device), backend,
+    check_from_hidden(hidden, weight, bias, make_labels(lead, V, device=device), backend,
                  chunk_size=chunk_size, temperature=0.8)
 
 
@@ -51,10 +51,10 @@ def test_only_weight_needs_grad(backend, device):
     hidden = torch.randn(6, 8, device=device)
     weight = torch.randn(21, 8, device=device, requires_grad=True)
     labels = make_labels((6,), 21, device=device)
-    logp = fastppo.linear_token_logprobs(hidden, weight, labels, chunk_size=4, backend=backend)
+    logp = fastppo.token_logprobs_from_hidden(hidden, weight, labels, chunk_size=4, backend=backend)
     logp.sum().backward()
     ref_weight = weight.detach().double().requires_grad_()
-    linear_logprobs_oracle(hidden.double(), ref_weight, labels)[0].sum().backward()
+    logprobs_from_hidden_oracle(hidden.double(), ref_weight, labels)[0].sum().backward()
     assert_grad_close(weight.grad, ref_weight.grad, torch.float32)
 
 
@@ -62,7 +62,7 @@ def test_ignored_rows_do_not_touch_gradients(backend, device):
     hidden = torch.randn(4, 8, device=device, requires_grad=True)
     weight = torch.randn(13, 8, device=device, requires_grad=True)
     labels = torch.full((4,), -100, device=device)
-    logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True, backend=backend)
+    logp, entropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, return_entropy=True, backend=backend)
     assert (logp == 0).all() and (entropy == 0).all()
     (logp.sum() + entropy.sum()).backward()
     assert (hidden.grad == 0).all() and (weight.grad == 0).all()
@@ -73,9 +73,9 @@ def test_per_sequence_temperature(backend, device):
     weight = torch.randn(29, 8, device=device)
     labels = make_labels((3, 4), 29, device=device)
     temperature = torch.tensor([[0.5], [1.0], [2.0]], device=device)
-    logp = fastppo.linear_token_logprobs(hidden, weight, labels, temperature=temperature, chunk_size=5,
+    logp = fastppo.token_logprobs_from_hidden(hidden, weight, labels, temperature=temperature, chunk_size=5,
                                          backend=backend)
-    ref_logp, _ = linear_logprobs_oracle(hidden, weight, labels, temperature=temperature.double())
+    ref_logp, _ = logprobs_from_hidden_oracle(hidden, weight, labels, temperature=temperature.double())
     assert_values_close(logp, ref_logp, torch.float32, logit_scale=50)
 
 
@@ -88,7 +88,7 @@ def test_memory_is_bounded_by_the_chunk(backend, device):
     bias = torch.randn(V, requires_grad=True)
     labels = torch.randint(0, V, (N,))
     with LiveBytes() as mode:
-        logp, entropy = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=True,
+        logp, entropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, return_entropy=True,
                                                       chunk_size=chunk, backend=backend)
         (logp.sum() + entropy.sum()).backward()
     assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
@@ -133,9 +133,9 @@ def test_only_hidden_needs_grad(backend, device):
     hidden = torch.randn(6, 8, device=device, requires_grad=True)
     weight, bias = torch.randn(21, 8, device=device), torch.randn(21, device=device)
     labels = make_labels((6,), 21, device=device)
-    fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, chunk_size=4, backend=backend).sum().backward()
+    fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, chunk_size=4, backend=backend).sum().backward()
     ref_hidden = hidden.detach().double().requires_grad_()
-    linear_logprobs_oracle(ref_hidden, weight.double(), labels, bias.double())[0].sum().backward()
+    logprobs_from_hidden_oracle(ref_hidden, weight.double(), labels, bias.double())[0].sum().backward()
     assert_grad_close(hidden.grad, ref_hidden.grad, torch.float32)
 
 
@@ -168,7 +168,7 @@ def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v)
     if V > 5:
         labels[:4] = torch.tensor([first, second, first, second])
     labels[-1] = -100
-    logp, entropy, stats = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=0.7,
+    logp, entropy, stats = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=0.7,
                                                          return_entropy=True, return_stats=True, chunk_size=4,
                                                          backend=backend)
     expected = stats_oracle(hidden, weight, bias, labels, 0.7)
@@ -179,5 +179,15 @@ def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v)
     for name in ("log_sum_sq_probs", "mean_logits"):
         assert stats[name].dtype == torch.float32 and not stats[name].requires_grad
         torch.testing.assert_close(stats[name].double(), expected[name], rtol=1e-5, atol=2e-6)
-    only = fastppo.linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=0.7, backend=backend)
+    only = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=0.7, backend=backend)
     torch.testing.assert_close(only, logp)  # asking for the statistics changes nothing else
+
+
+def test_the_former_name_warns_and_gives_the_same_result():
+    hidden, weight = torch.randn(2, 3, 8), torch.randn(11, 8)
+    labels = torch.randint(0, 11, (2, 3))
+    with pytest.warns(DeprecationWarning, match="token_logprobs_from_hidden"):
+        old = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True)
+    new = fastppo.token_logprobs_from_hidden(hidden, weight, labels, return_entropy=True)
+    for a, b in zip(old, new):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

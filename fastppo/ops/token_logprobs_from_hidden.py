@@ -1,4 +1,4 @@
-"""``linear_token_logprobs``: token log-probs (and entropy) straight from hidden states.
+"""``token_logprobs_from_hidden``: token log-probs (and entropy) straight from hidden states.
 
 ``logits = hidden @ weight.T (+ bias)`` for a vocabulary of 150k tokens is the largest tensor in
 an RL step for a language model (16k tokens x 152k x 4 bytes = 10 GB in fp32). This op never
@@ -16,6 +16,7 @@ weight gradient accumulates in fp32 as the output of its own matmul (no per-chun
 add), the bias gradient in fp32 too.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -132,7 +133,7 @@ def row_slice(x: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
     return None if x is None else x[r0:r1]
 
 
-@torch.library.custom_op("fastppo::linear_token_logprobs", mutates_args=())
+@torch.library.custom_op("fastppo::token_logprobs_from_hidden", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
              temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
              chunk_size: int, backend: str, with_stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -159,7 +160,7 @@ def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, 
             hidden.new_empty(N if with_stats else 0, 3, dtype=torch.float32))
 
 
-@torch.library.custom_op("fastppo::linear_token_logprobs_backward", mutates_args=())
+@torch.library.custom_op("fastppo::token_logprobs_from_hidden_backward", mutates_args=())
 def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
               temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
               chunk_size: int, backend: str, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
@@ -209,7 +210,7 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_stats):
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
 
 
-def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
+def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                           temperature=1.0, ignore_index: int = -100, return_entropy: bool = False,
                           return_stats: bool = False, chunk_size: Optional[int] = None, backend: str = "auto"):
     """``token_logprobs(hidden @ weight.T + bias, labels, ...)`` without materialising the logits.
@@ -234,7 +235,7 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bia
         respect to ``hidden``, ``weight`` and ``bias`` (gradients in their own dtypes,
         accumulated in fp32).
     """
-    args = LinearArgs.check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend)
+    args = HiddenArgs.check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend)
     logp, entropy, _, stats = _forward(args.hidden, weight, bias, args.labels, args.temperature,
                                        args.inv_temperature, ignore_index, args.chunk_size, args.backend,
                                        return_stats)
@@ -246,8 +247,15 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bia
     return results if len(results) > 1 else results[0]
 
 
+def linear_token_logprobs(*args, **kwargs):
+    """The former name of :func:`token_logprobs_from_hidden`; warns, then calls it."""
+    warnings.warn("fastppo.linear_token_logprobs is now fastppo.token_logprobs_from_hidden", DeprecationWarning,
+                  stacklevel=2)
+    return token_logprobs_from_hidden(*args, **kwargs)
+
+
 @dataclass
-class LinearArgs:
+class HiddenArgs:
     """Checked, flattened inputs of an op on hidden states and an LM head (shared by the losses)."""
 
     hidden: Tensor  # (N, H)
@@ -259,7 +267,7 @@ class LinearArgs:
     lead: torch.Size  # the token shape the caller gave
 
     @staticmethod
-    def check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend) -> "LinearArgs":
+    def check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend) -> "HiddenArgs":
         checks.check_float(hidden, "hidden")
         checks.check_float(weight, "weight", min_dim=2)
         H = hidden.shape[-1]
@@ -288,5 +296,5 @@ class LinearArgs:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         backend = resolve_backend(backend, hidden.device)
         checks.check_label_values(labels, V, ignore_index)
-        return LinearArgs(hidden.reshape(N, H), checks.as_tokens(labels), per_row_temperature, inv_temperature,
+        return HiddenArgs(hidden.reshape(N, H), checks.as_tokens(labels), per_row_temperature, inv_temperature,
                           chunk_size, backend, lead)

@@ -1,4 +1,5 @@
-"""The PPO policy loss from hidden states in one chunked pass: logits never exist, 3 matmuls.
+"""``ppo_loss_from_hidden``: the PPO policy loss from hidden states in one chunked pass: logits
+never exist, 3 matmuls.
 
 The loss is a fixed weight per token times a function of that token's log-prob and entropy (see
 ``aggregation.py``), so each token's gradient is known as soon as its log-prob is. Per chunk of
@@ -8,7 +9,7 @@ gradients), the log-prob backward kernel (into the logits, or a half buffer on C
 two matmuls for the hidden and weight gradients. The backward only scales those gradients by
 the upstream scalar.
 
-Against chaining ``linear_token_logprobs`` and ``ppo_policy_loss`` (whose backward must rebuild
+Against chaining ``token_logprobs_from_hidden`` and ``ppo_policy_loss`` (whose backward must rebuild
 each chunk's logits, since it cannot know the loss in its forward), that is three matmuls per
 chunk instead of four. The price: the weight gradient (``V x H``) is held from the forward to
 the backward. Without autograd (``torch.no_grad()``) the gradient work is skipped.
@@ -19,15 +20,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .dispatch import implementation
-from .linear_token_logprobs import InputGrads, chunk_logits, matmul_weight, row_slice
-from .ppo_loss import STATS, summarize
 from ..kernels.layout import PARTIALS
+from . import checks
+from .dispatch import implementation
+from .ppo_loss import STATS, loss_spec, summarize
+from .ppo_loss_from_logits import MASKED_LABEL, masked_labels
 from .rollout_is_weights import truncated_weights
+from .token_logprobs_from_hidden import HiddenArgs, InputGrads, chunk_logits, matmul_weight, row_slice
 
 
-@torch.library.custom_op("fastppo::linear_ppo_loss", mutates_args=())
-def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+@torch.library.custom_op("fastppo::ppo_loss_from_hidden", mutates_args=())
+def _op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                      temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
                      old_logprobs: Optional[Tensor], advantages: Tensor, weights: Tensor, valid: Tensor,
                      ref_logprobs: Optional[Tensor], clip_low: float, clip_high: float, dual_clip: float,
@@ -75,7 +78,7 @@ def _linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], lab
     return (*summarize(torch.cat(partials), kl_coef, entropy_coef), all_logp, *grads.results())
 
 
-@_linear_ppo_loss.register_fake
+@_op.register_fake
 def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, old_logprobs, advantages,
       weights, valid, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_estimator, entropy_coef,
       sampler_logprobs, is_cap, chunk_size, backend, need_hidden, need_weight, need_bias):
@@ -97,18 +100,48 @@ def _backward(ctx, grad_loss, *_unused):
     return (*scaled, *([None] * 22))
 
 
-torch.library.register_autograd(_linear_ppo_loss, _backward, setup_context=_setup_context)
+torch.library.register_autograd(_op, _backward, setup_context=_setup_context)
 
 
-def linear_ppo_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    temperature: Optional[Tensor], inv_temperature: float, ignore_index: int, spec,
-                    sampler_logprobs: Optional[Tensor], is_cap: float, chunk_size: int, backend: str) -> tuple:
-    """``(loss, stats vector, logprobs (N,))`` for flattened, validated inputs; ``spec`` is a
-    ``LossSpec`` (its ``old_logprobs`` None: on-policy)."""
+def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_logprobs: Optional[Tensor],
+                         advantages: Tensor, mask: Tensor, *, bias: Optional[Tensor] = None, temperature=1.0,
+                         chunk_size: Optional[int] = None, backend: str = "auto", ref_logprobs=None,
+                         clip_eps: float = 0.2, clip_eps_high=None, dual_clip=None, kl_coef: float = 0.0,
+                         kl_estimator: str = "k3", entropy_coef: float = 0.0, agg: str = "token-mean",
+                         num_tokens=None, sampler_logprobs: Optional[Tensor] = None,
+                         rollout_is_cap: Optional[float] = None, return_logprobs: bool = False) -> tuple:
+    """:func:`ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
+
+    ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` and ``chunk_size`` as in
+    :func:`fastppo.token_logprobs_from_hidden`; the loss options as in :func:`fastppo.ppo_policy_loss`.
+    Gradients reach ``hidden``, ``weight`` and ``bias``. One chunked pass computes the loss and
+    the gradients together (three matmuls per chunk).
+
+    ``old_logprobs=None``: the update is exactly on-policy (the first step after a rollout), so
+    the old log-probs are this pass's own, detached, and every ratio is 1; no separate pass
+    computes them. With ``sampler_logprobs`` and ``rollout_is_cap`` each advantage is weighted by
+    :func:`fastppo.rollout_is_weights` of the old log-probs over the sampler's. With
+    ``return_logprobs`` the result is ``(loss, stats, logprobs)``, the labels' log-probs
+    (detached fp32, 0 where masked): the old ones, when on-policy.
+    """
+    labels = masked_labels(labels, mask)
+    args = HiddenArgs.check(hidden, weight, labels, bias, temperature, MASKED_LABEL, chunk_size, backend)
+    spec = loss_spec(labels, "labels", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, has_entropy=True,
+                     clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens)
+    if (sampler_logprobs is None) != (rollout_is_cap is None):
+        raise ValueError("sampler_logprobs and rollout_is_cap go together: give both or neither")
+    if sampler_logprobs is not None:
+        checks.check_token_tensor(sampler_logprobs, "sampler_logprobs", labels, "labels")
+        sampler_logprobs = checks.as_tokens(sampler_logprobs.detach())
+        rollout_is_cap = checks.check_number(rollout_is_cap, "rollout_is_cap", above=1)
     grad = torch.is_grad_enabled()
-    return _linear_ppo_loss(
-        hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, spec.old_logprobs,
-        spec.advantages, spec.weights, spec.valid, spec.ref_logprobs, spec.clip_low, spec.clip_high, spec.dual_clip,
-        spec.kl_coef, spec.kl_estimator, spec.entropy_coef, sampler_logprobs, is_cap, chunk_size, backend,
-        grad and hidden.requires_grad, grad and weight.requires_grad,
-        grad and bias is not None and bias.requires_grad)[:3]
+    loss, stats, logprobs = _op(
+        args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature, MASKED_LABEL,
+        spec.old_logprobs, spec.advantages, spec.weights, spec.valid, spec.ref_logprobs, spec.clip_low,
+        spec.clip_high, spec.dual_clip, spec.kl_coef, spec.kl_estimator, spec.entropy_coef, sampler_logprobs,
+        rollout_is_cap or 0.0, args.chunk_size, args.backend,
+        grad and hidden.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)[:3]
+    if return_logprobs:
+        return loss, spec.named(stats), logprobs.view(labels.shape)
+    return loss, spec.named(stats)

@@ -1,0 +1,54 @@
+"""``ppo_loss_from_logits``: the PPO policy loss straight from logits.
+
+It is ``token_logprobs`` then ``ppo_policy_loss``. Their autograd chain is
+already the fused pass structure: the forward reads the logits once (log-prob, entropy, log-sum-
+exp) and the loss kernel turns them into per-token gradients; the backward reads the logits once
+more and writes their gradient once, with the upstream scalar folded into the per-token
+gradients, not applied to an ``(N, V)`` tensor. Two reads and one write, and no fp32 ``(N, V)``
+temporary (peers read three times).
+
+``ppo_loss_from_hidden`` (``ppo_loss_from_hidden.py``) is the same loss from hidden states and
+the LM head, never building the logits.
+
+Masked positions (``mask`` false) get ``ignore_index`` labels, so whatever they hold (a padding
+id, -1) costs nothing and passes no gradient. The entropy is always computed (it is free in the
+log-prob pass) and reported; it carries a gradient only when ``entropy_coef`` is nonzero.
+"""
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .ppo_loss import ppo_policy_loss
+from .token_logprobs import token_logprobs
+
+MASKED_LABEL = -100  # the ignore_index masked positions get
+
+
+def masked_labels(labels: Tensor, mask: Tensor) -> Tensor:
+    checks.check_integer(labels, "labels")  # before torch.where would promote bool labels to ids 0/1
+    valid, _ = checks.check_mask(mask, labels, "labels")
+    return torch.where(valid, labels, MASKED_LABEL)
+
+
+def _check_no_entropy(loss_options: dict, name: str) -> None:
+    if "entropy" in loss_options:
+        raise TypeError(f"{name} computes the entropy itself; do not pass entropy=")
+
+
+def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                         mask: Tensor, *, temperature=1.0, inplace_backward: bool = False, backend: str = "auto",
+                         **loss_options) -> tuple[Tensor, dict]:
+    """:func:`fastppo.ppo_policy_loss` of the labels' log-probs under ``softmax(logits / temperature)``.
+
+    ``logits`` ``(..., V)`` and ``labels`` ``(...)`` as in :func:`fastppo.token_logprobs`; the
+    token tensors have the labels' shape. ``inplace_backward`` as in :func:`fastppo.token_logprobs`:
+    the backward writes the logits' gradient over them. ``loss_options`` are the keyword arguments of
+    :func:`fastppo.ppo_policy_loss` (``clip_eps``, ``kl_coef``, ``ref_logprobs``, ``agg``, ...),
+    except ``entropy``, which is computed here.
+    """
+    _check_no_entropy(loss_options, "ppo_loss_from_logits")
+    logp, entropy = token_logprobs(logits, masked_labels(labels, mask), temperature=temperature,
+                                   ignore_index=MASKED_LABEL, return_entropy=True, inplace_backward=inplace_backward,
+                                   backend=backend)
+    return ppo_policy_loss(logp, old_logprobs, advantages, mask, entropy=entropy, backend=backend, **loss_options)
