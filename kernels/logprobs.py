@@ -14,16 +14,21 @@ Two kernels, both one pass over the logits:
   carries ``q = sum exp(2 (z - m))``, ``sum z`` and the largest ``z`` before the label, for
   three statistics of the head that SFT and preference trainers log (``stats`` ``(N, 3)``):
   ``log sum p^2 = log q - 2 log s``, the mean of ``z``, and whether the label is the first
-  argmax (1.0 or 0.0).
+  argmax (1.0 or 0.0). The loop runs in base 2 (log2(e) folded into each row's scale, one
+  flush-to-zero ``exp2`` per element, ``fastmath.py``); ``lse`` and the entropy come out in
+  natural units.
 
 * ``_logprobs_bwd_kernel`` reads each row once more and writes the gradient with respect to the
   logits, for upstream gradients ``g_lp`` (of the log-prob) and ``g_ent`` (of the entropy):
 
       dz_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + entropy),   dlogits = dz / T.
 
-  The output pointer may alias the input (the ops from hidden states, on a CPU, overwrite its fp32 logits
-  chunk with their gradient), or have another dtype (on CUDA they write a half gradient for the
-  matmuls): every element is read before it is written, by the same program.
+  The output pointer may alias the input (on a CPU the ops from hidden states overwrite their
+  fp32 logits chunk with its gradient), or have another dtype (on CUDA they write a half
+  gradient for the matmuls): every element is read before it is written, by the same program.
+
+Rows labelled ``ignore_index`` are never read: their outputs are 0, their gradient is written as
+exact zeros, and in the forward a tile of such rows skips the vocabulary loop.
 
 Logits are addressed as a ``(B, T, V)`` view with arbitrary strides, so slices such as
 ``logits[:, :-1]`` are read in place with no copy. Rows are indexed on grid axis 0 (no 65,535

@@ -110,7 +110,7 @@ def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_log
                          kl_estimator: str = "k3", entropy_coef: float = 0.0, agg: str = "token-mean",
                          num_tokens=None, sampler_logprobs: Optional[Tensor] = None,
                          rollout_is_cap: Optional[float] = None, return_logprobs: bool = False) -> tuple:
-    """:func:`ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
+    """:func:`fastppo.ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
 
     ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` and ``chunk_size`` as in
     :func:`fastppo.token_logprobs_from_hidden`; the loss options as in :func:`fastppo.ppo_policy_loss`.
@@ -140,8 +140,8 @@ def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_log
         args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature, MASKED_LABEL,
         spec.old_logprobs, spec.advantages, spec.weights, spec.valid, spec.ref_logprobs, spec.clip_low,
         spec.clip_high, spec.dual_clip, spec.kl_coef, spec.kl_estimator, spec.entropy_coef, sampler_logprobs,
-        rollout_is_cap or 0.0, args.chunk_size, args.backend,
-        grad and hidden.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)[:3]
+        rollout_is_cap or 0.0, args.chunk_size, args.backend, grad and hidden.requires_grad,
+        grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)[:3]
     if return_logprobs:
         return loss, spec.named(stats), logprobs.view(labels.shape)
     return loss, spec.named(stats)
