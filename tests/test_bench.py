@@ -67,6 +67,7 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
     assert math.isfinite(result["speedup"]) and result["speedup"] > 0
 
 
+@pytest.mark.slow
 def test_sharding_runs_both_modes_on_two_ranks(tmp_path, capsys):
     assert bench_main(["--sharding", "--hidden", "64", "--layers", "2", "--iterations", "1",
                        "--json", str(tmp_path / "s.json")]) == 0

@@ -138,6 +138,7 @@ def _spawn(target, *args):
     mp.spawn(target, args=(port, *args), nprocs=2, join=True)
 
 
+@pytest.mark.slow
 def test_two_rank_resume_is_exact(tmp_path):
     fields = {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "save": True}
     _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 3}, 0)
@@ -153,7 +154,7 @@ def test_two_rank_resume_is_exact(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-@pytest.mark.parametrize("nodes, sharded", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("nodes, sharded", [(1, False), (2, False), pytest.param(2, True, marks=pytest.mark.slow)])
 def test_torchrun_end_to_end(tmp_path, nodes, sharded):
     """The real launcher: two ranks on one node, or two one-rank "nodes" meeting through torchrun's
     c10d rendezvous (as on a cluster, with both nodes on this machine), with or without --fsdp."""

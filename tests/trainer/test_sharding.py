@@ -68,6 +68,7 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
     assert sharded["metrics"]["reward_mean"] == pytest.approx(single["metrics"]["reward_mean"])
 
 
+@pytest.mark.slow
 def test_two_sharded_ranks_resumed_after_two_iterations_equal_four_straight(tmp_path):
     """Bitwise: the same world size reduces in the same order, and every rank's random states, the
     shards of the weights and of both AdamW states come back."""
@@ -163,6 +164,7 @@ def _killed_worker(rank, port, out_dir, fields):
     PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate()).train()
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
     import torch.multiprocessing as mp
 
