@@ -84,6 +84,15 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
     assert any(m["default"] for m in report["from_hidden"])
 
 
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="without triton --sass refuses before reading the figures")
+def test_sass_refuses_a_gpu_figure_that_is_not_positive():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "fastppo", "bench", "--sass", "--gpu-sms", "0"], env=env,
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 2 and "--gpu-sms must be positive" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_sass_refuses_the_interpreter_in_one_line():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-m", "fastppo", "bench", "--sass"], env=env, capture_output=True,

@@ -104,6 +104,9 @@ def _sass(args, parser) -> int:
         parser.error("--sass needs triton (pip install triton)")
     import triton
 
+    for name in ("gpu_sms", "gpu_clock_ghz", "gpu_copy_tbs", "gpu_matmul_tflops", "gpu_latency_us"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     gpu = with_overrides(GPU(), name=args.gpu_name, sms=args.gpu_sms, clock_ghz=args.gpu_clock_ghz,
                          copy_tbs=args.gpu_copy_tbs, matmul_tflops=args.gpu_matmul_tflops,
                          latency_us=args.gpu_latency_us)
