@@ -9,6 +9,10 @@ vocabulary (1000) for the log-prob kernels' one-warp tiling.
 
 import triton
 
+from ..kernels import gae, logprobs, ppo_loss, sampling
+from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
+from .roofline import KernelCase, from_hidden_model
+
 LOGPROB_ROWS = {"stride_b": "i64", "stride_t": "i64", "labels_ptr": "*i64", "temp_ptr": "*fp32",
                 "inv_temp": "fp32", "N": "i32", "T": "i32", "V": "i32", "ignore_index": "i32",
                 "lse_ptr": "*fp32", "ent_ptr": "*fp32"}
@@ -50,9 +54,6 @@ SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V", "split_cols")
 
 
 def logprob_cases(N: int = 8192, V: int = 151936) -> list:
-    from ..kernels import logprobs
-    from .roofline import KernelCase
-
     BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
     tiles = {"stride_v": 1, "HAS_TEMP": False, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
     launch = dict(num_warps=warps, programs=triton.cdiv(N, BLOCK_N), trips=triton.cdiv(V, BLOCK_V),
@@ -71,9 +72,6 @@ def logprob_cases(N: int = 8192, V: int = 151936) -> list:
 
 
 def sample_cases(B: int = 256, V: int = 151936) -> list:
-    from ..kernels import sampling
-    from .roofline import KernelCase
-
     BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
     SPLITS = sampling._splits(B, V, BLOCK_N, BLOCK_V)
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
@@ -90,9 +88,6 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
 
 
 def gae_cases(B: int = 512, T: int = 8192) -> list:
-    from ..kernels import gae
-    from .roofline import KernelCase
-
     BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
     per_element = 4 + 4 + 1 + 4 + 4  # rewards, values, mask in; advantages, returns out
     contiguous = {"srt": 1, "svt": 1, "smt": 1}  # what Triton specialises unit strides to
@@ -104,9 +99,6 @@ def gae_cases(B: int = 512, T: int = 8192) -> list:
 
 
 def ppo_loss_cases(N: int = 512 * 8192) -> list:
-    from ..kernels import ppo_loss
-    from .roofline import KernelCase
-
     BLOCK = ppo_loss._BLOCK
     read = 4 * 6 + 1  # logp, old, advantages, weights, ref, entropy; valid
     return [KernelCase("ppo_loss forward (ref k3, entropy, dual clip)", f"fp32 [{N}]", ppo_loss._ppo_loss_fwd_kernel,
@@ -121,11 +113,9 @@ def all_cases() -> list:
 
 
 def from_hidden_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> list:
-    """The FLOP/byte model of the ops from hidden states at a 7B head: for each op, the launcher's plan on CUDA
-    first (marked), then the plan before it (256-row chunks, fp32 gradient then a cast, += per chunk)."""
-    from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
-    from .roofline import from_hidden_model
-
+    """The FLOP/byte model of the ops from hidden states at a 7B head: for each op, the launcher's
+    plan on CUDA first (marked), then the plan before it (256-row chunks, an fp32 gradient then a
+    cast, += per chunk) and one between."""
     default = (default_chunk_size(N, V, "cuda"), WEIGHT_GRAD_IN_PLACE, HALF_LOGIT_GRAD)
     plans = [default] + [p for p in ((256, False, False), (256, True, True), (1024, True, True)) if p != default]
     return [{**from_hidden_model(gpu, N, H, V, *plan, recompute=recompute), "default": plan == default}
