@@ -19,8 +19,8 @@ bandwidth over it. It is an estimate from compiled code: it ignores stalls on de
 instructions, the L2, the tail of a partial wave and clocks below boost, so a kernel predicted
 at 100% is necessary-but-not-sufficient evidence. ``bench/gpu_check.sh`` measures the real thing.
 
-The matmul-bound ops from hidden states (log-probs and the PPO loss from hidden states and the LM head) have
-no SASS of its own worth reading: its cost is cuBLAS. It gets a FLOP/byte model of the launcher's
+The ops from hidden states and the LM head (log-probs and the PPO loss) are bound by their
+matmuls, whose cost is cuBLAS's, not SASS of ours: they get a FLOP/byte model of the launcher's
 chunk plan instead (``from_hidden_model``), against the three bare matmuls.
 """
 
@@ -72,18 +72,17 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
     compiled = compile_sm90(case.kernel, case.types, case.constexprs, case.num_warps, case.aligned)
     instructions, res = disassemble(compiled.asm["cubin"])
     loop = hot_loop(instructions)
-    body = instructions[loop[0]:loop[1] + 1] if loop else []
-    rest = instructions[:loop[0]] + instructions[loop[1] + 1:] if loop else instructions
-    hot, once = mix(body) if loop else mix(instructions), mix(rest)
+    # Without a loop the whole body is what runs per program, once.
+    first, last = loop if loop else (0, len(instructions) - 1)
+    hot, once = mix(instructions[first:last + 1]), mix(instructions[:first] + instructions[last + 1:])
     trips = case.trips if loop else 1
     threads = 32 * case.num_warps
     per_thread = case.elements_per_trip / threads  # elements one thread handles per trip
 
     clock = gpu.clock_ghz * 1e9
     busy_sms = min(gpu.sms, case.programs)
-    warp_instructions = case.programs * case.num_warps * ((once.instructions if loop else 0)
-                                                          + trips * hot.instructions)
-    mufu_lanes = 32 * case.programs * case.num_warps * ((once.mufu if loop else 0) + trips * hot.mufu)
+    warp_instructions = case.programs * case.num_warps * (once.instructions + trips * hot.instructions)
+    mufu_lanes = 32 * case.programs * case.num_warps * (once.mufu + trips * hot.mufu)
     t_issue = warp_instructions / (gpu.issue_per_clock * busy_sms * clock)
     t_mufu = mufu_lanes / (gpu.mufu_per_clock * busy_sms * clock)
 
@@ -108,9 +107,9 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
 
 
 def from_hidden_model(gpu: GPU, N: int, H: int, V: int, chunk: int, in_place: bool, half_grad: bool,
-                 recompute: bool, element_bytes: int = 2) -> dict:
-    """Predicted time of the chunked ops from hidden states, forward and backward, against the three bare
-    matmuls of the same shapes, each step bound by FLOPs or by bytes.
+                      recompute: bool, element_bytes: int = 2) -> dict:
+    """Predicted time of the chunked ops from hidden states, forward and backward, against the
+    three bare matmuls of the same shapes, each step bound by FLOPs or by bytes.
 
     Per chunk of n rows: the logits ``(n, V)`` fp32 come out of a matmul (twice with
     ``recompute``: ``token_logprobs_from_hidden`` rebuilds them in its backward; ``ppo_loss_from_hidden``
