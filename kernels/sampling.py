@@ -40,7 +40,16 @@ from .fastmath import LN2, LOG2E, exp2, log2
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
 _SMALLEST_UNIFORM = tl.constexpr(2.0 ** -32)
-_NO_COLUMN = tl.constexpr(2 ** 31 - 1)
+_NO_COLUMN = tl.constexpr(2 ** 31 - 1)  # above every column: the neutral value of a min over columns
+
+
+@triton.jit
+def _first_best(score, cols):
+    # score, cols: (BLOCK_N, K) -> (BLOCK_N,) the best score and the lowest column holding it:
+    # ties go to the lowest column, as torch.argmax's do. Scores are never NaN (a NaN never
+    # beats the running best), so some column always holds the max.
+    top = tl.max(score, axis=1)
+    return top, tl.min(tl.where(score == top[:, None], cols, _NO_COLUMN), axis=1)
 
 
 @triton.jit
@@ -98,9 +107,7 @@ def _sample_kernel(
         best = tl.where(better, score, best)
         best_col = tl.where(better, cols[None, :], best_col)
 
-    top = tl.max(best, axis=1)  # (BLOCK_N,)
-    col = tl.min(tl.where(best == top[:, None], best_col, _NO_COLUMN), axis=1)
-    col = tl.where(col == _NO_COLUMN, v_begin, col)  # nothing finite: the split's first column
+    top, col = _first_best(best, best_col)  # (BLOCK_N,) each
     s_row = tl.sum(s, axis=1)
     if SPLITS == 1:
         _finish(logits_ptr, rows, row_ok, stride_b, stride_v, m_x, s_row, col, inv_temp, tokens_ptr, logp_ptr)
@@ -134,8 +141,7 @@ def _combine_kernel(
     # A split that saw only -inf holds s = 0: its weight exp2(-inf) must not meet a 0 * inf.
     weight = exp2(tl.where(m_x == float("-inf"), float("-inf"), (m_x - ref[:, None]) * scale2))
     s_row = tl.sum(s * weight, axis=1)
-    top = tl.max(best, axis=1)
-    col = tl.min(tl.where(best == top[:, None], cols, _NO_COLUMN), axis=1)  # the lowest split wins a tie
+    _, col = _first_best(best, cols)  # a tie across splits goes to the lower column
     _finish(logits_ptr, rows, row_ok, stride_b, stride_v, row_max, s_row, col, inv_temp, tokens_ptr, logp_ptr)
 
 
