@@ -17,9 +17,10 @@ def test_ci_runs_the_readme_test_command():
     assert "fastppo train" in install_and_run
     assert "pytest" in install_and_test
     ci_commands = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci_commands[0] == install_and_test  # first, verbatim; then the slow runs; then the older TRLs
+    assert ci_commands[0] == install_and_test  # first, verbatim; then the slow runs, the peers, the older TRLs
     assert ci_commands[1] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m slow"
-    assert all("trl" in line or line == "done" for line in ci_commands[2:])
+    assert ci_commands[2] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m peers"
+    assert all("trl" in line or line == "done" for line in ci_commands[3:])
 
 
 def test_kernels_import_as_a_subpackage():

@@ -1,58 +1,116 @@
 """OpenRLHF's PPO helpers with OpenRLHF's signatures and semantics, backed by fastppo's kernels.
 
-Supported: OpenRLHF 0.8.0 to 0.11.0, following the installed OpenRLHF (see
-``fastppo.integrations.peers``; without it, 0.11). Mirrors ``openrlhf.models.utils``
-(``log_probs_from_logits``, ``compute_approx_kl``, ``compute_entropy``, ``masked_mean``),
-``openrlhf.models.loss`` (``PolicyLoss``, ``ValueLoss``) and the experience maker's
-``get_advantages_and_returns``. ``patch()`` swaps them into the installed OpenRLHF, the
+Follows every OpenRLHF release in ``OPENRLHF`` (0.8.0 to 0.11.2, post releases included), the
+installed one (see ``fastppo.integrations.peers``; without OpenRLHF, the newest). Mirrors
+``openrlhf.models.utils`` (``log_probs_from_logits``, ``compute_approx_kl``, ``compute_entropy``,
+``masked_mean``), ``openrlhf.models.loss`` (``PolicyLoss``, ``ValueLoss``) and the experience
+maker's ``get_advantages_and_returns``. ``patch()`` swaps them into the installed OpenRLHF, the
 experience maker's method included (build the trainer after it: losses already constructed stay
 OpenRLHF's). Importing this module does not import OpenRLHF.
 
-``PolicyLoss`` changed often; by version it follows:
+What changed, by release (the names are ``OPENRLHF``'s; constructor and ``forward`` parameters
+follow each release's order, so positional calls bind as they would there):
 
-* what ``forward`` returns: the loss (0.8.0-0.8.2), ``(loss, clip_ratio)`` (to 0.8.7),
-  ``(..., ppo_kl)`` (0.8.8), ``(..., vllm_kl)`` (0.8.9 on; None without the correction);
-* the constructor: ``clip_eps`` (0.8.0-0.8.2), then ``clip_eps_low``/``clip_eps_high``,
-  ``dual_clip`` (0.8.6), ``policy_loss_type`` (0.8.8; fastppo reproduces ``"ppo"``), and the
-  vLLM importance-sampling correction of ``old_log_probs`` over ``rollout_log_probs``: on when
-  ``vllm_is_truncated_threshold`` is set, weights ``exp(old - rollout)`` capped above (0.8.9);
-  behind ``enable_vllm_is_correction`` (0.8.10); ``[low, high]`` thresholds and ``use_icepop``
-  (0.9.1); ``vllm_is_correction_type`` ``tis`` / ``icepop`` / ``mis`` (0.9.3), ``mis`` renamed
-  ``seq-mask-tis`` (0.9.5). ``tis`` clamps each weight to [low, high], ``icepop`` zeroes weights
-  outside it, ``seq-mask-tis`` zeroes the rows whose geometric-mean weight is outside it;
-* from 0.10.3, ``forward(..., dp_size, batch_num_tokens, global_batch_size)``: the token mean is
-  the sum over ``batch_num_tokens`` times ``dp_size``, the sequence mean averages the rows with a
-  valid token (over ``global_batch_size`` times ``dp_size`` when given). Before, the sequence mean
-  averaged every row, so a row with no valid token made it NaN. ``ValueLoss`` follows the same.
+* 0.8.2 ``clip-range-low-high``: ``PolicyLoss(clip_eps_low, clip_eps_high, ...)`` replaces
+  ``clip_eps``. 0.8.3 ``returns-clip-ratio``: ``forward`` returns ``(loss, clip_ratio)``.
+* 0.8.6 ``dual-clip``: ``dual_clip``; ``kl-clamped``: ``compute_approx_kl`` clamps every
+  estimate to [-10, 10] (before, k3 is unbounded).
+* 0.8.8 ``policy-loss-type``: ``policy_loss_type`` ("ppo", or "gspo", which runs OpenRLHF's own
+  class); ``returns-ppo-kl``: ``(..., ppo_kl)``.
+* 0.8.9 ``vllm-is-cap``: the correction of ``old_log_probs`` over ``rollout_log_probs``, weights
+  ``exp(old - rollout)`` capped above at ``vllm_is_truncated_threshold`` when it is set;
+  ``returns-vllm-kl``: ``(..., vllm_kl)``, None without the correction. 0.8.10
+  ``vllm-is-switch``: the correction needs ``enable_vllm_is_correction``. 0.9.1 ``vllm-is-band``:
+  ``[low, high]`` thresholds, a clamp or with ``use_icepop`` a zeroing outside them. 0.9.3
+  ``vllm-is-correction-type``: ``tis`` (clamp), ``icepop`` (zero outside) or ``mis`` (zero the rows
+  whose geometric-mean weight is outside, keep the others' weights unclamped), checked at
+  construction; 0.9.4 ``seq-mask-tis``: ``mis`` renamed ``seq-mask-tis``.
+* 0.9.9 ``kl-estimator-checked``: an unknown estimator is a ValueError (fastppo's is one on every
+  release; OpenRLHF before fails with UnboundLocalError).
+* 0.10.3 ``global-batch``: ``forward(..., dp_size, batch_num_tokens, global_batch_size)`` on both
+  losses: the token mean is the sum over ``batch_num_tokens`` times ``dp_size``, the sequence mean
+  averages the rows with a valid token (over ``global_batch_size`` times ``dp_size`` when given);
+  before, the sequence mean averaged every row, so an empty one made it NaN; with
+  ``batch_num_tokens`` or the sequence mean, ``action_mask`` is required (a TypeError without).
+  ``policy-ratio-clamped``: the log-ratio is clamped to [-20, 20] before ``exp``.
+  ``ppo-kl-of-the-policy``: ``ppo_kl`` is the policy's mean log-ratio again; from 0.9.3 to 0.10.2,
+  with a correction on, it is the mean of ``rollout_log_probs - old_log_probs`` (those releases
+  reuse one variable for both).
+* 0.11.1 ``kl-unbiased-gradient``: ``compute_approx_kl(log_probs, log_probs_base, log_probs_old,
+  kl_estimator, unbiased_gradient)`` (``log_probs_old`` is now third): with ``unbiased_gradient``
+  the value is the estimator's and the gradient k2's times ``exp(log_probs - log_probs_old)``
+  capped at 10; ``icepop-where``: icepop zeroes with a select, so an infinite weight outside the
+  band gives 0, not NaN.
+* 0.11.2 ``is-correction``: the correction becomes ``is_correction_level`` (off / token / seq),
+  ``is_correction_mode`` (mask / clip), ``is_correction_gating`` (ratio / binary_kl / tv) and
+  ``is_correction_threshold``, checked at construction; ``returns-filter-ratio``:
+  ``(..., is_filter_ratio)``, the share of tokens (or rows) the gate filtered.
 
-Where OpenRLHF's semantics differ from fastppo's, these reproduce OpenRLHF's:
+Where OpenRLHF's semantics differ from fastppo's, these reproduce OpenRLHF's: GAE zeroes values
+and rewards at masked positions and runs the recurrence straight through them (a hole is a
+zero-valued step, not skipped as in :func:`fastppo.gae`); masked means divide by the mask's sum,
+so an all-masked batch gives NaN (fastppo gives 0).
 
-* GAE zeroes values and rewards at masked positions and runs the recurrence straight through
-  them (a hole is a zero-valued step, not skipped as in :func:`fastppo.gae`); advantages and
-  returns come out at every position.
-* ``compute_approx_kl`` clamps every estimator's result to [-10, 10].
-* Masked means divide by the mask's sum, so an all-masked batch gives NaN (fastppo gives 0).
+Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
 
-Two deliberate differences: ``log_probs_from_logits`` does not divide ``logits`` in place by the
-temperature (OpenRLHF does, to save memory; the returned values are the same), and the policy
-loss clamps log-ratios to [-20, 20] before ``exp``, as OpenRLHF does only from 0.10.3 (before,
-its ratio overflows to inf there).
+* ``masked-positions-ignored``: whatever sits at a masked position (NaN, inf) never reaches a
+  result or a gradient, where OpenRLHF's ``loss * mask`` lets a NaN through.
+* ``logits-left-alone``: ``log_probs_from_logits`` does not divide ``logits`` in place by the
+  temperature, as OpenRLHF does to save memory (the returned values are the same).
+* ``fp32-compute``: log-probs and entropies are computed in fp32 whatever the logits' dtype (then
+  returned in it), and the losses come out fp32, so half-precision inputs give results closer to
+  float64 than OpenRLHF's bf16 arithmetic.
+* ``ratio-clamped``: the policy loss clamps log-ratios to [-20, 20] before ``exp`` on every
+  release (OpenRLHF does from 0.10.3; before, a log-ratio beyond 20 gives a larger loss, and
+  beyond about 88 an infinite one).
+* ``finite-k3-gradient``: k3 of a log-ratio below about -88 has gradient 0 where OpenRLHF 0.8.6 to
+  0.11.1 gives NaN (an overflowing ``exp`` times the clamp's zero); OpenRLHF 0.11.2 does the same.
+* ``neg-inf-logits``: the entropy of a row holding ``-inf`` logits is finite (those tokens have
+  probability 0), where OpenRLHF's is NaN (its ``softmax * logits`` is ``0 * -inf`` there).
+* ``non-negative-weights``: the importance-sampling corrections scale the advantages inside the
+  fused kernel, which equals OpenRLHF's weighting of each token's loss for non-negative weights
+  (every correction with non-negative thresholds); a negative weight at a valid token (negative
+  thresholds) makes the loss NaN rather than a different number.
 """
 
 import torch
 from torch import Tensor, nn
 
 from ..ops.gae import gae
-from ..ops.kl import kl_penalty
 from ..ops.ppo_loss import ppo_policy_loss
 from ..ops.token_logprobs import token_logprobs
 from ..ops.value_loss import value_loss
 from ._nan import nan_unless
 from .patching import Patch
-from .peers import Peer
+from .peers import ConstructorSignature, Peer, parameters
 
-OPENRLHF = Peer("openrlhf", oldest="0.8.0", newest="0.11.0")
-_CORRECTIONS = {"0.9.3": ("tis", "icepop", "mis"), "0.9.5": ("tis", "icepop", "seq-mask-tis")}
+OPENRLHF = Peer("openrlhf", {
+    "0.8.0": (), "0.8.0.post1": (), "0.8.1": (), "0.8.1.post1": (),
+    "0.8.2": ("clip-range-low-high",),
+    "0.8.3": ("returns-clip-ratio",),
+    "0.8.4": (), "0.8.5": (),
+    "0.8.6": ("dual-clip", "kl-clamped"),
+    "0.8.7": (),
+    "0.8.8": ("policy-loss-type", "returns-ppo-kl"),
+    "0.8.9": ("vllm-is-cap", "returns-vllm-kl"),
+    "0.8.9.post1": (),
+    "0.8.10": ("vllm-is-switch",),
+    "0.8.11": (), "0.9.0": (),
+    "0.9.1": ("vllm-is-band",),
+    "0.9.1.post1": (), "0.9.2": (),
+    "0.9.3": ("vllm-is-correction-type",),
+    "0.9.4": ("seq-mask-tis",),
+    "0.9.5": (), "0.9.6": (), "0.9.7": (), "0.9.8": (),
+    "0.9.9": ("kl-estimator-checked",),
+    "0.9.10": (), "0.10.0": (), "0.10.1": (), "0.10.1.post1": (), "0.10.1.post2": (), "0.10.2": (),
+    "0.10.3": ("global-batch", "policy-ratio-clamped", "ppo-kl-of-the-policy"),
+    "0.10.4": (), "0.11.0": (),
+    "0.11.1": ("kl-unbiased-gradient", "icepop-where"),
+    "0.11.2": ("is-correction", "returns-filter-ratio"),
+})
+_ESTIMATORS = ("k1", "k2", "k3")
+_KL_WEIGHT_CAP = 10.0  # OpenRLHF's cap on the importance weight of the unbiased KL gradient
+_GLOBAL_BATCH = dict(dp_size=1, batch_num_tokens=None, global_batch_size=None)
 
 
 def log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
@@ -74,141 +132,271 @@ def masked_mean(tensor: Tensor, mask, dim=None) -> Tensor:
     return (torch.where(mask.bool(), tensor, 0.0) * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
-def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, kl_estimator: str = "k1") -> Tensor:
-    """OpenRLHF's per-token KL estimate (k1, k2 or k3), fp32, clamped to [-10, 10]."""
-    if kl_estimator not in ("k1", "k2", "k3"):
+@OPENRLHF.follows({"0.8.0": parameters("log_probs", "log_probs_base", kl_estimator="k1"),
+                   "0.11.1": parameters("log_probs", "log_probs_base", log_probs_old=None, kl_estimator="k1",
+                                        unbiased_gradient=False)})
+def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, kl_estimator: str, log_probs_old=None,
+                      unbiased_gradient: bool = False) -> Tensor:
+    """OpenRLHF's per-token KL estimate (k1, k2 or k3), fp32; clamped to [-10, 10] from 0.8.6.
+
+    Elementwise PyTorch in OpenRLHF's own order of operations, so the values are OpenRLHF's to the
+    bit (its tests compare them so)."""
+    if kl_estimator not in _ESTIMATORS:
         raise ValueError(f"Unknown kl_estimator: {kl_estimator}")
-    return kl_penalty(log_probs, log_probs_base, kl_estimator).clamp(-10.0, 10.0)
+    d = log_probs.float() - log_probs_base.float()
+    clamped = OPENRLHF.has("kl-clamped")
+    if kl_estimator == "k1":
+        value = d
+    elif kl_estimator == "k2":
+        value = d**2 / 2.0
+    else:  # below -10 k3 is past the clamp anyway; bounding it there keeps its gradient finite
+        bounded = d.clamp(min=-10.0) if clamped else d
+        value = (-bounded).exp() - 1 + bounded
+    if clamped:
+        value = value.clamp(min=-10.0, max=10.0)
+    if not unbiased_gradient:
+        return value
+    weight = 1.0
+    if log_probs_old is not None:
+        weight = (log_probs.float() - log_probs_old.float()).exp().clamp(max=_KL_WEIGHT_CAP).detach()
+    surrogate = weight * (d**2 / 2.0)  # k2's gradient, times the importance weight
+    return value.detach() + surrogate - surrogate.detach()
 
 
 def get_advantages_and_returns(values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float,
                                lambd: float) -> tuple:
     """OpenRLHF's GAE: ``(advantages, returns)``, ``(B, T)`` fp32, one kernel launch."""
-    if action_mask is not None:
-        values, rewards = action_mask * values, action_mask * rewards
-    every_step = torch.ones(values.shape, dtype=torch.bool, device=values.device)
-    advantages, returns = gae(rewards, values, every_step, gamma=float(gamma), lam=float(lambd))
-    return advantages.detach(), returns
+    with torch.no_grad():
+        if action_mask is not None:
+            values, rewards = action_mask * values, action_mask * rewards
+        every_step = torch.ones(values.shape, dtype=torch.bool, device=values.device)
+        return gae(rewards, values, every_step, gamma=float(gamma), lam=float(lambd))
 
 
 def _aggregation(mask: Tensor, token_level_loss: bool, dp_size, batch_num_tokens, global_batch_size) -> tuple:
     """OpenRLHF's reduction as ``(agg, scale, poison)``: fastppo's ``agg`` times ``scale`` plus
-    ``poison`` (NaN where OpenRLHF divides 0 by 0), for the version followed."""
+    ``poison`` (NaN where OpenRLHF divides 0 by 0), for the release followed. ``scale`` is a
+    tensor wherever a count enters it, so a count of 0 gives OpenRLHF's inf or NaN."""
     valid = mask.bool()
-    tokens, rows = valid.sum(), valid.sum(dim=-1) > 0
-    if not OPENRLHF.at_least("0.10.3"):
-        if (dp_size, batch_num_tokens, global_batch_size) != (1, None, None):
-            raise TypeError("OpenRLHF before 0.10.3 takes no dp_size, batch_num_tokens or global_batch_size")
-        if token_level_loss:
-            return "token-mean", 1.0, nan_unless(tokens > 0)
-        return "seq-mean-token-mean", 1.0, nan_unless(rows.all())  # the mean over every row: NaN if one is empty
+    tokens, rows = valid.sum(), (valid.sum(dim=-1) > 0).sum()
     if token_level_loss:
         if batch_num_tokens is None:
             return "token-mean", 1.0, nan_unless(tokens > 0)
         return "token-mean", tokens.clamp(min=1) * dp_size / batch_num_tokens, 0.0
+    if not OPENRLHF.has("global-batch"):  # the mean over every row: NaN if one is empty
+        return "seq-mean-token-mean", 1.0, nan_unless(rows == valid.shape[0])
     if global_batch_size is None:
-        return "seq-mean-token-mean", 1.0, nan_unless(rows.any())
-    return "seq-mean-token-mean", rows.sum().clamp(min=1) * dp_size / global_batch_size, 0.0
+        return "seq-mean-token-mean", 1.0, nan_unless(rows > 0)
+    return "seq-mean-token-mean", rows.clamp(min=1) * dp_size / global_batch_size, 0.0
+
+
+def _mask(action_mask, like: Tensor, token_level_loss: bool, batch_info: dict) -> Tensor:
+    """The loss's mask: ``action_mask``, or every token when it is None, where the release allows
+    None (from 0.10.3 only the plain token mean does, as OpenRLHF's aggregation reads the mask)."""
+    if action_mask is not None:
+        return action_mask
+    if OPENRLHF.has("global-batch") and not (token_level_loss and batch_info.get("batch_num_tokens") is None):
+        raise TypeError(f"OpenRLHF {OPENRLHF.release}'s loss aggregation needs action_mask for "
+                        f"{'batch_num_tokens' if token_level_loss else 'the sequence mean'}")
+    return torch.ones_like(like, dtype=torch.bool)
+
+
+def _binary_kl(p: Tensor, q: Tensor) -> Tensor:
+    return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+
+
+class _Correction:
+    """The rollout-vs-train importance correction a ``PolicyLoss`` applies, as the followed release
+    configures it: ``weights(...)`` gives each token's coefficient and the share of units filtered."""
+
+    def __init__(self, options: dict):
+        self.kind = self._kind(options)
+        self.options = options
+
+    @staticmethod
+    def _kind(o: dict):
+        if OPENRLHF.has("is-correction"):
+            level, mode, gating = o["is_correction_level"], o["is_correction_mode"], o["is_correction_gating"]
+            for name, value, allowed in (("is_correction_level", level, ("off", "token", "seq")),
+                                         ("is_correction_mode", mode, ("mask", "clip")),
+                                         ("is_correction_gating", gating, ("ratio", "binary_kl", "tv"))):
+                if value not in allowed:
+                    raise ValueError(f"{name} must be {'/'.join(allowed)}, got {value}")
+            if mode == "clip" and (level == "seq" or gating != "ratio"):
+                raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
+                                 "is_correction_gating=ratio")
+            if gating != "ratio" and level != "off" and o["is_correction_threshold"][0] > 0:
+                raise ValueError(f"is_correction_gating={gating} takes an upper bound only (a single delta)")
+            return None if level == "off" else "gate"
+        if OPENRLHF.has("vllm-is-correction-type"):
+            types = ("tis", "icepop", "seq-mask-tis" if OPENRLHF.has("seq-mask-tis") else "mis")
+            if o["vllm_is_correction_type"] not in types:
+                raise ValueError(f"Invalid vllm_is_correction_type: {o['vllm_is_correction_type']}, must be one "
+                                 f"of {'/'.join(types)}")
+        if not OPENRLHF.has("vllm-is-cap"):
+            return None
+        if not (o["enable_vllm_is_correction"] if OPENRLHF.has("vllm-is-switch")
+                else o["vllm_is_truncated_threshold"] is not None):
+            return None
+        if not OPENRLHF.has("vllm-is-band"):
+            return "cap"
+        if not OPENRLHF.has("vllm-is-correction-type"):
+            return "icepop" if o["use_icepop"] else "tis"
+        return "seq-mask-tis" if o["vllm_is_correction_type"] == "mis" else o["vllm_is_correction_type"]
+
+    def weights(self, old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor) -> tuple:
+        """``(coefficients (B, T), filtered share or None)`` for the loss of each token."""
+        log_ratio = (old_log_probs - rollout_log_probs).detach().float()  # log(pi_train / pi_rollout)
+        weights = torch.exp(log_ratio)
+        if self.kind == "gate":
+            return self._gate(log_ratio, weights, old_log_probs, rollout_log_probs, mask)
+        if self.kind == "cap":
+            return weights.clamp(max=self.options["vllm_is_truncated_threshold"]), None
+        low, high = self.options["vllm_is_truncated_threshold"]
+        if self.kind == "tis":
+            return weights.clamp(min=low, max=high), None
+        if self.kind == "icepop":
+            inside = (weights >= low) & (weights <= high)
+            return (torch.where(inside, weights, 0.0) if OPENRLHF.has("icepop-where") else weights * inside), None
+        sequence = torch.exp(masked_mean(log_ratio, mask, dim=-1))  # seq-mask-tis: (B,) geometric means
+        return weights * ((sequence >= low) & (sequence <= high)).unsqueeze(-1), None
+
+    def _gate(self, log_ratio, weights, old_log_probs, rollout_log_probs, mask) -> tuple:
+        o = self.options
+        low, high = o["is_correction_threshold"]
+        sequence_level = o["is_correction_level"] == "seq"
+        if o["is_correction_gating"] == "ratio":
+            statistic = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1) if sequence_level else log_ratio
+            statistic = statistic.exp()  # (B, 1) or (B, T)
+        else:
+            p = rollout_log_probs.detach().float().exp().clamp(1e-6, 1 - 1e-6)
+            q = old_log_probs.detach().float().exp().clamp(1e-6, 1 - 1e-6)
+            statistic = _binary_kl(p, q) if o["is_correction_gating"] == "binary_kl" else (p - q).abs()
+            if sequence_level:
+                statistic = masked_mean(statistic, mask, dim=-1).unsqueeze(-1)
+        if o["is_correction_mode"] == "clip":
+            coefficients, filtered = statistic.clamp(min=low, max=high), (statistic < low) | (statistic > high)
+        else:
+            keep = (statistic >= low) & (statistic <= high)
+            coefficients, filtered = torch.where(keep, weights, 0.0), ~keep
+        share = filtered.float().mean() if sequence_level else masked_mean(filtered.float(), mask)
+        return coefficients.expand_as(weights), share
+
+
+_POLICY_LOSS = {
+    "0.8.0": dict(clip_eps=0.2, token_level_loss=True),
+    "0.8.2": dict(clip_eps_low=0.2, clip_eps_high=0.2, token_level_loss=True),
+    "0.8.6": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True),
+    "0.8.8": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo"),
+    "0.8.9": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
+                  vllm_is_truncated_threshold=None),
+    "0.8.10": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
+                   policy_loss_type="ppo", enable_vllm_is_correction=False, vllm_is_truncated_threshold=None),
+    "0.9.1": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
+                  enable_vllm_is_correction=False, vllm_is_truncated_threshold=None, use_icepop=False),
+    "0.9.3": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
+                  enable_vllm_is_correction=False, vllm_is_truncated_threshold=None, vllm_is_correction_type="tis"),
+    "0.11.2": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
+                   policy_loss_type="ppo", is_correction_level="off", is_correction_mode="mask",
+                   is_correction_gating="ratio", is_correction_threshold=(0.5, 5.0)),
+}
+_POLICY_FORWARD = ("self", "log_probs", "old_log_probs", "advantages")
+
+
+def _openrlhf_policy_loss():
+    """OpenRLHF's own ``PolicyLoss`` class, for the policy-loss types fastppo does not reproduce."""
+    try:
+        return _PATCH.original(_LOSS, "PolicyLoss")
+    except ImportError as error:
+        raise ValueError("fastppo reproduces policy_loss_type='ppo'; another type runs OpenRLHF's own PolicyLoss, "
+                         "which needs OpenRLHF installed") from error
 
 
 class PolicyLoss(nn.Module):
-    """OpenRLHF's PPO policy loss (``policy_loss_type="ppo"``) on fastppo's fused kernel.
+    """OpenRLHF's PPO policy loss (``policy_loss_type="ppo"``) on fastppo's fused kernel; another
+    ``policy_loss_type`` constructs OpenRLHF's own ``PolicyLoss``.
 
-    ``forward(log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None,
-    dp_size=1, batch_num_tokens=None, global_batch_size=None)`` returns what the followed
-    version returns (see the module docstring).
+    Constructed and called with the followed release's parameters; ``forward`` returns what that
+    release returns (see the module docstring).
     """
 
-    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float = None,
-                 token_level_loss: bool = True, policy_loss_type: str = "ppo", enable_vllm_is_correction: bool = False,
-                 vllm_is_truncated_threshold=None, vllm_is_correction_type: str = "tis", use_icepop: bool = False,
-                 clip_eps: float = None) -> None:
+    __signature__ = ConstructorSignature()
+
+    def __new__(cls, *args, **kwargs):
+        try:
+            options = cls.__init__.bind(None, *args, **kwargs)
+        except TypeError:
+            return super().__new__(cls)  # __init__ raises it, as OpenRLHF's would
+        if options.get("policy_loss_type", "ppo") != "ppo":
+            return _openrlhf_policy_loss()(*args, **kwargs)
+        return super().__new__(cls)
+
+    @OPENRLHF.follows({release: parameters("self", **options) for release, options in _POLICY_LOSS.items()})
+    def __init__(self, **options) -> None:
         super().__init__()
-        if policy_loss_type != "ppo":
-            raise ValueError(f"fastppo reproduces policy_loss_type='ppo' only, got {policy_loss_type!r}")
-        if dual_clip is not None and dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
-        if clip_eps is not None:  # OpenRLHF 0.8.0-0.8.2's one clip range
-            clip_eps_low = clip_eps_high = clip_eps
-        self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
-        self.token_level_loss = token_level_loss
-        self.correction = self._correction(enable_vllm_is_correction, vllm_is_truncated_threshold,
-                                           vllm_is_correction_type, use_icepop)
-        self.vllm_is_truncated_threshold = vllm_is_truncated_threshold
+        if options.get("dual_clip") is not None and options["dual_clip"] <= 1.0:
+            raise ValueError(f"dual_clip must be > 1.0, got {options['dual_clip']}")
+        if "clip_eps" in options:  # one clip range before 0.8.2
+            options["clip_eps_low"] = options["clip_eps_high"] = options.pop("clip_eps")
+        self.clip_eps_low, self.clip_eps_high = options["clip_eps_low"], options["clip_eps_high"]
+        self.dual_clip, self.token_level_loss = options.get("dual_clip"), options["token_level_loss"]
+        self.correction = _Correction(options)
 
-    @staticmethod
-    def _correction(enabled, threshold, correction_type, use_icepop):
-        """The vLLM correction the followed version applies with these options, or None."""
-        if not OPENRLHF.at_least("0.8.9"):
-            return None
-        if not OPENRLHF.at_least("0.8.10"):
-            return None if threshold is None else "cap"
-        if not enabled:
-            return None
-        if not OPENRLHF.at_least("0.9.1"):
-            return "cap"
-        if not OPENRLHF.at_least("0.9.3"):
-            return "icepop" if use_icepop else "tis"
-        types = _CORRECTIONS["0.9.5" if OPENRLHF.at_least("0.9.5") else "0.9.3"]
-        if correction_type not in types:
-            raise ValueError(f"Invalid vllm_is_correction_type: {correction_type}, must be one of {'/'.join(types)}")
-        return "seq-mask-tis" if correction_type == "mis" else correction_type
-
-    def _is_weights(self, old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor) -> Tensor:
-        log_ratio = (old_log_probs - rollout_log_probs).detach().float()
-        weights = torch.exp(log_ratio)
-        if self.correction == "cap":
-            return weights.clamp(max=self.vllm_is_truncated_threshold)
-        low, high = self.vllm_is_truncated_threshold
-        if self.correction == "tis":
-            return weights.clamp(min=low, max=high)
-        if self.correction == "icepop":
-            return weights * ((weights >= low) & (weights <= high))
-        sequence = torch.exp(masked_mean(log_ratio, mask, dim=-1))  # seq-mask-tis: (B,) geometric means
-        return weights * ((sequence >= low) & (sequence <= high)).unsqueeze(-1)
-
+    @OPENRLHF.follows({"0.8.0": parameters(*_POLICY_FORWARD, action_mask=None),
+                       "0.8.9": parameters(*_POLICY_FORWARD, action_mask=None, rollout_log_probs=None),
+                       "0.10.3": parameters(*_POLICY_FORWARD, action_mask=None, rollout_log_probs=None,
+                                            **_GLOBAL_BATCH)})
     def forward(self, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, action_mask: Tensor = None,
-                rollout_log_probs: Tensor = None, dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
-        mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask
-        agg, scale, poison = _aggregation(mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
-        weighted = advantages
-        if self.correction is not None:
-            if rollout_log_probs is None:
-                raise ValueError("the vLLM importance-sampling correction needs rollout_log_probs")
-            weighted = advantages * self._is_weights(old_log_probs, rollout_log_probs, mask)
+                rollout_log_probs: Tensor = None, **batch_info):
+        mask = _mask(action_mask, log_probs, self.token_level_loss, batch_info)
+        agg, scale, poison = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
+        weighted, filtered = advantages, None
+        if self.correction.kind is not None:
+            coefficients, filtered = self.correction.weights(old_log_probs, rollout_log_probs, mask)
+            weighted = advantages * coefficients  # >= 0 commutes with the clipping; < 0 poisons the loss
+            poison = poison + nan_unless(((coefficients >= 0) | ~mask.bool()).all())
         loss, _ = ppo_policy_loss(log_probs, old_log_probs, weighted, mask, clip_eps=self.clip_eps_low,
                                   clip_eps_high=self.clip_eps_high, dual_clip=self.dual_clip, agg=agg)
         loss = loss * scale + poison
-        if not OPENRLHF.at_least("0.8.3"):
+        if not OPENRLHF.has("returns-clip-ratio"):
             return loss
         log_ratio = (log_probs - old_log_probs).detach().float()
-        ratio = log_ratio.clamp(-20.0, 20.0).exp()
+        ratio = (log_ratio.clamp(-20.0, 20.0) if OPENRLHF.has("policy-ratio-clamped") else log_ratio).exp()
         advantages = advantages.detach().float()
         clipped = ratio.clamp(1 - self.clip_eps_low, 1 + self.clip_eps_high) * advantages < ratio * advantages
-        clip_ratio = masked_mean(clipped.float(), mask)
-        if not OPENRLHF.at_least("0.8.8"):
-            return loss, clip_ratio
-        ppo_kl = masked_mean(-log_ratio, mask)
-        if not OPENRLHF.at_least("0.8.9"):
-            return loss, clip_ratio, ppo_kl
-        vllm_kl = None
-        if self.correction is not None:
-            vllm_kl = masked_mean((rollout_log_probs - old_log_probs).detach().float(), mask)
-        return loss, clip_ratio, ppo_kl, vllm_kl
+        result = (loss, masked_mean(clipped.float(), action_mask))
+        if OPENRLHF.has("returns-ppo-kl"):
+            reported = log_ratio
+            if self.correction.kind is not None and OPENRLHF.has("vllm-is-correction-type") \
+                    and not OPENRLHF.has("ppo-kl-of-the-policy"):
+                reported = (old_log_probs - rollout_log_probs).detach().float()  # that release's log_ratio, reused
+            result += (masked_mean(-reported, action_mask),)
+        if OPENRLHF.has("returns-vllm-kl"):
+            corrected = self.correction.kind is not None
+            result += (masked_mean((rollout_log_probs - old_log_probs).detach().float(), action_mask)
+                       if corrected else None,)
+        if OPENRLHF.has("returns-filter-ratio"):
+            result += (filtered,)
+        return result
+
+
+_VALUE_FORWARD = ("self", "values", "old_values", "returns")
 
 
 class ValueLoss(nn.Module):
-    """OpenRLHF's clipped value loss on fastppo's ``value_loss``: ``forward(values, old_values,
-    returns, action_mask=None, dp_size=1, batch_num_tokens=None, global_batch_size=None)``."""
+    """OpenRLHF's clipped value loss on fastppo's ``value_loss``, called with the followed
+    release's ``forward`` parameters (the global-batch ones from 0.10.3)."""
 
     def __init__(self, clip_eps: float = None, token_level_loss: bool = True) -> None:
         super().__init__()
         self.clip_eps, self.token_level_loss = clip_eps, token_level_loss
 
+    @OPENRLHF.follows({"0.8.0": parameters(*_VALUE_FORWARD, action_mask=None),
+                       "0.10.3": parameters(*_VALUE_FORWARD, action_mask=None, **_GLOBAL_BATCH)})
     def forward(self, values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor = None,
-                dp_size: int = 1, batch_num_tokens=None, global_batch_size=None) -> Tensor:
-        mask = torch.ones_like(values, dtype=torch.bool) if action_mask is None else action_mask
-        agg, scale, poison = _aggregation(mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+                **batch_info) -> Tensor:
+        mask = _mask(action_mask, values, self.token_level_loss, batch_info)
+        agg, scale, poison = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
         loss, _ = value_loss(values, old_values, returns, mask, clip_eps=self.clip_eps, agg=agg)
         return loss * scale + poison
 
@@ -220,7 +408,7 @@ _PATCH = Patch("openrlhf", {
     (_LOSS, "ValueLoss"): ValueLoss,
     ("openrlhf.trainer.ppo_utils.experience_maker", "RemoteExperienceMaker.get_advantages_and_returns"):
         get_advantages_and_returns,
-}, missing="fastppo.integrations.openrlhf.patch() needs OpenRLHF: pip install openrlhf")
+}, caller="fastppo.integrations.openrlhf.patch()", install_hint="pip install openrlhf")
 
 
 def patch() -> Patch:

@@ -10,20 +10,28 @@ package are never touched: a user's own ``from fastppo.integrations.trl import .
 
 A name ``"Class.method"`` is a method: the class gets the drop-in as a static method (it takes
 the method's arguments after ``self``), and gets its own back on unpatching.
+
+Nothing fails silently: without the package, ``install`` raises the ImportError that says how to
+install it; with the package present but a module of it failing to import (a missing dependency
+such as flash-attn, a version conflict), the error names that module and the import that failed,
+as an ImportError when nothing could be patched and as a warning for each module left out
+otherwise. Only a module the installed release does not have at all is skipped without a word.
 """
 
 import importlib
 import sys
+import warnings
 from types import ModuleType
 
 
 class Patch:
     """Replacements ``{(module, name): drop_in}`` for the modules of ``package``."""
 
-    def __init__(self, package: str, replacements: dict, missing: str):
+    def __init__(self, package: str, replacements: dict, caller: str, install_hint: str):
         self.package = package
         self.replacements = replacements
-        self.missing = missing  # the ImportError's message when the package is not installed
+        self.caller = caller  # who patches, for messages: "fastppo.integrations.verl.patch()"
+        self.install_hint = install_hint  # how to install the package: "pip install verl"
         self._swapped = []  # (original, drop-in) pairs while patched
         self._methods = []  # (class, name, original) while patched
 
@@ -46,23 +54,44 @@ class Patch:
         try:
             importlib.import_module(self.package)
         except ImportError as error:
-            raise ImportError(self.missing) from error
+            if _absent(self.package, error):
+                raise ImportError(f"{self.caller} needs {self.package}: {self.install_hint}") from error
+            raise ImportError(f"{self.caller}: {self.package} is installed but importing it failed: {error}; "
+                              f"nothing was patched") from error
         peer.check_supported()
+        owners = self._import_owners()
         pairs = []
         for (module, name), drop_in in self.replacements.items():
-            try:
-                owner = importlib.import_module(module)
-            except ImportError:
-                continue  # a module this version of the package does not have
-            if "." in name:
-                self._swap_method(owner, name, drop_in)
+            if module not in owners:
                 continue
-            original = getattr(owner, name, None)
+            if "." in name:
+                self._swap_method(owners[module], name, drop_in)
+                continue
+            original = getattr(owners[module], name, None)
             if original is not None and original is not drop_in:
                 pairs.append((original, drop_in))
         self._swapped = pairs
         self._swap({id(original): drop_in for original, drop_in in pairs})
         return self
+
+    def _import_owners(self) -> dict:
+        """``{module name: module}`` for the replacements' modules this release has; a module that
+        exists but fails to import is a warning naming its error, or an ImportError if all do."""
+        owners, failed = {}, {}
+        for module, _ in self.replacements:
+            try:
+                owners[module] = importlib.import_module(module)
+            except ImportError as error:
+                if not _absent(module, error):  # an absent module is one this release does not have
+                    failed[module] = error
+        if failed and not owners:
+            module, error = next(iter(failed.items()))
+            raise ImportError(f"{self.caller}: importing {module} failed: {error}; nothing was patched") from error
+        for module, error in failed.items():
+            names = ", ".join(name for owner, name in self.replacements if owner == module)
+            warnings.warn(f"{self.caller}: importing {module} failed: {error}; its {names} stay "
+                          f"{self.package}'s", stacklevel=4)
+        return owners
 
     def remove(self) -> None:
         self._swap({id(drop_in): original for original, drop_in in self._swapped})
@@ -100,3 +129,11 @@ class Patch:
 
     def __exit__(self, *exc):
         self.remove()
+
+
+def _absent(module: str, error: ImportError) -> bool:
+    """Whether ``error``, raised importing ``module``, says that it (or a package above it) does not
+    exist, as opposed to existing and failing to import something else."""
+    missing = getattr(error, "name", None)
+    return isinstance(error, ModuleNotFoundError) and missing is not None and \
+        (module == missing or module.startswith(missing + "."))

@@ -1,23 +1,23 @@
 """Drop-in replacements for TRL's log-prob and entropy helpers, and ``patch()`` to install them.
 
-Supported: TRL 1.9 to 1.16 (each tested with that TRL installed). The functions follow the
-installed TRL (see ``fastppo.integrations.peers``; without TRL, the newest), whose helpers changed:
+Follows every TRL release in ``TRL`` (1.9.0 to 1.16.0), the installed one (see
+``fastppo.integrations.peers``; without TRL, the newest). What changed, by release (the names are
+``TRL``'s):
 
-* ``selective_log_softmax(logits, index)`` took no ``temperature`` or ``row_mask`` before 1.14,
-  and ``selective_log_softmax_and_entropy`` appeared in 1.14. fastppo's accept both keywords on
-  every version (calls TRL makes fit either way).
-* The result's dtype is the logits' everywhere before 1.14; from 1.14 it is fp32 on CUDA and
-  XPU (TRL's own Triton kernel), the logits' elsewhere.
 * The chunked LM head that GRPO, RLOO, DPO and KTO score completions with
   (``trl.trainer.utils._ChunkedLogProbFunction``, ``trl.kernels.ChunkedLogProbFunction`` from
-  1.15) was called ``(hidden, weight, targets, temperature, chunk_size, softcap, logit_scale)``
-  returning ``(log_probs, entropy)`` up to 1.12; 1.13 and 1.14 added ``bias`` after ``weight``;
-  1.15 added ``outputs`` and returns five per-token tensors, those not asked for None: the
-  log-probs, the entropy and three detached statistics (``log_sum_sq_probs``, ``mean_logits``,
-  ``is_top1``, asked for by SFT, DPO and KTO), all from fastppo's one pass over each chunk.
-  Before 1.13 its backward ignored the entropy's gradient, so there the entropy comes back
-  detached.
-  :class:`FusedLinearLogProb` reads the arguments as the followed version passes them.
+  1.15) is called ``(hidden, weight, targets, temperature, chunk_size, softcap, logit_scale)``,
+  returning ``(log_probs, entropy)``, whose backward ignores the entropy's gradient (the entropy
+  here requires grad and passes none back). 1.13.0 ``head-bias``: ``bias`` after ``weight``, and
+  the entropy's gradient flows. 1.15.0 ``head-outputs``: ``outputs`` last, and five per-token
+  results, those not asked for None: the log-probs, the entropy and three detached statistics
+  (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, asked for by SFT, DPO and KTO), all from
+  fastppo's one pass over each chunk. :class:`FusedLinearLogProb` takes each release's arguments.
+* 1.14.0 ``temperature-and-row-mask``: ``selective_log_softmax(logits, index, temperature,
+  row_mask)`` (before, two arguments; fastppo's accept the keywords on every release, computing
+  what that TRL lacks around its code) and ``selective_log_softmax_and_entropy``;
+  ``fp32-on-accelerators``: the results are fp32 on CUDA and XPU (TRL's own Triton kernel), the
+  logits' dtype elsewhere (before, the logits' dtype everywhere).
 
 They compute in fp32 with fastppo's kernels, so in bf16 they are more accurate than TRL's CPU
 path, which runs the log-softmax in bf16. What fastppo does not cover goes to TRL's own code with
@@ -26,9 +26,14 @@ and, on TRL before 1.14, a temperature other than 1 or a ``row_mask`` (that TRL 
 arguments, so fastppo computes those itself). TRL's distillation head
 (``ChunkedDivergenceFunction``) is not replaced. Importing this module does not import TRL;
 ``patch()`` does, and raises ImportError without it.
-"""
 
-import inspect
+Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
+
+* ``fp32-compute``: bf16 logits are computed in fp32 and the results rounded to bf16, where TRL's
+  CPU path computes in bf16, so they are closer to float64.
+* ``neg-inf-logits``: the entropy of a row holding ``-inf`` logits is finite (those tokens have
+  probability 0), where TRL's is NaN (``0 * -inf``).
+"""
 
 import torch
 from torch import Tensor
@@ -37,45 +42,32 @@ from ..ops.checks import FLOAT_DTYPES
 from ..ops.token_logprobs_from_hidden import token_logprobs_from_hidden
 from ..ops.token_logprobs import token_logprobs
 from .patching import Patch
-from .peers import Peer
+from .peers import Peer, parameters
 
-TRL = Peer("trl", oldest="1.9.0", newest="1.16.0")
+TRL = Peer("trl", {
+    "1.9.0": (), "1.9.1": (), "1.9.2": (), "1.10.0": (), "1.11.0": (), "1.12.0": (),
+    "1.13.0": ("head-bias",),
+    "1.14.0": ("temperature-and-row-mask", "fp32-on-accelerators"),
+    "1.14.1": (), "1.14.2": (),
+    "1.15.0": ("head-outputs",),
+    "1.16.0": (),
+})
 _IGNORE = -100
 _UTILS = "trl.trainer.utils"
 _HEAD_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # TRL >= 1.15's extra outputs, in its order
-_HEAD_DEFAULTS = dict(final_logit_softcapping=None, logit_scale=1.0, outputs=("entropy", *_HEAD_STATS))
-
-
-def _signature(*names: str) -> inspect.Signature:
-    return inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                default=_HEAD_DEFAULTS.get(name, inspect.Parameter.empty))
-                              for name in names])
-
-
-# The chunked LM head's parameters, as each TRL version passes them (by the first version of each).
-_HEAD_SIGNATURES = {
-    "1.9": _signature("hidden", "weight", "targets", "temperature", "chunk_size", "final_logit_softcapping",
-                      "logit_scale"),
-    "1.13": _signature("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
-                       "final_logit_softcapping", "logit_scale"),
-    "1.15": _signature("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
-                       "final_logit_softcapping", "logit_scale", "outputs"),
-}
-
-
-def _head_generation() -> str:
-    return "1.15" if TRL.at_least("1.15") else "1.13" if TRL.at_least("1.13") else "1.9"
+_HEAD = ("hidden", "weight", "targets", "temperature", "chunk_size")
+_HEAD_OPTIONS = dict(final_logit_softcapping=None, logit_scale=1.0)
 
 
 def _trl(name: str):
     """TRL's own implementation of ``name`` (for the cases fastppo leaves to it)."""
-    if name == "ChunkedLogProbFunction" and TRL.at_least("1.15"):
+    if name == "ChunkedLogProbFunction" and TRL.has("head-outputs"):
         return _PATCH.original("trl.kernels", name)
     return _PATCH.original(_UTILS, "_ChunkedLogProbFunction" if name == "ChunkedLogProbFunction" else name)
 
 
 def _out_dtype(logits: Tensor) -> torch.dtype:
-    trl_kernel = TRL.at_least("1.14") and logits.device.type in ("cuda", "xpu") and logits.ndim <= 3
+    trl_kernel = TRL.has("fp32-on-accelerators") and logits.device.type in ("cuda", "xpu") and logits.ndim <= 3
     return torch.float32 if trl_kernel else logits.dtype
 
 
@@ -96,7 +88,7 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
     """``log_softmax(logits / temperature)`` gathered at ``index``; rows where ``row_mask`` is 0 give 0."""
     _check_temperature(temperature)
     if not _covered(logits, index):
-        if TRL.at_least("1.14"):
+        if TRL.has("temperature-and-row-mask"):
             return _trl("selective_log_softmax")(logits, index, temperature=temperature, row_mask=row_mask)
         logp = _trl("selective_log_softmax")(logits / temperature if temperature != 1.0 else logits, index)
         return logp if row_mask is None else logp.masked_fill(row_mask == 0, 0.0)  # as TRL 1.14 does
@@ -127,31 +119,49 @@ def selective_log_softmax_and_entropy(logits: Tensor, index: Tensor, entropy_req
     return logp.to(dtype), entropy if entropy_requires_grad else entropy.detach()
 
 
-class FusedLinearLogProb:
-    """Stands in for TRL's chunked LM-head function: ``.apply`` with the arguments the followed
-    TRL version passes (see the module docstring), returning what that version returns, fp32."""
+class _NoGradient(torch.autograd.Function):
+    """The input's values, differentiable with a zero gradient (TRL before 1.13 returns its LM head's
+    entropy so: it requires grad, and its backward ignores what flows back into it)."""
 
     @staticmethod
-    def apply(*args, **kwargs):
-        generation = _head_generation()
-        a = {"bias": None, **_HEAD_DEFAULTS, **_HEAD_SIGNATURES[generation].bind(*args, **kwargs).arguments}
+    def forward(ctx, x):
+        return x.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+class FusedLinearLogProb:
+    """Stands in for TRL's chunked LM-head function: ``.apply`` with the arguments the followed
+    TRL release passes (see the module docstring), returning what that release returns, fp32."""
+
+    @staticmethod
+    @TRL.follows({
+        "1.9.0": parameters(*_HEAD, **_HEAD_OPTIONS),
+        "1.13.0": parameters("hidden", "weight", "bias", *_HEAD[2:], **_HEAD_OPTIONS),
+        "1.15.0": parameters("hidden", "weight", "bias", *_HEAD[2:], **_HEAD_OPTIONS,
+                             outputs=("entropy", *_HEAD_STATS)),
+    })
+    def apply(**given):
+        a = {"bias": None, "outputs": (), **given}
         hidden, weight, bias, outputs = a["hidden"], a["weight"], a["bias"], a["outputs"]
         if a["final_logit_softcapping"] is not None or a["logit_scale"] != 1.0 \
                 or not set(outputs) <= {"log_probs", "entropy", *_HEAD_STATS} \
                 or hidden.dtype != weight.dtype or hidden.dtype not in FLOAT_DTYPES:
-            return _trl("ChunkedLogProbFunction").apply(*args, **kwargs)
+            return _trl("ChunkedLogProbFunction").apply(*given.values())  # autograd's apply is positional
         if torch.is_autocast_enabled(hidden.device.type):  # TRL projects in the autocast dtype
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        with_stats = generation == "1.15" and not set(outputs).isdisjoint(_HEAD_STATS)
+        with_stats = not set(outputs).isdisjoint(_HEAD_STATS)
         with torch.autocast(hidden.device.type, enabled=False):
             logp, entropy, *stats = token_logprobs_from_hidden(hidden, weight, a["targets"], bias=bias,
-                                                          temperature=a["temperature"], return_entropy=True,
-                                                          return_stats=with_stats)
-        if generation == "1.9":
-            return logp, entropy.detach()
-        if generation == "1.13":
+                                                               temperature=a["temperature"], return_entropy=True,
+                                                               return_stats=with_stats)
+        if not TRL.has("head-bias"):  # that TRL's backward ignores the entropy's gradient
+            return logp, _NoGradient.apply(entropy)
+        if not TRL.has("head-outputs"):
             return logp, entropy
         stats = stats[0] if stats else {}
         return (logp, entropy if "entropy" in outputs else None,
@@ -163,7 +173,7 @@ _PATCH = Patch("trl", {
     (_UTILS, "entropy_from_logits"): entropy_from_logits,
     (_UTILS, "selective_log_softmax_and_entropy"): selective_log_softmax_and_entropy,  # TRL >= 1.14
     (_UTILS, "_ChunkedLogProbFunction"): FusedLinearLogProb,  # trl.kernels.ChunkedLogProbFunction from 1.15
-}, missing="fastppo.integrations.trl.patch() needs TRL: pip install trl")
+}, caller="fastppo.integrations.trl.patch()", install_hint="pip install trl")
 
 
 def patch() -> Patch:

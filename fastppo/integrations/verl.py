@@ -1,44 +1,57 @@
 """verl's PPO helpers with verl's signatures and semantics, backed by fastppo's kernels.
 
-Supported: verl 0.6 to main (0.8.0.dev, January 2026), following the installed verl (see
-``fastppo.integrations.peers``; without verl, main). Mirrors ``verl.utils.torch_functional``
+Follows every verl release in ``VERL`` (0.6.0 to 0.9.1), the installed one (see
+``fastppo.integrations.peers``; without verl, the newest). Mirrors ``verl.utils.torch_functional``
 (``logprobs_from_logits``, ``entropy_from_logits``, ``entropy_from_logits_with_chunking``,
 ``masked_sum``, ``masked_mean``, ``masked_whiten``) and ``verl.trainer.ppo.core_algos``
 (``compute_gae_advantage_return``, the GRPO, RLOO and REINFORCE++ outcome advantages,
 ``kl_penalty``, ``agg_loss``, ``compute_policy_loss_vanilla``, ``compute_policy_loss_gspo``,
-the older ``compute_policy_loss``, ``compute_value_loss``). ``patch()`` swaps them into the installed
-verl, registries included. Importing this module does not import verl.
+the older ``compute_policy_loss``, ``compute_value_loss``). ``patch()`` swaps them into the
+installed verl, registries included. Importing this module does not import verl.
 
-What changed in 0.7 (and holds on main), followed by version:
+What changed, by release (the names are ``VERL``'s):
 
-* ``compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo`` return ``(pg_loss, metrics)``, the metrics a dict of floats
-  (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``); 0.6 returned
-  ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``. Both take ``rollout_is_weights``.
-* ``agg_loss`` takes ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and
-  ``loss_scale_factor`` (the policy loss reads them from ``config.global_batch_info``): token-mean
-  is the sum over ``batch_num_tokens`` times ``dp_size``, and NaN with no valid token; the
-  seq-mean modes average over ``global_batch_size`` (default: the rows with a valid token)
-  times ``dp_size``, leaving fully masked rows out. In 0.6 token-mean of nothing is 0, the
-  seq-mean modes average over every row, and ``seq-mean-token-mean`` is NaN if a row is empty.
+* 0.6.1 ``policy-loss-returns-metrics``: the vanilla and GSPO losses return ``(pg_loss, metrics)``,
+  the metrics a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``,
+  ``actor/pg_clipfrac_lower``); 0.6.0 returned ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``.
+  ``seq-mean-leaves-out-empty-rows``: the seq-mean modes average over the rows with a valid token
+  (0.6.0 over every row, so an empty row makes seq-mean-token-mean NaN).
+* 0.7.0 ``global-batch``: ``agg_loss(..., dp_size, batch_num_tokens, global_batch_size,
+  loss_scale_factor)``, which the policy losses read from ``config.global_batch_info``: token-mean
+  is the sum over ``batch_num_tokens`` times ``dp_size``, the seq-mean modes the sum of row losses
+  over ``global_batch_size`` times ``dp_size`` (both default to this batch's counts, so 0 / 0 is
+  NaN), seq-mean-token-sum-norm the total over ``loss_scale_factor`` (default T).
+* 0.7.1 ``sum-norm-over-global-batch``: seq-mean-token-sum-norm is seq-mean-token-sum over
+  ``loss_scale_factor``; ``global-counts-required``: ``dp_size > 1`` without the global count a
+  mode needs is a ValueError.
+* 0.8.0 ``kl-plus-suffix``: ``kl_penalty`` takes a "+" suffix (``"k3+"``: the value of k3, the
+  gradient of k2; before, verl raises NotImplementedError).
+* 0.9.0 ``token-sum``: a fifth mode, the sum times ``dp_size``; ``value-loss-global-batch``:
+  ``compute_value_loss`` takes the global-batch arguments; ``reinforce-pp-spans``: REINFORCE++
+  carries the return across masked spans (a multi-turn observation) instead of restarting it there.
+* 0.9.1 ``gspo-follows-agg-mode``: GSPO aggregates with ``loss_agg_mode`` (before, always
+  seq-mean-token-mean).
 
-Where verl's semantics differ from fastppo's own ops, these reproduce verl's:
+Where verl's semantics differ from fastppo's own ops, these reproduce verl's: GAE writes the
+advantage carried from the next valid position at a masked one (0 after the last), its return is
+that plus the value, and every position is whitened over the valid ones; k3 is clamped to
+[-10, 10]; the vanilla loss always dual-clips with ``clip_ratio_c`` (3.0); GRPO gives a prompt with
+one response ``score / (1 + epsilon)``, RLOO its raw score; ``masked_whiten`` refuses fewer than
+two valid entries.
 
-* GAE: at a masked position verl writes the advantage carried from the next valid position
-  (0 after the last one) instead of 0, its return is that plus the position's value, and the
-  advantages are then whitened over the valid positions with the masked ones transformed too.
-* ``seq-mean-token-sum-norm`` divides the total by ``loss_scale_factor`` or the response length T
-  (fastppo's mode of that name divides by B * T).
-* ``kl_penalty("low_var_kl" / "k3")`` clamps the estimate to [-10, 10] after fastppo's k3; a "+"
-  suffix (``"k3+"``) keeps the value and takes k2's gradient.
-* ``compute_policy_loss_vanilla`` always applies dual clipping with ``clip_ratio_c`` (3.0).
-* GRPO gives a prompt with one response ``score / (1 + epsilon)``; RLOO leaves it its raw score.
+Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
 
-Two deliberate differences: whatever sits at masked positions (NaN included) never reaches a
-result, where verl's ``loss * mask`` lets a NaN through; and ``rollout_is_weights`` scale the
-advantages inside the fused kernel, which equals verl's weighting of each token's loss for
-non-negative weights, except that a token of weight 0 counts as unclipped in ``pg_clipfrac``.
-The log-prob and entropy functions return fp32 (as verl's flash-attn path does), computed in
-fp32 whatever the logits' dtype; losses come out fp32.
+* ``masked-positions-ignored``: whatever sits at a masked position (NaN, inf) never reaches a
+  result or a gradient, where verl's ``loss * mask`` lets a NaN through.
+* ``fp32-results``: log-probs, entropies, KL estimates and losses come out fp32, computed in fp32
+  whatever the input dtype (verl's CPU path computes bf16 inputs in bf16; its flash-attn path
+  returns fp32 log-probs too), so they are closer to float64 in half precision.
+* ``neg-inf-logits``: the entropy of a row holding ``-inf`` logits is finite (those tokens have
+  probability 0), where verl's is NaN (its ``softmax * logits`` is ``0 * -inf`` there).
+* ``non-negative-rollout-weights``: ``rollout_is_weights`` scale the advantages inside the fused
+  kernel, which equals verl's weighting of each token's loss for the non-negative weights verl's
+  rollout correction produces; a negative weight at a valid token (which would flip the clipping)
+  makes the vanilla loss NaN rather than a different number.
 """
 
 import numpy as np
@@ -54,11 +67,20 @@ from ..ops.token_logprobs import token_logprobs
 from ..ops.value_loss import value_loss
 from ._nan import nan_unless
 from .patching import Patch
-from .peers import Peer
+from .peers import Peer, parameters
 
-VERL = Peer("verl", oldest="0.6.0", newest="0.8.0")
+VERL = Peer("verl", {
+    "0.6.0": (),
+    "0.6.1": ("policy-loss-returns-metrics", "seq-mean-leaves-out-empty-rows"),
+    "0.7.0": ("global-batch",),
+    "0.7.1": ("sum-norm-over-global-batch", "global-counts-required"),
+    "0.8.0": ("kl-plus-suffix",),
+    "0.9.0": ("token-sum", "value-loss-global-batch", "reinforce-pp-spans"),
+    "0.9.1": ("gspo-follows-agg-mode",),
+})
 _KL_MODES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 _AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_GLOBAL_BATCH = dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, inplace_backward: bool = True) -> Tensor:
@@ -148,22 +170,31 @@ def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
 
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, config=None,
                                                   **kwargs) -> tuple:
-    """verl's REINFORCE++: discounted returns, reset after each response's end, whitened over the mask."""
+    """verl's REINFORCE++: discounted returns over each response, whitened over the mask.
+
+    Before 0.9.0 the running return restarts after every masked position; from 0.9.0 it is carried
+    through masked spans unchanged and the returns there are 0 (see the module docstring)."""
     if config is None:
         raise ValueError("compute_reinforce_plus_plus_outcome_advantage needs config (for config.gamma)")
     gamma = float(_option(config, "gamma", 1.0))
     with torch.no_grad():
-        mask = response_mask.float()
-        carry = torch.cat([gamma * mask[:, 1:], mask.new_zeros(mask.shape[0], 1)], dim=1)  # G_t = r_t + g m_{t+1} G_{t+1}
-        returns = reverse_affine_scan(carry, token_level_rewards.float())
+        mask, rewards = response_mask.float(), token_level_rewards.float()
+        if VERL.has("reinforce-pp-spans"):
+            # G_t = m_t r_t + (m_t g + 1 - m_t) G_{t+1}; the return written at t is m_t (r_t + g G_{t+1})
+            running = reverse_affine_scan(mask * gamma + 1.0 - mask, mask * rewards)
+            following = torch.nn.functional.pad(running[:, 1:], (0, 1))  # G_{t+1}, 0 after the end
+            returns = mask * (rewards + gamma * following)
+        else:  # G_t = r_t + g m_{t+1} G_{t+1}
+            carry = torch.cat([gamma * mask[:, 1:], mask.new_zeros(mask.shape[0], 1)], dim=1)
+            returns = reverse_affine_scan(carry, rewards)
         advantages = masked_whiten(returns, response_mask) * response_mask
     return advantages, returns
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
     """verl's per-token KL estimates: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped to [-10, 10]), and
-    any of them with "+" (its value, k2's gradient)."""
-    straight_through = kl_penalty.endswith("+")
+    from 0.8.0 any of them with "+" (its value, k2's gradient)."""
+    straight_through = kl_penalty.endswith("+") and VERL.has("kl-plus-suffix")
     mode = kl_penalty[:-1] if straight_through else kl_penalty
     if mode == "abs":
         value = (logprob.float() - ref_logprob.float()).abs()
@@ -188,39 +219,67 @@ def _option(config, name, default):
 def _aggregation(mask: Tensor, mode: str, dp_size=1, batch_num_tokens=None, global_batch_size=None,
                  loss_scale_factor=None) -> tuple:
     """verl's ``agg_loss`` as ``(agg, scale, poison)``: fastppo's ``agg`` times ``scale``, plus
-    ``poison`` (0, or NaN where verl divides 0 by 0), for the version followed."""
-    if mode not in _AGG_MODES:
+    ``poison`` (0, or NaN where verl divides 0 by 0), for the release followed.
+
+    ``scale`` is a tensor, so a count of 0 (an int or a tensor) gives verl's inf or NaN."""
+    modes = _AGG_MODES + ("token-sum",) * VERL.has("token-sum")
+    if mode not in modes:
         raise ValueError(f"Invalid loss_agg_mode: {mode}")
     valid = mask.bool()
-    B, T = valid.shape[0], valid.shape[-1]
-    rows = valid.sum(dim=-1) > 0 if valid.dim() > 1 else valid.any().reshape(1)
-    if not VERL.at_least("0.7"):
-        if any(x is not None for x in (batch_num_tokens, global_batch_size, loss_scale_factor)) or dp_size != 1:
-            raise TypeError("verl 0.6's agg_loss takes no global-batch arguments")
-        if mode == "seq-mean-token-mean":  # the mean over every row of each row's mean: NaN if a row is empty
-            return mode, 1.0, nan_unless(rows.all())
-        if mode == "seq-mean-token-sum-norm":
+    B = valid.new_tensor(valid.shape[0], dtype=torch.float32)  # as tensors: verl's x / 0 is inf, not an error
+    T = valid.new_tensor(valid.shape[-1], dtype=torch.float32)
+    tokens = valid.sum()
+    rows = (valid.sum(dim=-1) > 0).sum() if valid.dim() > 1 else (tokens > 0).long()
+    if not VERL.has("global-batch"):
+        if mode == "seq-mean-token-sum-norm":  # the total over T, from fastppo's total over B
             return "seq-mean-token-sum", B / T, 0.0
+        if VERL.has("seq-mean-leaves-out-empty-rows"):
+            return mode, B / rows.clamp(min=1) if mode == "seq-mean-token-sum" else 1.0, 0.0
+        if mode == "seq-mean-token-mean":  # the mean over every row of each row's mean: NaN if a row is empty
+            return mode, 1.0, nan_unless(rows == valid.shape[0])
         return mode, 1.0, 0.0
+    required = VERL.has("global-counts-required") and dp_size > 1
+    if mode == "token-sum":
+        return "token-mean", tokens.clamp(min=1) * dp_size, 0.0
     if mode == "token-mean":
-        if batch_num_tokens is None:
-            return mode, float(dp_size), nan_unless(valid.any())
-        return mode, valid.sum().clamp(min=1) * dp_size / batch_num_tokens, 0.0
-    if mode == "seq-mean-token-sum-norm":
-        return "seq-mean-token-sum", B / (T if loss_scale_factor is None else loss_scale_factor), 0.0
-    sequences = rows.sum() if global_batch_size is None else global_batch_size  # 0 rows: 0 / 0, NaN
-    kept = B if mode == "seq-mean-token-sum" else rows.sum().clamp(min=1)  # fastppo's own divisor
-    return mode, kept * dp_size / sequences, 0.0
+        if batch_num_tokens is None and required:
+            raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+        count = tokens if batch_num_tokens is None else batch_num_tokens
+        return mode, tokens.clamp(min=1) * dp_size / count, 0.0
+    if global_batch_size is None and required:
+        raise ValueError("global_batch_size is required when dp_size > 1")
+    sequences = rows if global_batch_size is None else global_batch_size
+    width = T if loss_scale_factor is None else loss_scale_factor
+    if mode == "seq-mean-token-sum-norm" and not VERL.has("sum-norm-over-global-batch"):
+        return "seq-mean-token-sum", B / width, 0.0
+    if mode == "seq-mean-token-mean":
+        return mode, rows.clamp(min=1) * dp_size / sequences, 0.0
+    scale = B * dp_size / sequences  # fastppo's seq-mean-token-sum divides the rows' sums by B
+    return "seq-mean-token-sum", scale / width if mode == "seq-mean-token-sum-norm" else scale, 0.0
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, dp_size: int = 1, batch_num_tokens=None,
-             global_batch_size=None, loss_scale_factor=None) -> Tensor:
-    """verl's loss aggregation, fp32 (the global-batch arguments from verl 0.7; see the module docstring)."""
-    agg, scale, poison = _aggregation(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
-                                      loss_scale_factor)
+def _agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, **batch_info) -> Tensor:
+    agg, scale, poison = _aggregation(loss_mask, loss_agg_mode, **batch_info)
     valid = loss_mask.bool()
     weights = aggregation_weights(valid, agg)
     return (torch.where(valid, loss_mat.float(), 0.0) * weights).sum() * scale + poison
+
+
+@VERL.follows({"0.6.0": parameters("loss_mat", "loss_mask", "loss_agg_mode"),
+               "0.7.0": parameters("loss_mat", "loss_mask", "loss_agg_mode", **_GLOBAL_BATCH)})
+def agg_loss(loss_mat, loss_mask, loss_agg_mode, **batch_info) -> Tensor:
+    """verl's loss aggregation, fp32 (the global-batch arguments from 0.7.0; see the module docstring)."""
+    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, **batch_info)
+
+
+def _clip_fractions(log_ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float,
+                    clip_c: float) -> tuple:
+    """verl's ``pg_clipfrac`` and ``pg_clipfrac_lower`` from the unweighted advantages, ``(B, T)``."""
+    ratio = log_ratio.exp()
+    pg1, pg2 = -advantages * ratio, -advantages * ratio.clamp(1 - low, 1 + high)
+    clipped = torch.maximum(pg1, pg2)
+    lower = (clipped > -advantages * clip_c) & (advantages < 0)
+    return masked_mean((pg2 > pg1).float(), mask), masked_mean(lower.float(), mask)
 
 
 def _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_low, clip_high, clip_c,
@@ -229,12 +288,19 @@ def _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
     if clip_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be greater than 1.0, got {clip_c}")
     agg, scale, poison = _aggregation(response_mask, loss_agg_mode, **batch_info)
-    if rollout_is_weights is not None:
-        advantages = advantages * rollout_is_weights.detach()
-    pg_loss, stats = ppo_policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_eps=clip_low,
+    weighted = advantages
+    if rollout_is_weights is not None:  # weights >= 0 commute with the clipping; others poison the loss
+        weighted = advantages * rollout_is_weights.detach()
+        poison = poison + nan_unless(((rollout_is_weights >= 0) | ~response_mask.bool()).all())
+    pg_loss, stats = ppo_policy_loss(log_prob, old_log_prob, weighted, response_mask, clip_eps=clip_low,
                                      clip_eps_high=clip_high, dual_clip=clip_c, agg=agg)
-    ppo_kl = masked_mean(-(log_prob - old_log_prob).detach().float().clamp(-20.0, 20.0), response_mask)
-    return pg_loss * scale + poison, stats["clipfrac"], ppo_kl, stats["dual_clipfrac"]
+    log_ratio = (log_prob.float() - old_log_prob.float()).clamp(-20.0, 20.0)
+    ppo_kl = masked_mean(-log_ratio, response_mask)  # differentiable, as verl's (0.6.0 returns it)
+    clipfrac, lower = stats["clipfrac"], stats["dual_clipfrac"]
+    if rollout_is_weights is not None:  # the kernel's counts saw the weighted advantages
+        clipfrac, lower = _clip_fractions(log_ratio.detach(), advantages.detach().float(), response_mask,
+                                          clip_low, clip_high, clip_c)
+    return pg_loss * scale + poison, clipfrac, ppo_kl, lower
 
 
 def _clip_range(config) -> tuple:
@@ -244,25 +310,26 @@ def _clip_range(config) -> tuple:
 
 
 def _batch_info(config) -> dict:
-    """``config.global_batch_info``, which the policy losses pass to ``agg_loss`` from verl 0.7."""
-    return dict(_option(config, "global_batch_info", {})) if VERL.at_least("0.7") else {}
+    """``config.global_batch_info``, which the policy losses pass to ``agg_loss`` from 0.7.0."""
+    return dict(_option(config, "global_batch_info", {})) if VERL.has("global-batch") else {}
 
 
 def _policy_result(pg_loss: Tensor, clipfrac: Tensor, ppo_kl: Tensor, clipfrac_lower: Tensor) -> tuple:
-    """A policy loss's result as the followed verl returns it: four values in 0.6, ``(pg_loss, metrics)`` from 0.7."""
-    if not VERL.at_least("0.7"):
+    """A policy loss's result as the followed release returns it: four values in 0.6.0,
+    ``(pg_loss, metrics)`` from 0.6.1."""
+    if not VERL.has("policy-loss-returns-metrics"):
         return pg_loss, clipfrac, ppo_kl, clipfrac_lower
-    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
+    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.detach().item(),
                      "actor/pg_clipfrac_lower": clipfrac_lower.item()}
 
 
 def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                                 loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None) -> tuple:
-    """verl's vanilla PPO loss: ``(pg_loss, metrics)`` from verl 0.7, ``(pg_loss, pg_clipfrac,
-    ppo_kl, pg_clipfrac_lower)`` in 0.6.
+    """verl's vanilla PPO loss: ``(pg_loss, metrics)`` from 0.6.1, ``(pg_loss, pg_clipfrac, ppo_kl,
+    pg_clipfrac_lower)`` in 0.6.0.
 
     ``config`` holds ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` and
-    (from 0.7) ``global_batch_info``, as attributes or keys, as verl's actor config.
+    (from 0.7.0) ``global_batch_info``, as attributes or keys, as verl's actor config.
     """
     low, high = _clip_range(config)
     return _policy_result(*_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high,
@@ -272,15 +339,16 @@ def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantag
 def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                              loss_agg_mode: str = "seq-mean-token-mean", config=None, rollout_is_weights=None) -> tuple:
     """verl's GSPO loss (one importance ratio per sequence, its gradient through each token),
-    returned as ``compute_policy_loss_vanilla`` returns; always aggregated seq-mean-token-mean.
+    returned as ``compute_policy_loss_vanilla`` returns; aggregated seq-mean-token-mean before
+    0.9.1, by ``loss_agg_mode`` from 0.9.1.
 
     Plain PyTorch over ``(B, T)`` log-probs, as :func:`fastppo.sequence_ppo_loss` is (a
     cross-token reduction); unlike that op it takes verl's per-token advantages and weights.
     """
     low, high = _clip_range(config)
     valid = response_mask.bool()
-    log_prob32 = log_prob.float()
-    log_ratio = torch.where(valid, log_prob32 - old_log_prob.detach().float(), 0.0)  # (B, T)
+    log_prob32 = torch.where(valid, log_prob.float(), 0.0)  # (B, T); masked garbage gets no gradient
+    log_ratio = torch.where(valid, log_prob32 - old_log_prob.detach().float(), 0.0)
     sequence = log_ratio.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)  # (B,): the geometric mean's log
     # s_{i,t} = sg[s_i] * p_t / sg[p_t]: the value of s_i, the gradient of one token's log-prob
     ratio = torch.exp((log_prob32 - log_prob32.detach() + sequence.detach().unsqueeze(-1)).clamp(max=10.0))
@@ -289,9 +357,10 @@ def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     losses = torch.maximum(unclipped, clipped)
     if rollout_is_weights is not None:
         losses = losses * rollout_is_weights.detach()
-    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **_batch_info(config))
+    mode = loss_agg_mode if VERL.has("gspo-follows-agg-mode") else "seq-mean-token-mean"
+    pg_loss = _agg_loss(losses, response_mask, mode, **_batch_info(config))
     clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
-    ppo_kl = masked_mean(-log_ratio.detach(), response_mask)
+    ppo_kl = masked_mean(-log_ratio, response_mask)  # differentiable, as verl's (0.6.0 returns it)
     return _policy_result(pg_loss, clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device))  # no dual clip
 
 
@@ -306,12 +375,21 @@ def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tens
                     None, {})
 
 
-def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor,
-                       cliprange_value: float, loss_agg_mode: str = "token-mean") -> tuple:
-    """verl's clipped value loss on fastppo's ``value_loss``: ``(vf_loss, vf_clipfrac)``."""
-    agg, scale, poison = _aggregation(response_mask, loss_agg_mode)
-    loss, stats = value_loss(vpreds, values, returns, response_mask, clip_eps=cliprange_value, agg=agg)
-    return loss * scale + poison, stats["vf_clipfrac"]
+@VERL.follows({"0.6.0": parameters("vpreds", "returns", "values", "response_mask", "cliprange_value",
+                                   loss_agg_mode="token-mean"),
+               "0.9.0": parameters("vpreds", "returns", "values", "response_mask", "cliprange_value",
+                                   loss_agg_mode="token-mean", **_GLOBAL_BATCH)})
+def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor, cliprange_value: float,
+                       loss_agg_mode: str, **batch_info) -> tuple:
+    """verl's clipped value loss on fastppo's ``value_loss``: ``(vf_loss, vf_clipfrac)`` (the
+    global-batch arguments from 0.9.0)."""
+    agg, scale, poison = _aggregation(response_mask, loss_agg_mode, **batch_info)
+    loss, _ = value_loss(vpreds, values, returns, response_mask, clip_eps=cliprange_value, agg=agg)
+    # verl's count of the clipped error winning, from verl's clip: ties (no clipping) count as not
+    v, old, target = vpreds.detach(), values.detach(), returns.detach()
+    clipped = torch.max(torch.min(v, old + cliprange_value), old - cliprange_value)
+    clipfrac = masked_mean(((clipped - target) ** 2 > (v - target) ** 2).float(), response_mask)
+    return loss * scale + poison, clipfrac
 
 
 _CORE, _FUNCTIONAL = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
@@ -323,7 +401,7 @@ _PATCH = Patch("verl", {
                                        compute_rloo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
                                        kl_penalty, agg_loss, compute_policy_loss_vanilla, compute_policy_loss_gspo,
                                        compute_policy_loss, compute_value_loss)},
-}, missing="fastppo.integrations.verl.patch() needs verl: pip install verl")
+}, caller="fastppo.integrations.verl.patch()", install_hint="pip install verl")
 
 
 def patch() -> Patch:

@@ -13,6 +13,7 @@ import torch
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
 import fastppo.integrations.trl as integration  # noqa: E402
+from fastppo.integrations.peers import parse_version  # noqa: E402
 from tests.oracles import relative_error  # noqa: E402
 
 TRL = integration.TRL
@@ -20,8 +21,8 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}  # TRL's CPU p
 
 
 def test_the_installed_trl_is_followed_and_supported():
-    assert TRL.installed() is not None and TRL.version == min(TRL.installed(), TRL.newest)
-    assert TRL.oldest <= TRL.check_supported() <= TRL.newest
+    assert TRL.installed() in TRL.releases, "CI installs only releases the drop-ins declare"
+    assert TRL.check_supported() == TRL.release == TRL.installed()
 
 
 def inputs(dtype, B=3, T=5, V=41):
@@ -33,7 +34,7 @@ def inputs(dtype, B=3, T=5, V=41):
 
 def trl_selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
     """TRL's own selective_log_softmax; before 1.14 (no temperature or row_mask) as its callers did it."""
-    if TRL.at_least("1.14"):
+    if TRL.has("temperature-and-row-mask"):
         return trl_utils.selective_log_softmax(logits, index, temperature=temperature, row_mask=row_mask)
     logp = trl_utils.selective_log_softmax(logits / temperature, index)
     return logp if row_mask is None else logp.masked_fill(row_mask == 0, 0.0)
@@ -41,16 +42,16 @@ def trl_selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
 
 def trl_head():
     """TRL's chunked LM-head function, under the name the installed version defines it."""
-    if TRL.at_least("1.15"):
+    if TRL.has("head-outputs"):
         return importlib.import_module("trl.kernels").ChunkedLogProbFunction
     return trl_utils._ChunkedLogProbFunction
 
 
 def head_arguments(hidden, weight, targets, temperature, chunk_size, outputs):
     """The positional arguments the installed TRL passes its chunked LM head."""
-    if TRL.at_least("1.15"):
+    if TRL.has("head-outputs"):
         return hidden, weight, None, targets, temperature, chunk_size, None, 1.0, outputs
-    if TRL.at_least("1.13"):
+    if TRL.has("head-bias"):
         return hidden, weight, None, targets, temperature, chunk_size, None, 1.0
     return hidden, weight, targets, temperature, chunk_size, None, 1.0
 
@@ -83,7 +84,7 @@ def test_entropy_from_logits(dtype):
     check_same(integration.entropy_from_logits(logits), trl_utils.entropy_from_logits(logits), logits, dtype)
 
 
-@pytest.mark.skipif(not TRL.at_least("1.14"), reason="selective_log_softmax_and_entropy is new in TRL 1.14")
+@pytest.mark.skipif(not TRL.has("temperature-and-row-mask"), reason="selective_log_softmax_and_entropy is new in TRL 1.14")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_selective_log_softmax_and_entropy(dtype):
     logits, index, row_mask = inputs(dtype)
@@ -119,7 +120,7 @@ def test_fused_linear_log_prob_matches_trl_chunked_function(monkeypatch):
     ours = integration.FusedLinearLogProb.apply(*args)
     assert asked == [False]  # GRPO's outputs: no statistics computed
     theirs = trl_head().apply(*args)
-    assert len(ours) == len(theirs) == (5 if TRL.at_least("1.15") else 2)
+    assert len(ours) == len(theirs) == (5 if TRL.has("head-outputs") else 2)
     assert all(x is None for x in ours[2:]) and all(x is None for x in theirs[2:])
     for a, b in zip(ours[:2], theirs[:2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -130,7 +131,7 @@ def test_fused_linear_log_prob_matches_trl_chunked_function(monkeypatch):
         assert relative_error(g_ours, g_theirs) <= 1e-5
 
 
-@pytest.mark.skipif(not TRL.at_least("1.15"), reason="the LM head's extra outputs are new in TRL 1.15")
+@pytest.mark.skipif(not TRL.has("head-outputs"), reason="the LM head's extra outputs are new in TRL 1.15")
 @pytest.mark.parametrize("outputs", [("entropy", "is_top1", "mean_logits"), ("log_sum_sq_probs",),
                                      ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")])
 def test_extra_head_outputs_from_fastppo(monkeypatch, outputs):
@@ -192,7 +193,7 @@ def test_unpatch_restores_modules_imported_while_patched():
 
 
 def test_patch_refuses_a_trl_older_than_supported(monkeypatch):
-    monkeypatch.setattr(TRL, "installed", lambda: (1, 8, 0))
+    monkeypatch.setattr(TRL, "installed", lambda: parse_version("1.8.0"))
     with pytest.raises(ValueError, match=r"trl 1.8.0 is older than fastppo's drop-ins support \(1.9.0 to 1.16.0\)"):
         integration.patch()
     assert not integration._PATCH.active
@@ -205,11 +206,11 @@ def test_patch_without_trl_is_a_clear_import_error(monkeypatch):
 
     def no_trl(name, *args):
         if name.startswith("trl"):
-            raise ImportError(f"No module named {name!r}")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real_import(name, *args)
 
     monkeypatch.setattr(importlib, "import_module", no_trl)
-    with pytest.raises(ImportError, match="needs TRL: pip install trl"):
+    with pytest.raises(ImportError, match="needs trl: pip install trl"):
         integration.patch()
 
 
@@ -233,7 +234,7 @@ def spy_on_fastppo(monkeypatch) -> list:
     calls = []
     real_head, real_logprobs = integration.FusedLinearLogProb.apply, integration.token_logprobs
     monkeypatch.setattr(integration.FusedLinearLogProb, "apply",
-                        staticmethod(lambda *a, **k: calls.append(("head", a[-1] if TRL.at_least("1.15") else ()))
+                        staticmethod(lambda *a, **k: calls.append(("head", a[-1] if TRL.has("head-outputs") else ()))
                                      or real_head(*a, **k)))
     monkeypatch.setattr(integration, "token_logprobs", lambda *a, **k: calls.append(("logits", ()))
                         or real_logprobs(*a, **k))
@@ -255,12 +256,12 @@ def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
                               args=args, train_dataset=prompts, processing_class=tokenizer)
         trainer.train()
     kinds = {kind for kind, _ in calls}
-    assert ("head" if TRL.at_least("1.15") else "logits") in kinds, "GRPO did not score completions through fastppo"
+    assert ("head" if TRL.has("head-outputs") else "logits") in kinds, "GRPO did not score completions through fastppo"
     grad_norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
     assert len(grad_norms) == 2 and all(torch.isfinite(torch.tensor(g)) for g in grad_norms) and max(grad_norms) > 0
 
 
-@pytest.mark.skipif(not TRL.at_least("1.15"), reason="SFT scores through the fused LM head from TRL 1.15")
+@pytest.mark.skipif(not TRL.has("head-outputs"), reason="SFT scores through the fused LM head from TRL 1.15")
 def test_tiny_sft_run_goes_through_fastppo(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     from trl import SFTConfig, SFTTrainer
