@@ -84,7 +84,8 @@ def test_entropy_from_logits(dtype):
     check_same(integration.entropy_from_logits(logits), trl_utils.entropy_from_logits(logits), logits, dtype)
 
 
-@pytest.mark.skipif(not TRL.has("temperature-and-row-mask"), reason="selective_log_softmax_and_entropy is new in TRL 1.14")
+@pytest.mark.skipif(not TRL.has("temperature-and-row-mask"),
+                    reason="selective_log_softmax_and_entropy is new in TRL 1.14")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_selective_log_softmax_and_entropy(dtype):
     logits, index, row_mask = inputs(dtype)

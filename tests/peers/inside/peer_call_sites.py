@@ -49,8 +49,9 @@ def _imports(tree: ast.Module, module: str, is_package: bool) -> dict:
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                origins[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+            for alias in node.names:  # "import a.b" binds a; "import a.b as c" binds c to a.b
+                top = alias.name.split(".")[0]
+                origins[alias.asname or top] = alias.name if alias.asname else top
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:

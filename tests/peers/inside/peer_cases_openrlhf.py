@@ -27,7 +27,7 @@ import fastppo.integrations.openrlhf as ours
 from fastppo.integrations.peers import parse_version
 from peer_call_sites import Target
 from peer_compare import Case, reference
-from peer_inputs import labels, leaf, log_probs, logits, mask, normal, with_garbage, zero_masked
+from peer_inputs import GAE_GRID, labels, leaf, log_probs, logits, mask, normal, with_garbage, zero_masked
 
 PEER = ours.OPENRLHF
 
@@ -185,8 +185,7 @@ def _bounded_k3(args, kwargs):
 
 def gae_cases():
     cases, seed = [], 400
-    for m_kind, gamma, lambd in itertools.product(["random", "full", "spans", "empty-row", "none"],
-                                                  [1.0, 0.99, 0.5], [1.0, 0.95, 0.0]):
+    for m_kind, gamma, lambd in GAE_GRID + (("none", 0.99, 0.95),):
         seed += 1
 
         def build(g, m_kind=m_kind, gamma=gamma, lambd=lambd):
@@ -208,8 +207,8 @@ def _policy_options(parameters: dict) -> list:
                              is_correction_threshold=[0.5, 5.0] if gating == "ratio" else [0, 0.05])
                         for level, mode, gating in itertools.product(["token", "seq"], ["mask", "clip"],
                                                                      ["ratio", "binary_kl", "tv"])]
-        corrections += [dict(is_correction_level="token", is_correction_gating="tv", is_correction_threshold=[0.5, 5.0]),
-                        dict(is_correction_level="sideways")]
+        corrections += [dict(is_correction_level="token", is_correction_gating="tv",
+                             is_correction_threshold=[0.5, 5.0]), dict(is_correction_level="sideways")]
     elif "vllm_is_correction_type" in parameters:
         corrections += [dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 2.0],
                              vllm_is_correction_type=kind) for kind in ("tis", "icepop", "mis", "seq-mask-tis")]
@@ -373,7 +372,8 @@ def functions(release: str, root: Path) -> list:
         ("get_advantages_and_returns", peer.gae, ours.get_advantages_and_returns, gae_cases()),
         ("PolicyLoss", _module_call(peer.loss.PolicyLoss), _module_call(ours.PolicyLoss),
          _policy_cases(peer.loss.PolicyLoss)),
-        ("ValueLoss", _module_call(peer.loss.ValueLoss), _module_call(ours.ValueLoss), _value_cases(peer.loss.ValueLoss)),
+        ("ValueLoss", _module_call(peer.loss.ValueLoss), _module_call(ours.ValueLoss),
+         _value_cases(peer.loss.ValueLoss)),
     ]
     return rows
 

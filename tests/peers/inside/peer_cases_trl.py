@@ -112,7 +112,8 @@ def functions(release: str, root) -> list:
 
     rows = [("selective_log_softmax", utils.selective_log_softmax, ours.selective_log_softmax,
              _logit_cases("logprobs", PEER.has("temperature-and-row-mask"))),
-            ("entropy_from_logits", utils.entropy_from_logits, ours.entropy_from_logits, _logit_cases("entropy", False))]
+            ("entropy_from_logits", utils.entropy_from_logits, ours.entropy_from_logits,
+             _logit_cases("entropy", False))]
     if PEER.has("temperature-and-row-mask"):
         rows.append(("selective_log_softmax_and_entropy", utils.selective_log_softmax_and_entropy,
                      ours.selective_log_softmax_and_entropy, _logit_cases("both", True)))

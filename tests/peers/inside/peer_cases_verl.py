@@ -16,7 +16,7 @@ import torch
 import fastppo.integrations.verl as ours
 from peer_call_sites import Target
 from peer_compare import Case, reference
-from peer_inputs import MASKS, labels, leaf, log_probs, logits, mask, normal, with_garbage, zero_masked
+from peer_inputs import GAE_GRID, MASKS, labels, leaf, log_probs, logits, mask, normal, with_garbage, zero_masked
 
 PEER = ours.VERL
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -128,8 +128,7 @@ def masked_cases(kind):
 
 def gae_cases():
     cases, seed = [], 300
-    for m_kind, gamma, lam in itertools.product(["random", "full", "spans", "empty-row", "one-token"],
-                                                [1.0, 0.99, 0.5], [1.0, 0.95, 0.0]):
+    for m_kind, gamma, lam in GAE_GRID:
         seed += 1
 
         def build(g, m_kind=m_kind, gamma=gamma, lam=lam):

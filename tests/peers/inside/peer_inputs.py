@@ -4,9 +4,14 @@ Every builder draws from the ``torch.Generator`` it is given, so a case rebuilt 
 the same tensors again (the peer and the drop-in each get their own copy).
 """
 
+import itertools
+
 import torch
 
 MASKS = ("random", "full", "empty-row", "all-masked", "spans", "one-token")
+# (mask kind, gamma, lambda) for the GAE cases of every peer
+GAE_GRID = tuple(itertools.product(("random", "full", "spans", "empty-row", "one-token"), (1.0, 0.99, 0.5),
+                                   (1.0, 0.95, 0.0)))
 
 
 def mask(g: torch.Generator, B: int, T: int, kind: str, dtype=torch.float32) -> torch.Tensor:
