@@ -283,22 +283,24 @@ class _Correction:
         return coefficients.expand_as(weights), share
 
 
+# PolicyLoss's constructor parameters with their defaults, and each release's, in its order.
+_POLICY_DEFAULTS = dict(clip_eps=0.2, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
+                        policy_loss_type="ppo", enable_vllm_is_correction=False, vllm_is_truncated_threshold=None,
+                        use_icepop=False, vllm_is_correction_type="tis", is_correction_level="off",
+                        is_correction_mode="mask", is_correction_gating="ratio", is_correction_threshold=(0.5, 5.0))
+_CLIP = ("clip_eps_low", "clip_eps_high")
+_TYPED = (*_CLIP, "dual_clip", "token_level_loss", "policy_loss_type")
 _POLICY_LOSS = {
-    "0.8.0": dict(clip_eps=0.2, token_level_loss=True),
-    "0.8.2": dict(clip_eps_low=0.2, clip_eps_high=0.2, token_level_loss=True),
-    "0.8.6": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True),
-    "0.8.8": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo"),
-    "0.8.9": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
-                  vllm_is_truncated_threshold=None),
-    "0.8.10": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
-                   policy_loss_type="ppo", enable_vllm_is_correction=False, vllm_is_truncated_threshold=None),
-    "0.9.1": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
-                  enable_vllm_is_correction=False, vllm_is_truncated_threshold=None, use_icepop=False),
-    "0.9.3": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
-                  enable_vllm_is_correction=False, vllm_is_truncated_threshold=None, vllm_is_correction_type="tis"),
-    "0.11.2": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
-                   policy_loss_type="ppo", is_correction_level="off", is_correction_mode="mask",
-                   is_correction_gating="ratio", is_correction_threshold=(0.5, 5.0)),
+    "0.8.0": ("clip_eps", "token_level_loss"),
+    "0.8.2": (*_CLIP, "token_level_loss"),
+    "0.8.6": (*_CLIP, "dual_clip", "token_level_loss"),
+    "0.8.8": _TYPED,
+    "0.8.9": (*_TYPED, "vllm_is_truncated_threshold"),
+    "0.8.10": (*_TYPED, "enable_vllm_is_correction", "vllm_is_truncated_threshold"),
+    "0.9.1": (*_TYPED, "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop"),
+    "0.9.3": (*_TYPED, "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type"),
+    "0.11.2": (*_TYPED, "is_correction_level", "is_correction_mode", "is_correction_gating",
+               "is_correction_threshold"),
 }
 _POLICY_FORWARD = ("self", "log_probs", "old_log_probs", "advantages")
 
@@ -331,7 +333,8 @@ class PolicyLoss(nn.Module):
             return _openrlhf_policy_loss()(*args, **kwargs)
         return super().__new__(cls)
 
-    @OPENRLHF.follows({release: parameters("self", **options) for release, options in _POLICY_LOSS.items()})
+    @OPENRLHF.follows({release: parameters("self", **{name: _POLICY_DEFAULTS[name] for name in names})
+                       for release, names in _POLICY_LOSS.items()})
     def __init__(self, **options) -> None:
         super().__init__()
         if options.get("dual_clip") is not None and options["dual_clip"] <= 1.0:

@@ -73,21 +73,20 @@ def _report(peer: str, release: str, tmp_path_factory) -> dict:
     (two child interpreters at a time; OpenRLHF's releases share one, its files being loaded by path)."""
     if (peer, release) in _REPORTS:
         return _REPORTS[(peer, release)]
-    _fetch(peer, release)
     releases = [str(r) for r in PEERS[peer].releases]
     try:
-        fetched = {r: environment.source(environment.release(peer, r)) for r in releases}
-        dependencies = _dependency_paths(peer, release)
+        roots = {r: environment.release(peer, r) for r in releases}
+        paths = {r: [roots[r], *_dependency_paths(peer, r)] for r in releases}
     except environment.Unreachable as error:
         pytest.skip(f"{peer}: the package registry could not provide the releases or their dependencies: {error}")
+    items = {r: f"{r}={environment.source(roots[r])}" for r in releases}
     folder = tmp_path_factory.mktemp(f"{peer}-reports")
-    if peer == "openrlhf":
-        reports = _run_check(peer, [f"{r}={fetched[r]}" for r in releases], dependencies, folder / "all.json")
+    if peer == "openrlhf":  # loaded by path: its dependencies alone on the path
+        reports = _run_check(peer, list(items.values()), paths[release][1:], folder / "all.json")
         _REPORTS.update({(peer, r): reports[r] for r in releases})
     else:
         def one(r):
-            paths = [environment.release(peer, r), *_dependency_paths(peer, r)]
-            return r, _run_check(peer, [f"{r}={fetched[r]}"], paths, folder / f"{r}.json")[r]
+            return r, _run_check(peer, [items[r]], paths[r], folder / f"{r}.json")[r]
         with ThreadPoolExecutor(max_workers=2) as pool:
             _REPORTS.update({(peer, r): report for r, report in pool.map(one, releases)})
     return _REPORTS[(peer, release)]

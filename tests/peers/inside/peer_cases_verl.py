@@ -37,8 +37,8 @@ def _batch_infos():
             {"batch_num_tokens": 0, "global_batch_size": 0}]
 
 
-def _actor_config(verl, clip=0.2, low=None, high=0.28, clip_c=3.0, info=None):
-    config = verl.ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=clip,
+def _actor_config(actor_config, clip=0.2, low=None, high=0.28, clip_c=3.0, info=None):
+    config = actor_config(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=clip,
                               clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=clip_c)
     if info is not None and PEER.has("global-batch"):
         config.global_batch_info.update(info)
@@ -217,7 +217,7 @@ def agg_cases():
     return cases
 
 
-def _policy_build(kind, verl, m_kind, mode, spread, weights, info, clip, garbage=False, negative_weight=False):
+def _policy_build(kind, actor_config, m_kind, mode, spread, weights, info, clip, garbage=False, negative_weight=False):
     def build(g):
         m = mask(g, 5, 13, m_kind)
         new = log_probs(g, 5, 13)
@@ -235,7 +235,7 @@ def _policy_build(kind, verl, m_kind, mode, spread, weights, info, clip, garbage
             new, old, adv = (with_garbage(x, m, g) for x in (new, old, adv))
         new = leaf(new)
         low, high, clip_c = clip
-        config = _actor_config(verl, low=low, high=high, clip_c=clip_c, info=info)
+        config = _actor_config(actor_config, low=low, high=high, clip_c=clip_c, info=info)
         if kind == "deprecated":
             return (old, new, adv, m), dict(cliprange=0.2, cliprange_low=low, cliprange_high=high,
                                             clip_ratio_c=clip_c, loss_agg_mode=mode), [new]
@@ -243,7 +243,7 @@ def _policy_build(kind, verl, m_kind, mode, spread, weights, info, clip, garbage
     return build
 
 
-def policy_cases(kind, verl):
+def policy_cases(kind, actor_config):
     cases, seed = [], 700 if kind == "vanilla" else 800
     infos = _batch_infos() if kind != "deprecated" else [{}]
     clips = [(None, 0.28, 3.0), (0.1, 0.1, 1.5), (0.3, 0.2, 10.0)]
@@ -253,17 +253,17 @@ def policy_cases(kind, verl):
         if kind == "deprecated" and weights or (info + clip + int(spread)) % 3:  # a third of the grid
             continue
         seed += 1
-        build = _policy_build(kind, verl, m_kind, mode, spread, weights, infos[info], clips[clip])
+        build = _policy_build(kind, actor_config, m_kind, mode, spread, weights, infos[info], clips[clip])
         cases.append(Case(f"{mode} {m_kind} spread={spread} weights={weights} info={infos[info]} clip={clips[clip]}",
                           build, seed))
     for mode in AGG_MODES:
         seed += 1
-        build = _policy_build(kind, verl, "random", mode, 3.0, kind != "deprecated", {}, clips[0], garbage=True)
+        build = _policy_build(kind, actor_config, "random", mode, 3.0, kind != "deprecated", {}, clips[0], garbage=True)
         cases.append(_garbage_case(f"{mode} garbage", build, seed, 3, {0, 1, 2}))
     if kind == "vanilla":
         for mode in AGG_MODES:
             seed += 1
-            build = _policy_build(kind, verl, "full", mode, 3.0, True, {}, clips[0], negative_weight=True)
+            build = _policy_build(kind, actor_config, "full", mode, 3.0, True, {}, clips[0], negative_weight=True)
             cases.append(Case(f"{mode} a negative weight", build, seed, deviation="non-negative-rollout-weights",
                               peer_result=_nan_loss))
     return cases
@@ -296,7 +296,7 @@ def functions(release: str, root) -> list:
     import verl.utils.torch_functional as functional
     import verl.workers.config as workers_config
 
-    verl = types.SimpleNamespace(ActorConfig=workers_config.ActorConfig)
+    actor_config = workers_config.ActorConfig
     rows = [
         ("logprobs_from_logits", functional.logprobs_from_logits, logprob_cases()),
         ("entropy_from_logits", functional.entropy_from_logits, entropy_cases()),
@@ -311,9 +311,9 @@ def functions(release: str, root) -> list:
          outcome_cases("reinforce++")),
         ("kl_penalty", core.kl_penalty, kl_cases()),
         ("agg_loss", core.agg_loss, agg_cases()),
-        ("compute_policy_loss_vanilla", core.compute_policy_loss_vanilla, policy_cases("vanilla", verl)),
-        ("compute_policy_loss_gspo", core.compute_policy_loss_gspo, policy_cases("gspo", verl)),
-        ("compute_policy_loss", core.compute_policy_loss, policy_cases("deprecated", verl)),
+        ("compute_policy_loss_vanilla", core.compute_policy_loss_vanilla, policy_cases("vanilla", actor_config)),
+        ("compute_policy_loss_gspo", core.compute_policy_loss_gspo, policy_cases("gspo", actor_config)),
+        ("compute_policy_loss", core.compute_policy_loss, policy_cases("deprecated", actor_config)),
         ("compute_value_loss", core.compute_value_loss, value_cases()),
     ]
     return [(name, peer, getattr(ours, name), cases) for name, peer, cases in rows]
