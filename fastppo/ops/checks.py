@@ -8,11 +8,17 @@ position is made visible instead: it turns the op's result into NaN, never a fin
 """
 
 import math
+import numbers
 import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_real(x) -> bool:
+    """Whether ``x`` is one real number: Python's, or NumPy's (``np.float32(0.5)``), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def value_checks_enabled() -> bool:
@@ -115,7 +121,7 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
             raise ValueError("temperature must be positive and finite everywhere")
         # A row at a temperature <= 0 (or NaN, inf) has no distribution: its log-prob is NaN.
         return torch.where(usable, per_row, float("nan")), 1.0
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if not is_real(temperature):
         raise TypeError(f"temperature must be a positive number or a tensor, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
@@ -124,7 +130,7 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
 
 def check_number(x, name: str, *, minimum=None, above=None) -> float:
     """``x`` as a float: a finite Python number (not a bool), ``>= minimum`` and ``> above`` if given."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+    if not is_real(x) or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     if minimum is not None and x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x!r}")

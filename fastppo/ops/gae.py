@@ -30,7 +30,7 @@ def _(rewards, values, mask, gamma, lam, backend):
 
 
 def _check_unit_interval(x, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not 0 <= x <= 1:
+    if not checks.is_real(x) or not math.isfinite(x) or not 0 <= x <= 1:
         raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
     return float(x)
 

@@ -11,7 +11,10 @@ temporary (peers read three times).
 the LM head, never building the logits.
 
 Masked positions (``mask`` false) get ``ignore_index`` labels, so whatever they hold (a padding
-id, -1) costs nothing and passes no gradient. The entropy is always computed (it is free in the
+id, -1) costs nothing and passes no gradient. The mask alone decides which tokens count: at a
+valid position the label must be a token id, and -100 there is as out of range as any other
+negative id (NaN out; with ``FASTPPO_CHECK=1`` a ``ValueError``), never a silently ignored token
+that still counts in the normaliser. The entropy is always computed (it is free in the
 log-prob pass) and reported; it carries a gradient only when ``entropy_coef`` is nonzero.
 """
 
@@ -26,9 +29,16 @@ MASKED_LABEL = -100  # the ignore_index masked positions get
 
 
 def masked_labels(labels: Tensor, mask: Tensor) -> Tensor:
+    """``labels`` with ``MASKED_LABEL`` where ``mask`` is off, and where it is on a label of
+    ``MASKED_LABEL`` made an out-of-range id like any other (the mask decides; see above)."""
     checks.check_integer(labels, "labels")  # before torch.where would promote bool labels to ids 0/1
     valid, _ = checks.check_mask(mask, labels, "labels")
-    return torch.where(valid, labels, MASKED_LABEL)
+    claimed = labels == MASKED_LABEL
+    if checks.value_checks_enabled() and bool((claimed & valid).any()):
+        raise ValueError(f"labels holds {MASKED_LABEL} (ignore_index) at {int((claimed & valid).sum())} position(s) "
+                         "the mask says are valid; the mask decides which tokens count: mask them out or give "
+                         "their token ids")
+    return torch.where(valid, labels.masked_fill(claimed, -1), MASKED_LABEL)
 
 
 def _check_no_entropy(loss_options: dict, name: str) -> None:

@@ -21,12 +21,12 @@ SEED_LIMIT = 2 ** 63
 
 def check_sampling_options(temperature, top_k, top_p) -> None:
     """Raise ``ValueError`` naming the first of ``temperature``, ``top_k``, ``top_p`` out of range."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+    if not checks.is_real(temperature) or not (
             math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if not checks.is_real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
@@ -57,6 +57,7 @@ def sample_tokens(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, t
         ``(tokens (B,) int64, logprobs (B,) fp32)``, not differentiable.
     """
     _check_arguments(logits, temperature, top_k, top_p, seed)
+    temperature, top_p = float(temperature), float(top_p)  # NumPy's numbers too
     greedy = temperature == 0
     filtered = not greedy and (top_k > 0 or top_p < 1)
     resolved = resolve_backend(backend, logits.device)

@@ -13,7 +13,8 @@ and the gradient is ``-A_i / |y_i|`` per token, which is ``ppo_loss_from_hidden`
 
 The KL and entropy terms are token-level, aggregated the same way (a mean over sequences of each
 sequence's token mean). Masked positions may hold anything (NaN included) and get a zero
-gradient; a NaN at a valid position gives a NaN loss.
+gradient; a NaN at a valid position gives a NaN loss. A sequence log-ratio beyond +-20 is
+clamped there, as the token loss clamps each token's, with zero gradient.
 """
 
 from typing import Optional
@@ -23,6 +24,8 @@ from torch import Tensor
 
 from . import checks
 from .kl import kl_penalty
+
+LOG_RATIO_BOUND = 20.0  # the token loss's (ppo_loss_torch.py, kernels/ppo_loss.py)
 
 
 def sequence_ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -73,7 +76,9 @@ def sequence_ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
         return torch.where(valid, x, 0.0).sum(dim=1) / tokens.clamp(min=1)
 
     log_ratio = torch.where(valid, logp - old_logprobs.detach().float(), 0.0)  # (B, T)
-    ratio = torch.exp(sequence_mean(log_ratio))  # (B,)
+    # clamped as the token loss clamps its log-ratio: beyond +-20 the ratio stays finite and the
+    # gradient is 0, where exp would overflow to inf (and the loss to inf or NaN) above ~88
+    ratio = torch.exp(sequence_mean(log_ratio).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # (B,)
     adv = advantages.detach().float()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)

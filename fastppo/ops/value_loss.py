@@ -33,8 +33,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
             raise ValueError(f"{name} has shape {tuple(x.shape)} but values has {tuple(values.shape)}")
     checks.check_same_device(values.device, "values", old_values=old_values, returns=returns)
     valid, invalid = checks.check_mask(mask, values, "values")
-    if clip_eps is not None and (isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float))
-                                 or not 0 <= clip_eps < float("inf")):
+    if clip_eps is not None and (not checks.is_real(clip_eps) or not 0 <= clip_eps < float("inf")):
         raise ValueError(f"clip_eps must be a finite number >= 0 or None, got {clip_eps!r}")
 
     weights = checks.poison(aggregation_weights(valid, agg, num_tokens), invalid)  # NaN where mask is not 0/1

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
 from .batching import RolloutLoop
 from .cuda_graphs import DecodeGraphs, graph_rows
@@ -74,7 +75,7 @@ class Sampler:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if isinstance(compact_below, bool) or not isinstance(compact_below, (int, float)) or not 0 <= compact_below <= 1:
+        if not checks.is_real(compact_below) or not 0 <= compact_below <= 1:
             raise ValueError(f"compact_below must be a number in [0, 1], got {compact_below!r}")
         self.compact_below = float(compact_below)
         self.lean = lean_decoder(model, max_batch_size, max_seq_len, dtype, attention)

@@ -6,16 +6,17 @@ to disk (files, then directories), and renamed into place. A kill mid-save leave
 version intact and at worst a ``.NAME.tmp-PID`` directory, which the next start or save of the
 run clears; a kill between the two renames of a replacement leaves ``.NAME.old-PID``, which is
 put back if ``NAME`` is missing. Resume verifies the manifest before loading, so a checkpoint
-whose bytes changed (a bad disk, a partial copy) is skipped like a truncated one, for the
-previous checkpoint.
+whose bytes changed (a bad disk, a partial copy), or whose manifest no longer lists every file
+it holds, is skipped like a truncated one, for the previous checkpoint. A filesystem that
+refuses a save (full, read-only) is :class:`SaveFailed`, one line, the previous save intact.
 
-A run directory belongs to one run: a new run refuses a non-empty directory unless told to
-clear it (``--overwrite``), and ``--resume RUN_DIR`` writes into RUN_DIR, wherever it was
-first created. ``metrics.jsonl`` is append-only; resume keeps its rows before the checkpoint
+A run directory belongs to one run: the live run holds its lock (``run_lock.py``), a new run
+refuses a non-empty directory unless told to clear it (``--overwrite``), and ``--resume RUN_DIR``
+writes into RUN_DIR, wherever it was first created, reading the inputs the run started with
+(``inputs.py``). ``metrics.jsonl`` is append-only; resume keeps its rows before the checkpoint
 and drops a line a kill cut short.
 """
 
-import hashlib
 import json
 import os
 import random
@@ -30,7 +31,10 @@ import torch
 
 from .config import RESUMABLE, TrainConfig
 from .distributed import world_size
+from . import inputs
+from .inputs import sha256_of
 from .errors import UsageError
+from .run_lock import LOCK_FILE, RunLock
 
 STATE_FILE = "trainer_state.pt"
 WORLD_FILE = "world.json"  # the number of ranks that wrote a checkpoint
@@ -46,20 +50,25 @@ class WorldSizeMismatch(UsageError):
 
 # atomic saves -----------------------------------------------------------------------------------
 
+class SaveFailed(UsageError):
+    """The filesystem refused a save (full, read-only, a quota); nothing already saved changed."""
+
+
+def _failed_write(error: BaseException) -> bool:
+    """Whether ``error`` is the filesystem refusing a write, however the writer reports it: an
+    ``OSError``, safetensors' error, or torch.save's stream writer failing."""
+    from safetensors import SafetensorError
+
+    return isinstance(error, (OSError, SafetensorError)) or (
+        isinstance(error, RuntimeError) and "PytorchStreamWriter failed" in str(error))
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _manifest_entries(manifest: Path) -> dict:
@@ -83,20 +92,29 @@ def write_manifest(directory: Path) -> None:
         known.update({(prefix / name).as_posix(): digest for name, digest in _manifest_entries(inner).items()})
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
     names = [p.relative_to(directory).as_posix() for p in files]
-    lines = [f"{known.get(name) or _sha256(p)}  {name}\n" for p, name in zip(files, names)]
+    lines = [f"{known.get(name) or sha256_of(p)}  {name}\n" for p, name in zip(files, names)]
     (directory / MANIFEST_FILE).write_text("".join(lines))
 
 
-def verify_manifest(directory: Path) -> None:
-    """Raise ``ValueError`` unless every file the manifest lists is there with its sha256."""
+def verify_manifest(directory: Path, required: tuple = ()) -> None:
+    """Raise ``ValueError`` unless the manifest lists every file below ``directory`` (and the
+    ``required`` names), and each is there with its sha256: an emptied or edited manifest, a file
+    added or removed, fails as surely as changed bytes do."""
     manifest = Path(directory) / MANIFEST_FILE
     if not manifest.is_file():
         raise ValueError(f"no {MANIFEST_FILE}")
-    for name, expected in _manifest_entries(manifest).items():
+    entries = _manifest_entries(manifest)
+    present = {p.relative_to(directory).as_posix() for p in Path(directory).rglob("*")
+               if p.is_file() and p.name != MANIFEST_FILE}
+    unlisted = sorted(present.difference(entries)) + [name for name in required if name not in entries]
+    if unlisted:
+        raise ValueError(f"{MANIFEST_FILE} does not list {', '.join(unlisted[:3])}"
+                         + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""))
+    for name, expected in entries.items():
         path = Path(directory) / name
         if not path.is_file():
             raise ValueError(f"{name} is missing")
-        if _sha256(path) != expected:
+        if sha256_of(path) != expected:
             raise ValueError(f"{name} does not match its sha256 in {MANIFEST_FILE}")
 
 
@@ -140,9 +158,13 @@ def save_atomically(target: Path, write: Callable[[Path], None], ranks=None) -> 
             ranks.barrier()  # every part is written
         if main:
             _commit(tmp, old, target)
-    except BaseException:
+    except BaseException as error:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
+        cause = error.__cause__ if isinstance(error, SaveFailed) else error  # a save inside this one failed
+        if _failed_write(cause):
+            raise SaveFailed(f"could not write {target} ({type(cause).__name__}: {cause}); what was saved before "
+                             "is intact: free some space (or fix the directory's permissions) and resume") from cause
         raise
     if ranks is not None:
         ranks.barrier()  # no rank goes on before target is in place
@@ -196,7 +218,7 @@ def check_run_directory(out: Path, overwrite: bool) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not any(p.name != LOCK_FILE for p in out.iterdir()):
         return
     if not overwrite:
         raise UsageError(f"--out {out} is not empty; continue that run with --resume {out}, clear it with "
@@ -207,8 +229,11 @@ def check_run_directory(out: Path, overwrite: bool) -> None:
 
 
 def clear_run_directory(out: Path) -> None:
-    """Empty the run directory ``out`` (checked by :func:`check_run_directory`)."""
+    """Empty the run directory ``out`` (checked by :func:`check_run_directory`) but for the lock
+    this run holds."""
     for path in Path(out).iterdir():
+        if path.name == LOCK_FILE:
+            continue
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
@@ -317,6 +342,9 @@ def load_state(trainer, directory: Path) -> int:
         trainer.optimizer.load_state_dict(state["optimizer"])
     for schedule, schedule_state in zip(trainer.schedules, state["schedules"]):
         schedule.load_state_dict(schedule_state)
+        # the saved rate is the old schedule's; a longer run stretches it, so this step's is recomputed
+        for group, base, factor in zip(schedule.optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
+            group["lr"] = base * factor(schedule.last_epoch)
     trainer.kl.coef, trainer.skipped_steps = state["kl_coef"], state["skipped_steps"]
     trainer.steps = state.get("steps", 0)
     # A checkpoint from before the epoch order drew its prompts at random: continue an epoch order.
@@ -355,31 +383,82 @@ def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise UsageError(f"--resume {run_dir}: no config.json, not a fastppo run directory")
+    # rank 0 holds the directory before reading it: a live run there is refused, not read mid-save
+    lock = RunLock.acquire(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
-        saved = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UsageError(f"--resume {run_dir}: config.json does not parse ({error})") from None
-    overrides = dict(overrides or {})
-    out = overrides.pop("out", None)
-    if out is not None and Path(out).resolve() != run_dir.resolve():
-        raise UsageError(f"--resume {run_dir} writes into {run_dir}; drop --out {out}")
-    if overrides.pop("overwrite", False):
-        raise UsageError("--resume continues a run and --overwrite starts one afresh: give one of them")
-    changed = sorted(k for k, v in overrides.items() if saved.get(k) != v and k not in RESUMABLE)
-    if changed:
-        raise UsageError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
-                         f"only {', '.join(sorted(RESUMABLE))} may change")
-    config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
-    saved_checkpoints = numbered_checkpoints(run_dir)
-    if saved_checkpoints:  # before any loading: every checkpoint of a run has its world size
-        check_world_size(saved_checkpoints[-1][1], world_size())
-    trainer = trainer_class(config, resuming=True)
-    for _, path in reversed(numbered_checkpoints(run_dir)):
+        config, checkpoints = _resumable(run_dir, config_path, dict(overrides or {}))
+        trainer = trainer_class(config, resuming=True)
+    finally:
+        if lock is not None:
+            lock.release()  # the trainer holds its own
+    for number, path in checkpoints:
         try:
-            verify_manifest(path)
+            if number != checkpoints[0][0]:  # the newest was verified before the trainer was built
+                _verified(path)
             return trainer, load_state(trainer, path)
         except WorldSizeMismatch:
             raise
         except Exception as error:  # never load a damaged checkpoint: fall back to an older one
             warnings.warn(f"skipping {path}: it does not load ({type(error).__name__}: {error})")
     raise UsageError(f"--resume {run_dir}: no complete checkpoint to resume from")
+
+
+def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
+    """``(config, [(N, checkpoint-N)] newest first)`` of a run to resume, checked before any model
+    loads: the saved config with ``overrides``, and the newest checkpoint that verifies, from as
+    many ranks as this run has, before an ``iterations`` it leaves to train."""
+    try:
+        saved = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"--resume {run_dir}: config.json does not parse ({error})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {run_dir}: config.json holds a {type(saved).__name__}, not a table of fields")
+    out = overrides.pop("out", None)
+    if out is not None and Path(out).resolve() != run_dir.resolve():
+        raise UsageError(f"--resume {run_dir} writes into {run_dir}; drop --out {out}")
+    if overrides.pop("overwrite", False):
+        raise UsageError("--resume continues a run and --overwrite starts one afresh: give one of them")
+    overrides = inputs.resolved(overrides)  # as the saved paths are: the same file given again is no change
+    changed = sorted(k for k, v in overrides.items() if saved.get(k) != v and k not in RESUMABLE)
+    if changed:
+        raise UsageError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
+                         f"only {', '.join(sorted(RESUMABLE))} may change")
+    if "rollout_batch_size" in overrides and overrides["rollout_batch_size"] != saved.get("rollout_batch_size"):
+        warnings.warn("a changed rollout_batch_size decodes the rows in other slots, so the resumed run samples "
+                      "other tokens than the uninterrupted run would: it continues the run, not exactly")
+    config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
+    inputs.check(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and not metrics.is_file():
+        raise UsageError(f"--resume {run_dir}: {metrics} is not a file")
+    for path in run_dir.glob("checkpoint-*"):
+        if _CHECKPOINT.fullmatch(path.name) and not path.is_dir():
+            warnings.warn(f"{path} is not a directory; it is no checkpoint and is ignored")
+    checkpoints = numbered_checkpoints(run_dir)[::-1]
+    while checkpoints:
+        try:
+            _verified(checkpoints[0][1])
+            break
+        except ValueError as error:
+            warnings.warn(f"skipping {checkpoints.pop(0)[1]}: it does not load ({error})")
+    if not checkpoints:
+        raise UsageError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    check_world_size(checkpoints[0][1], world_size())  # every checkpoint of a run has its world size
+    if config.run.iterations <= checkpoints[0][0]:
+        raise UsageError(f"--resume {run_dir}: the run has trained {checkpoints[0][0]} iterations "
+                         f"({checkpoints[0][1].name}); give --iterations above {checkpoints[0][0]} to train on, "
+                         f"not {config.run.iterations}")
+    return config, checkpoints
+
+
+def _verified(checkpoint: Path) -> None:
+    """Raise ``ValueError`` unless ``checkpoint`` matches its manifest and its world file parses."""
+    verify_manifest(checkpoint, required=(STATE_FILE,))
+    world = checkpoint / WORLD_FILE
+    if world.is_file():
+        try:
+            written = json.loads(world.read_text())["world_size"]
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(f"{WORLD_FILE} does not parse ({type(error).__name__}: {error})") from None
+        if not isinstance(written, int) or isinstance(written, bool) or written < 1:
+            raise ValueError(f"{WORLD_FILE} holds no world size")

@@ -12,7 +12,7 @@ import sys
 
 from .config import add_arguments, from_arguments, given_fields
 from .errors import UsageError
-from .ppo import PPOTrainer, TrainingFailed
+from .ppo import PPOTrainer, StoppedAtOnce, TrainingFailed
 
 
 def main(argv=None) -> int:
@@ -44,6 +44,11 @@ def main(argv=None) -> int:
             raise
         print(f"{parser.prog}: failed: {error}", file=sys.stderr)
         return 1
+    except StoppedAtOnce as error:
+        if args.debug:
+            raise
+        print(f"{parser.prog}: {error}; the newest checkpoint is intact", file=sys.stderr)
+        return 130  # as a shell reports a process stopped by SIGINT
 
 
 def exit_after_sharding(code: int) -> None:
@@ -84,6 +89,18 @@ def _train(args) -> int:
     return 0
 
 
+def _check_plan_options(args) -> None:
+    import math
+
+    if args.plan_prompt_tokens is not None and args.plan_prompt_tokens < 1:
+        raise UsageError(f"--plan-prompt-tokens must be >= 1, got {args.plan_prompt_tokens}")
+    if args.plan_world_size is not None and args.plan_world_size < 1:
+        raise UsageError(f"--plan-world-size must be >= 1, got {args.plan_world_size}")
+    memory = args.plan_device_memory
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise UsageError(f"--plan-device-memory must be a positive number of GiB, got {memory}")
+
+
 def _plan(args) -> int:
     import torch
     from transformers import AutoConfig
@@ -94,6 +111,7 @@ def _plan(args) -> int:
     from .plan import GiB, device_memory, memory_plan, render
 
     config = from_arguments(args)
+    _check_plan_options(args)
     path = config.model.model or DEFAULT_MODEL
     try:
         model_config = AutoConfig.from_pretrained(path)
@@ -115,8 +133,10 @@ def _plan(args) -> int:
             tokens = max(len(ids) for ids in data.load(rows, origins, tokenizer, d, source).ids)
         except UsageError as error:
             raise UsageError(f"{error} (with the tokenizer of --model {path}; or give --plan-prompt-tokens)") from None
-    if tokens < 1:
-        raise UsageError(f"--plan-prompt-tokens must be >= 1, got {tokens}")
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and tokens + config.rollout.max_new_tokens > context:
+        raise UsageError(f"--plan-prompt-tokens {tokens} with --max-new-tokens {config.rollout.max_new_tokens} "
+                         f"exceeds the context of --model {path} ({context} positions)")
     device_type = torch.device(config.device).type
     world = args.plan_world_size or world_size()
     reward_config = AutoConfig.from_pretrained(config.reward.reward_model) if config.reward.reward_model else None

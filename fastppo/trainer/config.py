@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,22 @@ class TrainConfig:
         return (not a.recompute_old_logprobs and a.ppo_epochs == 1 and a.minibatches == a.grad_accumulation
                 and not (self.estimator.kl_in_reward and a.kl_coef > 0))
 
+    def check_device_here(self) -> None:
+        """Refuse a ``device`` this machine lacks (a memory plan may name one; a run may not)."""
+        import torch
+
+        device = self.run.device
+        if not device.startswith("cuda"):
+            return
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"config field device names CUDA, and this machine has no CUDA device "
+                             f"(torch.cuda.is_available() is false), got {device!r}")
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            raise UsageError(f"config field device names a GPU this machine does not have (it has {count}: "
+                             f"cuda:0 to cuda:{count - 1}), got {device!r}")
+
     def validate(self) -> "TrainConfig":
         from ..ops.aggregation import AGG_MODES
         from .estimators import ESTIMATORS
@@ -369,7 +386,8 @@ class TrainConfig:
              f"needs a group estimator ({group_estimators}), agg seq-mean-token-mean (its own), and no dual_clip "
              "or rollout_is_cap"),
             ("prompts_per_iteration", r.prompts_per_iteration >= 1, "must be >= 1"),
-            ("samples_per_prompt", r.samples_per_prompt >= 1, "must be >= 1"),
+            ("samples_per_prompt", r.samples_per_prompt >= (estimator.min_samples if estimator else 1),
+             f"must be >= {estimator.min_samples if estimator else 1} for estimator={a.estimator}"),
             ("max_new_tokens", r.max_new_tokens >= 1, "must be >= 1"),
             ("temperature", r.temperature > 0, "must be > 0"),
             ("estimator", a.estimator in ESTIMATORS, f"must be one of {tuple(ESTIMATORS)}"),
@@ -393,7 +411,9 @@ class TrainConfig:
             ("warmup_iterations", o.warmup_iterations >= 0, "must be >= 0"),
             ("max_grad_norm", o.max_grad_norm > 0, "must be > 0"),
             ("iterations", run.iterations >= 1, "must be >= 1"),
-            ("seed", run.seed >= 0, "must be >= 0"),
+            ("seed", 0 <= run.seed < 2 ** 32, "must be in [0, 2**32)"),
+            ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", run.device) is not None,
+             "must be auto, cpu, cuda or cuda:N"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
             ("keep_checkpoints", run.keep_checkpoints >= 0, "must be >= 0"),
             ("critic", not (estimator and estimator.critic) or self.model.critic is not False,

@@ -28,6 +28,7 @@ from pathlib import Path
 from .errors import UsageError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+REWARD_ARGUMENTS = ("prompts", "completions")  # what every reward call passes besides the fields
 
 
 @dataclass
@@ -72,7 +73,7 @@ def read_rows(path: str, option: str = "--prompts") -> tuple:
 
 def _text(path: str, option: str) -> str:
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8-sig")  # a byte-order mark (Excel's) is no part of the text
     except OSError as error:
         raise UsageError(f"{option} {path}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:
@@ -153,6 +154,11 @@ def map_columns(rows: list, origins: list, prompt_field: str, field_map: dict, s
         if name not in columns:
             raise UsageError(f"{flag} {name}: {source} has no column {name!r} (its columns: "
                              f"{', '.join(map(str, columns))})")
+    for column in columns:
+        name = field_map.get(column, column)
+        if column != prompt_field and name in REWARD_ARGUMENTS:
+            raise UsageError(f"{source}: column {column!r} would reach the reward functions as {name!r}, the name "
+                             f"of their own argument; rename it with --field-map {column}=another_name")
     prompts, fields = [], []
     for row, origin in zip(rows, origins):
         if prompt_field not in row:

@@ -9,10 +9,13 @@ world-size-1 case of the same code.
 """
 
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .errors import UsageError
 
 
 def world_size() -> int:
@@ -95,6 +98,20 @@ class Ranks:
         if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
+
+    def on_main(self, check: Callable):
+        """``check()`` on rank 0 alone, its result there (None elsewhere); a :class:`UsageError` it
+        raises is raised on every rank, which would otherwise wait for rank 0 forever."""
+        result, refusal = None, None
+        if self.main:
+            try:
+                result = check()
+            except UsageError as error:
+                refusal = error
+        shared = self.gather(refusal)[0] if self.world > 1 else refusal  # a copy, without the traceback
+        if shared is not None:
+            raise refusal or shared
+        return result
 
     def barrier(self) -> None:
         if self.world > 1:

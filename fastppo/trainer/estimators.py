@@ -28,6 +28,7 @@ class Estimator:
     baseline: Optional[str]  # group_advantages' estimator; None: advantages from token rewards
     whiten: bool  # advantages whitened over the global batch
     agg: str  # the default aggregation
+    min_samples: int = 1  # the fewest samples per prompt it can compare (RLOO leaves one out)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -39,7 +40,7 @@ ESTIMATORS = {
     "gae": Estimator(critic=True, baseline=None, whiten=True, agg="token-mean"),
     "grpo": Estimator(critic=False, baseline="grpo", whiten=False, agg="token-mean"),
     "dr_grpo": Estimator(critic=False, baseline="dr_grpo", whiten=False, agg="seq-mean-token-sum-norm"),
-    "rloo": Estimator(critic=False, baseline="rloo", whiten=False, agg="token-mean"),
+    "rloo": Estimator(critic=False, baseline="rloo", whiten=False, agg="token-mean", min_samples=2),
     "reinforce_baseline": Estimator(critic=False, baseline="reinforce_baseline", whiten=True, agg="token-mean"),
     "reinforce_pp": Estimator(critic=False, baseline=None, whiten=True, agg="token-mean"),
 }

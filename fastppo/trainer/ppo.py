@@ -36,7 +36,7 @@ from ..ops import (gae, group_advantages, token_logprobs_from_hidden, masked_whi
                    rollout_is_weights, sequence_ppo_loss, token_rewards, value_loss)
 from ..ops.aggregation import denominator
 from ..rollout import Sampler
-from . import checkpoint, data, evaluation, plot, rollouts, sharding, tasks
+from . import checkpoint, data, evaluation, inputs, plot, rollouts, sharding, tasks
 from .config import TrainConfig
 from .distributed import Ranks
 from .errors import UsageError
@@ -46,6 +46,7 @@ from .models import (Critic, RewardModel, cast_parameters, check_causal, context
                      enable_checkpointing, frozen_copy, load_policy, save_model)
 from .precision import Precision, stored_dtype
 from .rollout_weights import RolloutWeights
+from .run_lock import RunLock
 
 IGNORE = -100
 
@@ -155,17 +156,18 @@ class PPOTrainer:
     def __init__(self, config: TrainConfig, policy=None, tokenizer=None, reward_fn=None, prompts=None, *,
                  resuming: bool = False):
         """``resuming`` is for :meth:`resume`: the run directory then holds the run being continued."""
+        if not resuming:  # the paths as they are from here, whatever directory a resume runs in
+            config = TrainConfig.from_flat(inputs.resolved(config.flat()))
         self.config = config
+        config.check_device_here()
         torch.manual_seed(config.run.seed)
         device = config.device
         self.ranks = Ranks(torch.device(device).type)
         if config.data.prompts and reward_fn is None and not (config.reward.reward or config.reward.reward_model):
             raise UsageError("--prompts needs --reward (or --reward-model): the task's reward does not know your "
                              "prompts")
-        if self.ranks.main:  # before any loading: a run that cannot write loses no time
-            if not resuming:
-                checkpoint.check_run_directory(Path(config.run.out), config.run.overwrite)
-            checkpoint.clear_leftovers(Path(config.run.out))
+        # before any loading (a run that cannot write loses no time) and before touching the directory
+        self.lock = self.ranks.on_main(lambda: self._claim_run_directory(Path(config.run.out), resuming))
         if not self.ranks.main:  # rank 0's loading and saving progress bars are enough
             from transformers.utils import logging as transformers_logging
 
@@ -230,6 +232,19 @@ class PPOTrainer:
         self.skipped_steps = 0
         self.steps = 0  # optimizer steps attempted, skipped ones included
         self.evaluations = []  # {"iteration", held-out metrics} of each evaluation
+
+    def _claim_run_directory(self, out: Path, resuming: bool) -> RunLock:
+        """Hold ``out`` for this run (``run_lock.py``), check that a new run may start there, and
+        clear what interrupted saves left."""
+        lock = RunLock.acquire(out)
+        try:
+            if not resuming:
+                checkpoint.check_run_directory(out, self.config.run.overwrite)
+            checkpoint.clear_leftovers(out)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     def _shard(self) -> None:
         """The policy, critic and reference sharded over the ranks (``sharding.py``)."""
@@ -474,7 +489,17 @@ class PPOTrainer:
     def train(self, start: int = 0) -> list:
         """Iterations ``start`` .. ``iterations - 1``; SIGINT or SIGTERM ends the current iteration,
         writes a checkpoint and raises :class:`TrainingInterrupted` saying how to resume. With
-        several ranks, rank 0 alone writes."""
+        several ranks, rank 0 alone writes. The run directory's lock is let go when it returns."""
+        # held since start-up, and again here for a trainer that trains twice
+        held = self.ranks.on_main(lambda: RunLock.acquire(self.config.run.out))
+        try:
+            return self._train(start)
+        finally:
+            for lock in (held, self.lock):
+                if lock is not None:
+                    lock.release()
+
+    def _train(self, start: int) -> list:
         from tqdm import tqdm
 
         out, main = Path(self.config.run.out), self.ranks.main
@@ -484,6 +509,8 @@ class PPOTrainer:
                 checkpoint.clear_run_directory(out)
             out.mkdir(parents=True, exist_ok=True)
             checkpoint.write_text_atomically(out / "config.json", json.dumps(self.config.flat(), indent=1))
+            if start == 0:
+                checkpoint.write_text_atomically(out / inputs.INPUTS_FILE, inputs.pinned(self.config.flat()))
             if start:  # drop rows past the checkpoint, from a run that went on after it
                 kept = checkpoint.metrics_before(out / "metrics.jsonl", start)
                 checkpoint.write_text_atomically(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
@@ -602,15 +629,27 @@ class TrainingInterrupted(SystemExit):
     """Raised after a SIGINT or SIGTERM once the current iteration is checkpointed; exits non-zero."""
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second SIGINT or SIGTERM: the run stops where it is, without a checkpoint."""
+
+
 @contextlib.contextmanager
 def _stop_on_signals(stop: list):
-    """While active, SIGINT and SIGTERM append their name to ``stop`` instead of killing the run."""
+    """While active, SIGINT and SIGTERM append their name to ``stop`` instead of killing the run;
+    a second one stops it at once (a reward function that hangs must not need kill -9)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+
+    def handle(number, _frame):
+        stop.append(signal.Signals(number).name)
+        if len(stop) > 1:
+            raise StoppedAtOnce(f"stopped at once by a second signal ({' then '.join(stop)}), without a "
+                                "checkpoint")
+
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
-        signal.signal(sig, lambda number, _frame: stop.append(signal.Signals(number).name))
+        signal.signal(sig, handle)
     try:
         yield
     finally:

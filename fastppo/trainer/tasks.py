@@ -12,6 +12,7 @@ import importlib
 import math
 import numbers
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,6 +109,8 @@ def load_reward(spec: str, format_pattern: str = None):
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise UsageError(f"reward {spec!r}: cannot import {module_name} ({error})") from None
+    except Exception as error:  # a syntax error in it, or its own code raising as it is imported
+        raise UsageError(f"reward {spec!r}: importing {module_name} raised {type(error).__name__}: {error}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UsageError(f"reward {spec!r}: {module_name} has no function {name}")
@@ -177,10 +180,16 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
     """Call the reward function and check what it returns: one finite real number per completion,
     within fp32's range."""
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    try:
-        scores = list(reward_fn(prompts, completions, **fields))
+    try:  # copies: a function that changes its lists in place changes nothing here
+        returned = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
     except Exception as error:
         raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
+    if isinstance(returned, (Mapping, str, bytes, set)) or not isinstance(returned, Iterable) or (
+            isinstance(returned, torch.Tensor) and returned.dim() != 1):
+        kind = f"a {returned.dim()}-dim tensor" if isinstance(returned, torch.Tensor) else type(returned).__name__
+        raise UsageError(f"reward function {name} returned {kind}; it must return one real number per "
+                         "completion, in order (a list, tuple, NumPy array or 1-dim tensor)")
+    scores = list(returned)
     if len(scores) != len(completions):
         raise UsageError(f"reward function {name} returned {len(scores)} scores for {len(completions)} completions")
     values = []

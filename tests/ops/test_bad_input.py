@@ -116,3 +116,21 @@ def test_missing_or_wrong_kind_of_tensors_in_the_advantage_ops():
 def test_advantage_epsilons_are_finite_and_not_negative(call):
     with pytest.raises(ValueError, match="eps must be"):
         call()
+
+
+def test_numpy_numbers_are_numbers():
+    """``np.float32(0.5)`` is a temperature, a clip range or a discount like 0.5 itself."""
+    import numpy
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 7), torch.randint(0, 7, (4,))
+    assert torch.equal(fastppo.token_logprobs(logits, labels, temperature=numpy.float32(0.5)),
+                       fastppo.token_logprobs(logits, labels, temperature=0.5))
+    drawn = [fastppo.sample_tokens(logits, temperature=t, top_p=p, seed=3)[0]
+             for t, p in ((numpy.float32(0.5), numpy.float64(0.9)), (0.5, 0.9))]
+    assert torch.equal(*drawn)
+    logp, old, adv, mask = -torch.rand(2, 3), -torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3)
+    assert torch.equal(fastppo.ppo_policy_loss(logp, old, adv, mask, clip_eps=numpy.float32(0.25))[0],
+                       fastppo.ppo_policy_loss(logp, old, adv, mask, clip_eps=0.25)[0])
+    assert torch.equal(fastppo.gae(adv, old, mask, gamma=numpy.float32(0.5), lam=numpy.int64(1))[0],
+                       fastppo.gae(adv, old, mask, gamma=0.5, lam=1)[0])

@@ -97,9 +97,11 @@ def test_masked_positions_change_nothing(name, poison, backend):
 # op name -> how to put one bad value at a valid position (the first token, valid in batch())
 VALID_NAN = {
     "ppo_policy_loss": [("logp", float("nan")), ("old", float("nan")), ("adv", float("nan")), ("ref", float("nan"))],
-    "ppo_loss_from_logits": [("labels", V), ("labels", -1), ("old", float("nan")), ("ref", float("nan")),
-                             ("logits", float("nan"))],
-    "ppo_loss_from_hidden": [("labels", V), ("old", float("nan")), ("ref", float("nan")), ("hidden", float("nan"))],
+    # -100 is ignore_index only where the mask is off: the mask decides
+    "ppo_loss_from_logits": [("labels", V), ("labels", -1), ("labels", -100), ("old", float("nan")),
+                             ("ref", float("nan")), ("logits", float("nan"))],
+    "ppo_loss_from_hidden": [("labels", V), ("labels", -100), ("old", float("nan")), ("ref", float("nan")),
+                             ("hidden", float("nan"))],
     "token_logprobs": [("logits", float("nan")), ("labels", V)],
     "token_logprobs_from_hidden": [("hidden", float("nan")), ("labels", V)],
     "value_loss": [("values", float("nan")), ("old", float("nan")), ("returns", float("nan"))],
@@ -117,6 +119,16 @@ def test_a_bad_value_at_a_valid_position_is_nan(name, field, bad, backend):
     t[field] = x
     values, _ = run(name, t, backend)
     assert torch.isnan(values[0]).any(), f"{name}: {field}={bad} at a valid position gave a finite result"
+
+
+@pytest.mark.parametrize("name", ["ppo_loss_from_logits", "ppo_loss_from_hidden"])
+def test_ignore_index_at_a_valid_position_is_an_error_under_checks(name, backend, monkeypatch):
+    t = batch()
+    t["labels"] = t["labels"].clone()
+    t["labels"][0, 0] = -100  # valid in batch()
+    monkeypatch.setenv("FASTPPO_CHECK", "1")
+    with pytest.raises(ValueError, match=r"labels holds -100 \(ignore_index\) at 1 position\(s\) the mask says"):
+        run(name, t, backend)
 
 
 MASKED_OPS = ["ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "value_loss", "gae",

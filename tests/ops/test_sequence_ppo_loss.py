@@ -127,3 +127,20 @@ def test_bad_input_names_the_argument(change, match):
     options = {k: args.pop(k) for k in ("clip_eps", "kl_coef", "entropy_coef") if k in args}
     with pytest.raises(ValueError, match=match):
         fastppo.sequence_ppo_loss(args["logprobs"], args["old_logprobs"], args["advantages"], args["mask"], **options)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_sequence_log_ratio_beyond_20_is_clamped_as_the_token_loss_clamps(sign):
+    """A mean token log-ratio of 100 would overflow exp (inf above ~88); clamped at +-20, the loss
+    is the one at the bound and the gradient is 0, as in the token loss."""
+    old = -torch.rand(2, 5) * 3
+    logp = (old + sign * 100.0).requires_grad_()
+    at_bound = (old + sign * 20.0).requires_grad_()
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = fastppo.sequence_ppo_loss(logp, old, adv, mask, clip_eps=0.2)
+    bound, _ = fastppo.sequence_ppo_loss(at_bound, old, adv, mask, clip_eps=0.2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(stats["ratio_max"])
+    torch.testing.assert_close(loss, bound)
+    assert torch.equal(logp.grad, torch.zeros_like(logp))

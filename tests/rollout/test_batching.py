@@ -25,10 +25,11 @@ def often(monkeypatch):
 
 
 class Spy:
-    """Counts what the loop asks of a decoder: rows decoded, rows moved by packing, late prefills."""
+    """Counts what the loop asks of a decoder: rows decoded, rows moved by packing, late prefills
+    and those of them beside rows still live (a refill, not a new wave)."""
 
     def __init__(self, monkeypatch, sampler):
-        self.decoded = self.moved = self.late_prefills = 0
+        self.decoded = self.moved = self.late_prefills = self.refills = 0
         loop_init = batching.RolloutLoop.__init__
         spy = self
 
@@ -42,6 +43,7 @@ class Spy:
 
             def counted_prefill(slots, prompts):
                 spy.late_prefills += loop.steps_run > 0
+                spy.refills += loop.steps_run > 0 and bool(loop.active[:loop.b].any())
                 return prefill(slots, prompts)
 
             def counted_pack(order, length):
@@ -64,7 +66,7 @@ def test_greedy_with_packing_and_refilling_equals_generate(family, often, monkey
         assert rollout.response_ids[row, :budget].tolist() == hf_greedy(model, prompt, budget), f"row {row}"
     assert rollout.response_lens.tolist() == BUDGETS and rollout.prompt_ids == PROMPTS
     if sampler.fast_path:
-        assert spy.moved > 0 and spy.late_prefills > 0  # both happened mid-rollout
+        assert spy.moved > 0 and spy.refills > 0  # both happened mid-rollout, beside live rows
     else:
         assert spy.late_prefills > 0  # a second wave
 

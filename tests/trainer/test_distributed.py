@@ -127,6 +127,35 @@ def test_destroying_the_process_group_ends_its_threads(tmp_path):
         assert not [name for name in threads if "gloo" in name], threads
 
 
+def _refused_worker(rank, port, out_dir, fields):
+    from fastppo.trainer.run_lock import RunDirectoryBusy
+
+    rank_environment(rank, port)
+    try:
+        PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
+        refusal = None
+    except RunDirectoryBusy as error:
+        refusal = str(error)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(refusal, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_is_refused_a_run_directory_another_run_holds(tmp_path):
+    """Rank 0 holds the lock for the job; its refusal reaches every rank, which would otherwise
+    wait for rank 0 forever."""
+    from tests.trainer.test_run_lock import holder
+
+    process = holder(tmp_path / "run")
+    try:
+        _spawn(_refused_worker, str(tmp_path), {**FIELDS, "prompts_per_iteration": 2})
+    finally:
+        process.communicate("")
+    refusals = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert refusals[0] == refusals[1] and f"in use by a live run, pid {process.pid}" in refusals[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import torch
 
 import fastppo
 from fastppo.trainer.estimators import ESTIMATORS
-from fastppo.trainer.ppo import response_hidden
+from fastppo.trainer.ppo import Batch, response_hidden
 from tests.oracles import aggregate_oracle, assert_grad_close
 from tests.trainer.test_prepare import TEMPERATURE, drifted, rolled_out
 
@@ -39,6 +39,9 @@ def test_minibatches_of_one_step_minimise_the_whole_batchs_aggregated_loss(tmp_p
     batch, aggregated as the mode defines it (Dr. GRPO's default: over rows x max_new_tokens)."""
     trainer = drifted(tmp_path, estimator=estimator, agg=agg, minibatches=2, grad_accumulation=2, max_new_tokens=6)
     _, batch = rolled_out(trainer)
+    # no response as long as the budget: the budget, not the longest response, is Dr. GRPO's width
+    batch = Batch(**{k: v[:, :4] if k not in ("input_ids", "attention_mask") and v is not None else v
+                     for k, v in batch.__dict__.items()})
     assert batch.mask.sum(1).unique().numel() > 1  # rows of several lengths: the modes differ
     grads = step_gradient(trainer, batch)
 

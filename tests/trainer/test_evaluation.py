@@ -76,3 +76,22 @@ def test_evaluation_leaves_the_training_draws_as_they_were(tmp_path):
     evaluated = untrained(tmp_path / "b", iterations=3, save=False, evaluate=True, eval_every=1).train()
     for a, b in zip(plain, evaluated):
         assert a["reward_mean"] == b["reward_mean"] and a["entropy"] == b["entropy"]
+
+
+def test_evaluation_draws_apart_from_the_training_of_its_iteration(tmp_path):
+    """Held-out samples never share the noise of the training rollout of the same iteration."""
+    trainer = untrained(tmp_path, save=False, evaluate=True)
+    seeds, sample = {"train": set(), "eval": set()}, trainer.sample
+    phase = []
+
+    def recording(prompt_ids, temperature, n, seed):
+        seeds[phase[-1]].add(seed)
+        return sample(prompt_ids, temperature, n, seed)
+
+    trainer.sample = recording
+    for iteration in range(3):
+        phase.append("train")
+        trainer.rollout(iteration)
+        phase.append("eval")
+        trainer.evaluate(iteration)
+    assert len(seeds["train"]) == 3 and len(seeds["eval"]) == 6 and not seeds["train"] & seeds["eval"]

@@ -118,6 +118,9 @@ def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradi
     assert trainer.config.old_logprobs_from_update
     _, batch = rolled_out(trainer)
     assert batch.old_logprobs is None  # prepare did not compute them
+    # a sampler well off the update's log-probs (as a low-precision one can be), so weights that were
+    # computed and never applied would show in the loss
+    batch.sampler_logprobs = batch.sampler_logprobs + 0.3 * torch.rand_like(batch.sampler_logprobs)
     tokens = batch.mask.sum()
     loss, stats = trainer._loss(batch, True, tokens, on_policy=True)
     loss.backward()
@@ -131,6 +134,7 @@ def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradi
     if rollout_is_cap is not None:  # the sampler's log-probs differ a little from the update's
         weights = fastppo.rollout_is_weights(old, batch.sampler_logprobs, batch.mask, rollout_is_cap)
         assert stats["rollout_is_weight"] == pytest.approx(float(weights[batch.mask].mean()), rel=1e-5)
+        assert float(weights[batch.mask].min()) < 0.9
         advantages = advantages * weights
     hidden = response_hidden(trainer.policy, batch)
     head = trainer.policy.get_output_embeddings()

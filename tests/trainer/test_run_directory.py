@@ -9,15 +9,16 @@ import pytest
 
 from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
-from fastppo.trainer.checkpoint import MANIFEST_FILE, clear_leftovers, save_atomically
+from fastppo.trainer.checkpoint import MANIFEST_FILE, WORLD_FILE, clear_leftovers, save_atomically
 from fastppo.trainer.errors import UsageError
+from fastppo.trainer.run_lock import LOCK_FILE
 from tests.trainer.test_trainer import untrained
 
 
 def digest(directory):
-    """sha256 of every file under ``directory``, by relative path."""
+    """sha256 of every file under ``directory``, by relative path; the lock a live trainer holds aside."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 
 def iterations(run):
@@ -57,7 +58,7 @@ def test_resume_refuses_another_out_and_overwrite(finished_run, tmp_path):
         PPOTrainer.resume(finished_run, {"out": str(tmp_path / "elsewhere")})
     with pytest.raises(UsageError, match="give one of them"):
         PPOTrainer.resume(finished_run, {"overwrite": True})
-    assert PPOTrainer.resume(finished_run, {"out": str(finished_run)})[1] == 2  # naming it is fine
+    assert PPOTrainer.resume(finished_run, {"out": str(finished_run), "iterations": 3})[1] == 2  # naming it is fine
 
 
 def test_a_new_run_refuses_a_non_empty_directory_unless_told_to_clear_it(finished_run, tmp_path):
@@ -123,6 +124,26 @@ def test_a_checkpoint_whose_bytes_changed_is_skipped_for_the_previous_one(finish
         PPOTrainer.resume(finished_run, {"iterations": 3})
 
 
+@pytest.mark.parametrize("edit", ["emptied", "the weights' line removed", "the state's line removed"])
+def test_a_manifest_that_no_longer_lists_every_file_fails(finished_run, edit):
+    """Corrupted weights behind an edited manifest are skipped like corrupted weights alone."""
+    checkpoint = finished_run / "checkpoint-2"
+    weights = checkpoint / "policy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4000] = bytes(4000)
+    weights.write_bytes(bytes(data))
+    manifest = checkpoint / MANIFEST_FILE
+    dropped = {"emptied": "", "the weights' line removed": "model.safetensors",
+               "the state's line removed": "trainer_state.pt"}[edit]
+    manifest.write_text("".join(line + "\n" for line in manifest.read_text().splitlines()
+                                if dropped and not line.endswith(dropped)))
+    if edit == "the state's line removed":
+        (checkpoint / "trainer_state.pt").unlink()
+    with pytest.warns(UserWarning, match=rf"skipping .*checkpoint-2.*{MANIFEST_FILE} does not list"):
+        _, start = PPOTrainer.resume(finished_run, {"iterations": 3})
+    assert start == 1
+
+
 def test_resume_applies_the_config_file_with_the_rule_of_the_options(finished_run, tmp_path, capsys):
     changed = tmp_path / "change.toml"
     changed.write_text("lr = 0.5\n")
@@ -133,3 +154,85 @@ def test_resume_applies_the_config_file_with_the_rule_of_the_options(finished_ru
     longer.write_text("iterations = 3\n")
     assert fastppo_main(["train", "--resume", str(finished_run), "--config", str(longer)]) == 0
     assert iterations(finished_run) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_resume_with_nothing_left_to_train_is_refused(finished_run, iterations, capsys):
+    config = (finished_run / "config.json").read_text()
+    assert fastppo_main(["train", "--resume", str(finished_run), "--iterations", str(iterations)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has trained 2 iterations (checkpoint-2); give --iterations above 2" in err
+    assert (finished_run / "config.json").read_text() == config  # nothing rewritten
+
+
+def test_a_world_file_that_does_not_parse_is_a_damaged_checkpoint(finished_run):
+    """Checked after the manifest, so the checkpoint is skipped for the previous one, not a crash."""
+    (finished_run / "checkpoint-2" / WORLD_FILE).write_text("{not json")
+    with pytest.warns(UserWarning, match=r"skipping .*checkpoint-2"):
+        assert PPOTrainer.resume(finished_run, {"iterations": 3})[1] == 1
+
+
+def test_the_world_size_is_checked_before_any_model_is_built(finished_run, monkeypatch):
+    from fastppo.trainer import checkpoint
+
+    def never_built(*args, **kwargs):
+        raise AssertionError("the trainer was built before the world size was checked")
+
+    monkeypatch.setattr(checkpoint, "world_size", lambda: 2)
+    with pytest.raises(checkpoint.WorldSizeMismatch, match=r"written by 1 rank\(s\); resume with as many, not 2"):
+        checkpoint.resume(never_built, finished_run, {"iterations": 3})
+
+
+@pytest.mark.parametrize("damage", ["config.json a list", "metrics.jsonl a directory"])
+def test_a_damaged_run_directory_is_a_one_line_error(finished_run, damage, capsys):
+    if damage == "config.json a list":
+        (finished_run / "config.json").write_text("[1, 2]")
+    else:
+        (finished_run / "metrics.jsonl").unlink()
+        (finished_run / "metrics.jsonl").mkdir()
+    assert fastppo_main(["train", "--resume", str(finished_run), "--iterations", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and {"config.json a list": "config.json holds a list",
+                                     "metrics.jsonl a directory": "metrics.jsonl is not a file"}[damage] in err
+
+
+def test_a_checkpoint_name_on_a_file_is_reported(finished_run):
+    (finished_run / "checkpoint-7").write_text("not a checkpoint")
+    with pytest.warns(UserWarning, match=r"checkpoint-7 is not a directory; it is no checkpoint"):
+        assert PPOTrainer.resume(finished_run, {"iterations": 3})[1] == 2
+
+
+def test_extending_a_finished_cosine_run_continues_the_stretched_schedule(tmp_path):
+    """A 2-iteration cosine run ends at learning rate 0; resumed to 4 iterations, its iteration 2
+    runs at the 4-iteration schedule's rate, as a 4-iteration run does."""
+    run = untrained(tmp_path, iterations=2, save_every=1, lr_schedule="cosine", evaluate=False)
+    run.train()
+    trainer, start = PPOTrainer.resume(tmp_path / "run", {"iterations": 4})
+    trainer.train(start)
+    rates = {row["iteration"]: row["lr"] for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())}
+    lr = trainer.config.optim.lr
+    assert rates[2] == pytest.approx(lr * trainer._lr_factor(2)) and rates[2] == pytest.approx(lr * 0.5)
+    assert rates[3] == pytest.approx(lr * trainer._lr_factor(3))
+
+
+def test_a_resume_drops_the_metrics_rows_of_the_iterations_it_repeats(tmp_path):
+    from fastppo.trainer.checkpoint import metrics_before
+
+    rows = tmp_path / "metrics.jsonl"
+    rows.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(5)))
+    assert [json.loads(line)["iteration"] for line in metrics_before(rows, 3)] == [0, 1, 2]
+
+
+def test_a_changed_rollout_batch_size_resumes_saying_it_is_not_exact(finished_run):
+    with pytest.warns(UserWarning, match="samples other tokens than the uninterrupted run would"):
+        PPOTrainer.resume(finished_run, {"iterations": 3, "rollout_batch_size": 8})
+
+
+def test_a_checkpoint_keeps_the_epoch_cursor(tmp_path):
+    """The prompts drawn so far, not iterations x prompts (dynamic sampling draws more)."""
+    trainer = untrained(tmp_path, iterations=1, save_every=1, evaluate=False)
+    trainer.train()
+    trainer.prompts_drawn = 37  # as after batches dynamic sampling drew and left out
+    trainer.checkpoint(tmp_path / "run", 1)
+    resumed, start = PPOTrainer.resume(tmp_path / "run", {"iterations": 2})
+    assert start == 1 and resumed.prompts_drawn == 37
