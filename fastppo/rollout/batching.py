@@ -42,8 +42,8 @@ class RolloutLoop:
 
     def __init__(self, decoder: Decoder, decode: Callable, slots: int, max_len: int, prompts: list, n: int,
                  max_new: list, draw: Callable, stop: tuple, pad: int, compact_below: float,
-                 bucket: Optional[Callable] = None):
-        self.decoder, self.decode, self.draw = decoder, decode, draw
+                 bucket: Optional[Callable] = None, on_rows_ended: Optional[Callable] = None):
+        self.decoder, self.decode, self.draw, self.on_rows_ended = decoder, decode, draw, on_rows_ended
         self.capacity, self.max_len, self.prompts, self.n, self.max_new = slots, max_len, prompts, n, max_new
         self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
         device = decoder.device
@@ -111,6 +111,8 @@ class RolloutLoop:
             return True  # no row has ended since the last look
         ended = self.row[:self.b] != self.trash
         ended[live] = False
+        if self.on_rows_ended is not None:
+            self.on_rows_ended(int(ended.sum()))
         self._free(ended)
         self.offset = {s: self.offset[s] for s in live}
         if not live:

@@ -9,7 +9,7 @@ enter free slots as earlier rows finish, finished rows leave the batch, and each
 """
 
 import contextlib
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -137,7 +137,8 @@ class Sampler:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  stop_token_ids: Optional[Union[int, Sequence[int]]] = None, pad_token_id: Optional[int] = None,
-                 num_samples_per_prompt: int = 1, seed: Optional[int] = None) -> Rollout:
+                 num_samples_per_prompt: int = 1, seed: Optional[int] = None,
+                 on_rows_ended: Optional[Callable[[int], None]] = None) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per prompt.
 
         Args:
@@ -149,6 +150,8 @@ class Sampler:
                 model's end-of-sequence ids. ``pad_token_id``: fills ended rows (default: the
                 model's pad id, else the first stop id).
             seed: makes the draw reproducible (on the same device).
+            on_rows_ended: called with the number of rows that ended, at each look for them (a
+                progress bar's ``update``).
         """
         max_new = self._check_prompts(prompts, max_new_tokens)
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
@@ -172,7 +175,7 @@ class Sampler:
             decode = decoder.decode
         loop = RolloutLoop(decoder, decode, self.max_batch_size, self.max_seq_len, [list(p) for p in prompts], n,
                            max_new, draw, stop, pad, self.compact_below,
-                           graph_rows if self.graphs is not None else None)
+                           graph_rows if self.graphs is not None else None, on_rows_ended)
         with _sampling_mode(self.model):
             rollout = loop.run()
         self.rows_decoded = loop.rows_decoded

@@ -9,14 +9,15 @@ and keeps its traceback. ``--debug`` shows the traceback of every error.
 
 import argparse
 import sys
+from pathlib import Path
 
-from .config import add_arguments, from_arguments, given_fields
+from .config import TrainConfig, add_arguments, from_arguments, given_fields
 from .errors import UsageError
 from .ppo import PPOTrainer, StoppedAtOnce, TrainingFailed
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastppo train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fastppo train", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint; "
                         "--config and options may change only how long it runs and how it saves")
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error")
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     except StoppedAtOnce as error:
         if args.debug:
             raise
-        print(f"{parser.prog}: {error}; the newest checkpoint is intact", file=sys.stderr)
+        print(f"{parser.prog}: {error}", file=sys.stderr)
         return 130  # as a shell reports a process stopped by SIGINT
 
 
@@ -67,6 +68,9 @@ def exit_after_sharding(code: int) -> None:
 def _train(args) -> int:
     if args.resume:
         trainer, start = PPOTrainer.resume(args.resume, given_fields(args))
+        if trainer.ranks.main:
+            print(f"resuming {args.resume} from checkpoint-{start}: iterations {start} to "
+                  f"{trainer.config.run.iterations - 1}", flush=True)
     else:
         trainer, start = PPOTrainer(from_arguments(args)), 0
     try:
@@ -74,16 +78,9 @@ def _train(args) -> int:
     finally:
         trainer.ranks.close()
     if trainer.ranks.main and history:
-        first = sum(h["reward_mean"] for h in history[:5]) / len(history[:5])
-        last = sum(h["reward_mean"] for h in history[-5:]) / len(history[-5:])
-        print(f"mean reward: first 5 iterations {first:.3f}, last 5 {last:.3f} ({len(history)} iterations); "
-              f"metrics in {trainer.config.run.out}/metrics.jsonl")
-        if len(trainer.evaluations) >= 2:
-            before, after = trainer.evaluations[0], trainer.evaluations[-1]
-            k = trainer.config.eval.eval_samples
-            print(f"held-out ({len(trainer.eval_prompts)} prompts): greedy {before['eval/greedy']:.3f} -> "
-                  f"{after['eval/greedy']:.3f}, pass@{k} {before[f'eval/pass@{k}']:.3f} -> "
-                  f"{after[f'eval/pass@{k}']:.3f} (iteration {before['iteration']} -> {after['iteration']})")
+        for line in summary(Path(trainer.config.run.out), len(trainer.eval_prompts or ()),
+                            trainer.config.eval.eval_samples):
+            print(line)
     if trainer.sharded:
         exit_after_sharding(0)
     return 0
@@ -99,6 +96,34 @@ def _check_plan_options(args) -> None:
     memory = args.plan_device_memory
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise UsageError(f"--plan-device-memory must be a positive number of GiB, got {memory}")
+
+
+def summary(out: Path, held_out: int, k: int) -> list:
+    """The end-of-run lines, from the whole run's ``metrics.jsonl`` (a resumed run's too): the mean
+    reward of the first and last 5 iterations, and the held-out scores at the first and the last
+    evaluation, each reward function's as well when there are several."""
+    from .checkpoint import read_metrics
+
+    rows = [row for _, row in read_metrics(out / "metrics.jsonl")]
+    trained = [row for row in rows if "reward_mean" in row]
+    lines = []
+    if trained:
+        first, last = trained[:5], trained[-5:]
+        lines.append(f"mean reward: first 5 iterations {sum(r['reward_mean'] for r in first) / len(first):.3f}, "
+                     f"last 5 {sum(r['reward_mean'] for r in last) / len(last):.3f} ({len(trained)} iterations); "
+                     f"metrics in {out}/metrics.jsonl")
+    evaluated = [row for row in rows if "eval/greedy" in row]
+    if len(evaluated) >= 2:
+        before, after = evaluated[0], evaluated[-1]
+        prefixes = sorted({key[:-len("greedy")] for key in after if key.endswith("/greedy")})
+        for prefix in prefixes:  # "eval/" first, then each reward's
+            name = "" if prefix == "eval/" else f"{prefix[len('eval/'):-1]}: "
+            passed = f"{prefix}pass@{k}"  # missing before a resume that changed eval_samples
+            best = f", pass@{k} {before[passed]:.3f} -> {after[passed]:.3f}" if passed in before else ""
+            lines.append(f"held-out ({held_out} prompts): {name}greedy {before[prefix + 'greedy']:.3f} -> "
+                         f"{after[prefix + 'greedy']:.3f}{best} (iteration {before['iteration']} -> "
+                         f"{after['iteration']})")
+    return lines
 
 
 def _plan(args) -> int:
@@ -121,11 +146,13 @@ def _plan(args) -> int:
     if tokens is None:
         from transformers import AutoTokenizer
 
-        try:
+        try:  # transformers 5 makes an empty tokenizer (one token) of a directory without one
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError):
+            tokenizer = None
+        if tokenizer is None or len(tokenizer) < 2:
             raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give "
-                             "--plan-prompt-tokens") from None
+                             "--plan-prompt-tokens")
         d = config.data
         rows, origins = data.read_rows(d.prompts) if d.prompts else tasks.task_rows(d.task, config.run.seed)
         source = f"--prompts {d.prompts}" if d.prompts else f"task {d.task}"
@@ -143,8 +170,39 @@ def _plan(args) -> int:
     lines = memory_plan(config, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
                         reward_model_config=reward_config)
     available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
+
+    def total(**changes) -> int:
+        changed = TrainConfig.from_flat({**config.flat(), **changes}).validate()
+        return sum(line.bytes for line in memory_plan(changed, model_config, prompt_tokens=tokens, device_type=device_type,
+                                                      world_size=world, reward_model_config=reward_config))
     print(render(lines, available, f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
                                    f"tokens, {world} rank(s), "
                                    + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies")),
           end="")
+    if total() > available:
+        print(_what_would_fit(config, total, available))
     return 0
+
+
+def _what_would_fit(config, total, available: int) -> str:
+    """The options (each alone, then all of them) that would bring the plan's ``total(**changes)``
+    under ``available``, with their totals."""
+    from .plan import GiB
+
+    r = config.rollout
+    candidates = [("--gradient-checkpointing", {"gradient_checkpointing": True})]
+    if config.lora.lora_rank is None:
+        candidates.append(("--lora-rank 16", {"lora_rank": 16}))
+    rows = r.prompts_per_iteration * r.samples_per_prompt
+    if config.algo.minibatches < rows and rows % (4 * config.algo.minibatches) == 0:
+        more = config.algo.minibatches * 4
+        candidates.append((f"--minibatches {more} --grad-accumulation {more}",
+                           {"minibatches": more, "grad_accumulation": more}))
+    candidates.append((" ".join(option for option, _ in candidates),
+                       {k: v for _, change in candidates for k, v in change.items()}))
+    fitting = [(option, total(**change)) for option, change in candidates]
+    fitting = [f"{option} ({size / GiB:.2f} GiB)" for option, size in fitting if size <= available]
+    if not fitting:
+        return ("  none of --gradient-checkpointing, LoRA and smaller minibatches fits it on one device: shard it "
+                "over more (--fsdp with torchrun) or a larger device")
+    return "  it would fit with: " + "; or ".join(fitting)

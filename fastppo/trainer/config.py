@@ -193,7 +193,12 @@ class RunConfig:
     save_dtype: str = _doc("dtype of the saved policy: auto (the checkpoint's own), bfloat16, float16 or "
                            "float32; checkpoints for --resume always keep the fp32 masters", "auto")
     save_every: int = _doc("also save every this many iterations (0: only at the end)", 0)
+    save_every_minutes: float = _doc("also save once this many minutes have passed since the last save, so a run "
+                                     "killed hours in (out of memory, a preempted machine) loses at most that much "
+                                     "(0: off)", 30.0)
     keep_checkpoints: int = _doc("numbered checkpoints to keep, newest first (0: all)", 2)
+    log_completions: int = _doc("rows of each iteration written to completions.jsonl (and TensorBoard's text "
+                                "tab): prompt, completion, score and each reward's (0: none)", 4)
     overwrite: bool = _doc("start afresh in a non-empty run directory, deleting what it holds (only a "
                            "fastppo run directory); without it such a directory is refused", False)
 
@@ -203,8 +208,8 @@ SECTIONS = (ModelConfig, LoRAConfig, ShardingConfig, DataConfig, RewardConfig, E
 # Fields a resumed run may change: how long it runs, how it saves and evaluates, how many rows its
 # sampler decodes at once (a memory bound, which moves where rows draw but not the math); nothing that
 # changes the math.
-RESUMABLE = {"iterations", "save", "save_every", "keep_checkpoints", "evaluate", "eval_prompts", "eval_every",
-             "eval_samples", "rollout_batch_size"}
+RESUMABLE = {"iterations", "save", "save_every", "save_every_minutes", "keep_checkpoints", "log_completions",
+             "evaluate", "eval_prompts", "eval_every", "eval_samples", "rollout_batch_size"}
 
 
 def _base_type(f: dataclasses.Field):
@@ -415,6 +420,8 @@ class TrainConfig:
             ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", run.device) is not None,
              "must be auto, cpu, cuda or cuda:N"),
             ("save_every", run.save_every >= 0, "must be >= 0"),
+            ("save_every_minutes", run.save_every_minutes >= 0, "must be >= 0"),
+            ("log_completions", run.log_completions >= 0, "must be >= 0"),
             ("keep_checkpoints", run.keep_checkpoints >= 0, "must be >= 0"),
             ("critic", not (estimator and estimator.critic) or self.model.critic is not False,
              f"must be on for estimator={a.estimator}"),
@@ -459,8 +466,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 base = typing.get_args(base)[0]
             kind = {bool: _parse_bool, int: int, float: float}.get(base, str)
             flag = dict(nargs="?", const=True) if base is bool else dict(nargs="+", action="extend") if listed else {}
+            text = f.metadata["help"]  # a default said in words, or none to say, gets no "(default: None)"
+            if "default:" not in text and f.default is not None:
+                text += f" (default: {f.default})"
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=argparse.SUPPRESS,
-                               help=f"{f.metadata['help']} (default: {f.default})", **flag)
+                               help=text, **flag)
 
 
 def read_config_file(path: Path) -> dict:

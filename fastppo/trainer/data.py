@@ -259,10 +259,11 @@ def fitting(prompts: Prompts, context, max_new_tokens: int, max_prompt_tokens, d
     return prompts.select(keep)
 
 
-def configured(config, tokenizer, context, rows=None) -> tuple:
-    """``(training prompts, held-out prompts or None)`` of a run, as :class:`Prompts` fitting the
-    model's ``context``: from ``rows`` (the Python API's dicts) or the ``--prompts`` file, else
-    the built-in task's; from ``--eval-prompts``, else (for a built-in task) its held-out prompts."""
+def sources(config, rows=None) -> tuple:
+    """``(training, held-out or None)`` rows of a run, each ``(rows, origins, source)``, read before
+    any model loads (so a bad file costs no wait): from ``rows`` (the Python API's dicts) or the
+    ``--prompts`` file, else the built-in task's; from ``--eval-prompts``, else (for a built-in
+    task) its held-out prompts."""
     from . import tasks
 
     d, ev = config.data, config.eval
@@ -278,6 +279,14 @@ def configured(config, tokenizer, context, rows=None) -> tuple:
         held_out = (*read_rows(ev.eval_prompts, "--eval-prompts"), f"--eval-prompts {ev.eval_prompts}")
     elif ev.evaluate and from_task:
         held_out = (*tasks.task_rows(d.task, config.run.seed, held_out=True), f"task {d.task}'s held-out prompts")
+    return training, held_out
+
+
+def configured(config, tokenizer, context, read: tuple) -> tuple:
+    """``(training prompts, held-out prompts or None)`` as :class:`Prompts` fitting the model's
+    ``context``, from what :func:`sources` ``read``."""
+    d = config.data
+    training, held_out = read
 
     def prepared(rows, origins, source):
         return fitting(load(rows, origins, tokenizer, d, source), context, config.rollout.max_new_tokens,

@@ -1,6 +1,8 @@
 """Held-out evaluation: is the policy getting better at prompts it never trains on?
 
-Three numbers, from the same rewards as training (their weighted sum):
+Three numbers, from the same rewards as training (their weighted sum, and with several reward
+functions each one's too, as ``eval/<name>/greedy`` and so on: a verifier's accuracy is not its
+sum with a format bonus):
 
 * ``eval/greedy``: the mean score of one greedy response (temperature 0) per prompt; with a 0/1
   verifier, the greedy accuracy;
@@ -14,28 +16,39 @@ size's batching nor moves any generator the training draws from.
 """
 
 import torch
+from tqdm import tqdm
 
 from . import rollouts
 
 
 def evaluate(trainer, prompts, samples: int, iteration: int) -> dict:
-    """The three metrics of the current policy over ``prompts`` (:class:`~fastppo.trainer.data.Prompts`)."""
+    """The three metrics of the current policy over ``prompts`` (:class:`~fastppo.trainer.data.Prompts`),
+    of the rewards' weighted sum and, with several rewards, of each (``eval/<name>/greedy``...)."""
     ranks, r = trainer.ranks, trainer.config.rollout
     mine = list(range(ranks.rank, len(prompts), ranks.world))
     seed = (trainer.config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
-    totals = torch.zeros(3, dtype=torch.float64)  # greedy, mean of K, best of K; summed over prompts
+    names = [name for name, _ in trainer.rewards.named]
+    totals = torch.zeros(1 + len(names), 3, dtype=torch.float64)  # (sum, each reward) x (greedy, mean@K, best of K)
     trainer.rollout_weights.refresh()
-    for temperature, n in ((0.0, 1), (r.temperature, samples)):
-        if mine:  # the sampler takes all of them, through as many of its slots as it has
-            rollout = trainer.sample([prompts.ids[i] for i in mine], temperature, n, seed + n)
-            scores, _ = rollouts.score(trainer, prompts, mine, rollout, n)
-            per_prompt = torch.tensor(scores, dtype=torch.float64).view(len(mine), n)
-            if temperature == 0:
-                totals[0] += per_prompt.sum()
-            else:
-                totals[1] += per_prompt.mean(dim=1).sum()
-                totals[2] += per_prompt.max(dim=1).values.sum()
+    with tqdm(total=len(mine) * (1 + samples), desc=f"held-out before iteration {iteration}", unit="row",
+              leave=False, disable=not ranks.main) as bar:
+        for temperature, n in ((0.0, 1), (r.temperature, samples)):
+            if mine:  # the sampler takes all of them, through as many of its slots as it has
+                rollout = trainer.sample([prompts.ids[i] for i in mine], temperature, n, seed + n, bar.update)
+                scores, each = rollouts.score(trainer, prompts, mine, rollout, n)
+                per_prompt = torch.tensor([scores] + [each[name] for name in names], dtype=torch.float64)
+                per_prompt = per_prompt.view(1 + len(names), len(mine), n)
+                if temperature == 0:
+                    totals[:, 0] += per_prompt.sum(dim=(1, 2))
+                else:
+                    totals[:, 1] += per_prompt.mean(dim=2).sum(dim=1)
+                    totals[:, 2] += per_prompt.max(dim=2).values.sum(dim=1)
     trainer.rollout_weights.release()
     totals = ranks.sum(totals.to(ranks.device())).cpu() / len(prompts)
-    return {"eval/greedy": float(totals[0]), f"eval/mean@{samples}": float(totals[1]),
-            f"eval/pass@{samples}": float(totals[2])}
+    metrics = {}
+    for prefix, row in zip(["eval/"] + [f"eval/{name}/" for name in names], totals):
+        metrics.update({f"{prefix}greedy": float(row[0]), f"{prefix}mean@{samples}": float(row[1]),
+                        f"{prefix}pass@{samples}": float(row[2])})
+        if len(names) == 1:  # the sum is that reward's
+            break
+    return metrics

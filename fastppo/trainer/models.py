@@ -134,12 +134,25 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy_in_dtype(model, dtype)[0]
 
 
+def tied_aliases(model) -> set:
+    """The names of parameters that are another's (a tied LM head): each after the first of its
+    tensor. A state dict gathered from shards or cast to another dtype holds them as separate
+    copies, which would be saved twice."""
+    seen, aliases = set(), set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            aliases.add(name)
+        seen.add(id(parameter))
+    return aliases
+
+
 def save_model(model, directory, dtype: torch.dtype, state_dict: dict = None) -> None:
     """``model.save_pretrained(directory)`` with the weights (default: the model's) in ``dtype`` and
     its config.json saying so: transformers records the in-memory dtype, which for fp32 master
     weights is not the one saved."""
     state_dict = model.state_dict() if state_dict is None else state_dict
-    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    aliases = tied_aliases(model)  # a tied LM head is the embedding: saved once, tied again on load
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items() if k not in aliases}
     model.save_pretrained(str(directory), state_dict=state_dict)
     path = Path(directory) / "config.json"
     config = json.loads(path.read_text())

@@ -168,6 +168,11 @@ class PPOTrainer:
                              "prompts")
         # before any loading (a run that cannot write loses no time) and before touching the directory
         self.lock = self.ranks.on_main(lambda: self._claim_run_directory(Path(config.run.out), resuming))
+        # what the user wrote, read before the model loads: a wrong file or reward costs no wait
+        sources = data.sources(config, prompts)
+        if reward_fn is None:
+            for spec in config.reward.reward or ():
+                tasks.load_reward(spec, config.reward.format_pattern)
         if not self.ranks.main:  # rank 0's loading and saving progress bars are enough
             from transformers.utils import logging as transformers_logging
 
@@ -184,7 +189,7 @@ class PPOTrainer:
         disable_dropout(policy)
         check_causal(policy, config.model.model or "(the default model)")
         self.device = next(policy.parameters()).device
-        self.prompts, self.eval_prompts = data.configured(config, self.tokenizer, context_length(policy), prompts)
+        self.prompts, self.eval_prompts = data.configured(config, self.tokenizer, context_length(policy), sources)
         every = [p for p in (self.prompts, self.eval_prompts) if p is not None]
         self.fields = list(dict.fromkeys(k for p in every for k in p.field_names()))  # each reward call gets all
         self.rewards = tasks.configured_rewards(
@@ -194,6 +199,7 @@ class PPOTrainer:
         self.order = data.EpochOrder(len(self.prompts), config.run.seed)
         self.prompts_drawn = 0  # the position in the epoch order, which a checkpoint keeps
         longest = max(len(ids) for p in every for ids in p.ids)
+        self.model_config, self.longest_prompt = policy.config, longest  # for the start-up summary's plan
         self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
         self.critic = None
         if config.uses_critic:  # from the full policy, before any LoRA wrapping: the critic trains in full
@@ -232,6 +238,8 @@ class PPOTrainer:
         self.skipped_steps = 0
         self.steps = 0  # optimizer steps attempted, skipped ones included
         self.evaluations = []  # {"iteration", held-out metrics} of each evaluation
+        self.warned_truncated = False  # most of a batch masked out by mask_truncated, said once
+        self.examples = []  # the last iteration's rows as text (rollouts.examples), for completions.jsonl
 
     def _claim_run_directory(self, out: Path, resuming: bool) -> RunLock:
         """Hold ``out`` for this run (``run_lock.py``), check that a new run may start there, and
@@ -266,9 +274,9 @@ class PPOTrainer:
 
     # one iteration ---------------------------------------------------------------------------
 
-    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int):
+    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None):
         """``n`` responses per prompt with the run's sampling options (``rollouts.sample``)."""
-        return rollouts.sample(self, prompt_ids, temperature, n, seed)
+        return rollouts.sample(self, prompt_ids, temperature, n, seed, on_rows_ended)
 
     def rollout(self, iteration: int) -> rollouts.Scored:
         """This iteration's prompts, responses and scores (``rollouts.rollout``)."""
@@ -286,6 +294,12 @@ class PPOTrainer:
         if c.algo.mask_truncated:
             truncated = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
             mask = mask & ~truncated[:, None]
+            share = float(truncated.float().mean())
+            if share > 0.5 and not self.warned_truncated and self.ranks.main:
+                self.warned_truncated = True
+                warnings.warn(f"{share:.0%} of a batch's responses hit max_new_tokens={c.rollout.max_new_tokens} and "
+                              "are left out of the loss (--mask-truncated), so the update learns from the rest only; "
+                              "raise --max-new-tokens (said once per run; stop_rate logs it every iteration)")
         batch = Batch(input_ids, attention_mask, positions, rollout.response_ids.to(self.device), mask,
                       rollout.logprobs.to(self.device))
         with self.precision.autocast():
@@ -334,7 +348,7 @@ class PPOTrainer:
         on_policy = batch.old_logprobs is None
         if on_policy:
             batch.old_logprobs = torch.zeros_like(batch.sampler_logprobs)
-        logs = []
+        logs = []  # one per optimizer step
         B = batch.mask.shape[0]
         for _ in range(c.algo.ppo_epochs):
             minibatches = torch.randperm(B, device=self.device).chunk(c.algo.minibatches)
@@ -347,12 +361,14 @@ class PPOTrainer:
                 whole = tokens if c.agg == "token-mean" else self.ranks.sum(
                     sum(denominator(mb.mask, c.agg, c.rollout.max_new_tokens) for mb in group))
                 self._zero_grad()
+                parts = []
                 for index, mb in zip(indices, group):
                     loss, stats = self._loss(mb, kl_in_loss, tokens, on_policy, whole)
                     loss.backward()
                     if on_policy:
                         batch.old_logprobs[index] = mb.old_logprobs
-                    logs.append({k: float(v) for k, v in stats.items()})
+                    parts.append(stats)
+                logs.append(self._step_stats(parts))
                 if not self.sharded:  # FSDP's backward has reduce-scattered them
                     self.ranks.sum_gradients(p for opt in self._optimizers() for g in opt.param_groups
                                              for p in g["params"])
@@ -360,6 +376,19 @@ class PPOTrainer:
         for model in models:
             model.eval()
         return {k: sum(log[k] for log in logs) / len(logs) for k in logs[0]}
+
+    def _step_stats(self, parts: list) -> dict:
+        """One optimizer step's statistics from its minibatches' (``parts``, on every rank). A loss
+        term normalised by the step's tokens (the value loss always; the policy's pg_loss, kl and
+        entropy under token-mean) comes as each minibatch's share of the step's mean, so those are
+        summed over minibatches and ranks; the others (fractions, ratios) are each minibatch's own
+        means, averaged."""
+        shares = ["vf_loss"] + (["pg_loss", "kl", "entropy"] if self.config.agg == "token-mean" else [])
+        shares = [k for k in shares if k in parts[0]]
+        summed = self.ranks.sum(torch.stack([sum(part[k] for part in parts).float() for k in shares])) \
+            if shares else []
+        means = {k: float(sum(part[k] for part in parts)) / len(parts) for k in parts[0] if k not in shares}
+        return {**means, **{k: float(v) for k, v in zip(shares, summed)}}
 
     def _loss(self, mb: Batch, kl_in_loss: bool, tokens: Tensor, on_policy: bool, whole: Tensor = None) -> tuple:
         """The minibatch's loss and stats. ``tokens``: the step's valid tokens (over every minibatch
@@ -455,6 +484,7 @@ class PPOTrainer:
         lr = self.optimizer.param_groups[0]["lr"]  # this iteration's, before the schedule moves on
         scored = self.rollout(iteration)
         rolled = time.perf_counter()
+        self.examples = rollouts.examples(self, scored, self.config.run.log_completions) if self.ranks.main else []
         batch = self.prepare(scored.rollout, scored.scores)
         prepared = time.perf_counter()
         kl_coef = self.kl.coef  # the coefficient this iteration used
@@ -481,7 +511,9 @@ class PPOTrainer:
             **stats, "skipped_steps": self.skipped_steps, "lr": lr,
             "time_rollout": rolled - start,
             "time_forward": prepared - rolled, "time_update": done - prepared,
-            "tokens_per_s": tokens * self.ranks.world / (done - start),
+            # per second of the whole iteration: every token sampled, and those the loss kept
+            "tokens_per_s_generated": float(scored.rollout.response_lens.sum()) * self.ranks.world / (done - start),
+            "tokens_per_s_trained": tokens * self.ranks.world / (done - start),
         })
 
     # the run -----------------------------------------------------------------------------------
@@ -512,9 +544,13 @@ class PPOTrainer:
             if start == 0:
                 checkpoint.write_text_atomically(out / inputs.INPUTS_FILE, inputs.pinned(self.config.flat()))
             if start:  # drop rows past the checkpoint, from a run that went on after it
-                kept = checkpoint.metrics_before(out / "metrics.jsonl", start)
-                checkpoint.write_text_atomically(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
-        history, stop = [], []
+                for log in ("metrics.jsonl", "completions.jsonl"):
+                    if log == "metrics.jsonl" or (out / log).is_file():
+                        kept = checkpoint.metrics_before(out / log, start)
+                        checkpoint.write_text_atomically(out / log, "".join(line + "\n" for line in kept))
+        if main:
+            print("\n".join(self.summary()), flush=True)
+        history, stop, saved_at = [], Signals(), time.monotonic()
         board = _tensorboard(out) if main else None
         log = open(out / "metrics.jsonl", "a") if main else contextlib.nullcontext()
         with _stop_on_signals(stop), log, tqdm(range(start, self.config.run.iterations), desc="ppo", initial=start,
@@ -527,39 +563,95 @@ class PPOTrainer:
                     for key, value in metrics.items():
                         board.add_scalar(key, value, metrics["iteration"])
 
+            def write_examples(iteration, examples):
+                with open(out / "completions.jsonl", "a") as f:
+                    f.writelines(json.dumps({"iteration": iteration, **row}) + "\n" for row in examples)
+                if board is not None:
+                    board.add_text("completions", "\n\n".join(
+                        f"**score {row['score']:.3f}** {row['prompt']!r} -> {row['completion']!r}" for row in examples),
+                        iteration)
+
             for i in bar:
-                evaluated = self.evaluate(i) if self._evaluates_before(i) else {}
+                evaluated = self._timed_evaluation(i) if self._evaluates_before(i) else {}
                 metrics = {**self.iteration(i), **evaluated}
                 history.append(metrics)
                 write(metrics)
+                if main and self.examples:
+                    write_examples(i, self.examples)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['approx_kl']:.4f}",
-                                tok_s=f"{metrics['tokens_per_s']:.0f}")
-                every, done = self.config.run.save_every, i + 1
-                signalled = torch.tensor(float(bool(stop)), device=self.ranks.device())
-                stopping = bool(self.ranks.sum(signalled))  # any rank signalled: all stop together
-                if stopping or done == self.config.run.iterations or (every and done % every == 0):
+                                tok_s=f"{metrics['tokens_per_s_generated']:.0f}")
+                run, done = self.config.run, i + 1
+                due = main and run.save_every_minutes and time.monotonic() - saved_at >= 60 * run.save_every_minutes
+                # any rank signalled: all stop together; rank 0's clock says when a save is due
+                stopping, due = (bool(flag) for flag in self.ranks.sum(
+                    torch.tensor([float(bool(stop)), float(due)], device=self.ranks.device())))
+                if stopping or due or done == run.iterations or (run.save_every and done % run.save_every == 0):
                     self.checkpoint(out, done)
+                    saved_at = time.monotonic()
                 if stopping:
                     raise TrainingInterrupted(f"stopped by {stop[0] if stop else 'a signal to another rank'} after "
                                               f"iteration {i}; checkpoint-{done} is saved; "
                                               f"resume with: fastppo train --resume {out}")
+            if self.steps and self.skipped_steps == self.steps:
+                raise TrainingFailed(f"all {self.steps} optimizer steps were skipped for non-finite gradients: the "
+                                     "policy never changed (look at the rewards, the learning rate and the loss "
+                                     "coefficients)")
+            if self.config.run.save:
+                self.save(out)  # each part atomically, by rank 0
             if self.eval_prompts is not None:  # the trained policy, in a row of its own
-                write({"iteration": self.config.run.iterations, **self.evaluate(self.config.run.iterations)})
+                # everything is saved: a signal now stops the evaluation at once
+                stop.at_once = (f"stopped during the final held-out evaluation; the trained policy and "
+                                f"checkpoint-{self.config.run.iterations} are saved")
+                write({"iteration": self.config.run.iterations, **self._timed_evaluation(self.config.run.iterations)})
         if board is not None:
             board.close()
-        if self.steps and self.skipped_steps == self.steps:
-            raise TrainingFailed(f"all {self.steps} optimizer steps were skipped for non-finite gradients: the policy "
-                                 "never changed (look at the rewards, the learning rate and the loss coefficients)")
-        if self.config.run.save:
-            self.save(out)  # each part atomically, by rank 0
         if main and plot.available():
             plot.plot_run(out)
         self.ranks.barrier()
         return history
 
+    def summary(self) -> list:
+        """What this run is, said before it starts: the model, the rewards, an iteration's shape, the
+        first prompt as the sampler sees it, and the memory plan's total for one device."""
+        from .models import DEFAULT_MODEL
+        from .plan import GiB, memory_plan
+
+        c, r = self.config, self.config.rollout
+        trainable = sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.policy.parameters())
+        rewards = ", ".join(f"{name} x {weight:g}" for (name, _), weight in zip(self.rewards.named,
+                                                                                 self.rewards.weights))
+        plan = memory_plan(c, self.model_config, prompt_tokens=self.longest_prompt, device_type=self.device.type,
+                           world_size=self.ranks.world)
+        return [f"model: {c.model.model or DEFAULT_MODEL}, {total:,} parameters ({trainable:,} trained); "
+                f"{c.algo.estimator}, lr {c.optim.lr:g}; rewards: {rewards}",
+                f"each iteration: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples"
+                + (f" x {self.ranks.world} ranks" if self.ranks.world > 1 else "")
+                + f", up to {r.max_new_tokens} new tokens each, of {len(self.prompts)} prompts; the first, as the "
+                f"sampler sees it: {self.prompts.texts[0]!r}",
+                f"memory plan for one {self.device.type} device: "
+                f"{sum(line.bytes for line in plan) / GiB:.2f} GiB (the lines: fastppo train --plan)"] + self._toy_defaults()
+
+    def _toy_defaults(self) -> list:
+        """A note when a run of a model of one's own keeps defaults chosen for the shipped toy task."""
+        def tuned(config):
+            return {"lr": config.optim.lr, "max_new_tokens": config.rollout.max_new_tokens}
+
+        defaults = tuned(TrainConfig())
+        kept = [f"{name} {value:g}" for name, value in tuned(self.config).items() if value == defaults[name]]
+        if self.config.model.model is None or not kept:
+            return []
+        return [f"note: {' and '.join(kept)} are the defaults for the shipped tiny model's task; a pretrained model "
+                "usually wants an lr near 1e-6 and room for hundreds of new tokens (--lr, --max-new-tokens)"]
+
     def _evaluates_before(self, iteration: int) -> bool:
         every = self.config.eval.eval_every
         return self.eval_prompts is not None and (iteration == 0 or (every and iteration % every == 0))
+
+    def _timed_evaluation(self, iteration: int) -> dict:
+        """:meth:`evaluate` with its wall time as ``time_eval``."""
+        start = time.perf_counter()
+        return {**self.evaluate(iteration), "time_eval": time.perf_counter() - start}
 
     def evaluate(self, iteration: int) -> dict:
         """The held-out metrics (``evaluation.py``) of the policy before ``iteration``, also kept in
@@ -630,22 +722,32 @@ class TrainingInterrupted(SystemExit):
 
 
 class StoppedAtOnce(KeyboardInterrupt):
-    """A second SIGINT or SIGTERM: the run stops where it is, without a checkpoint."""
+    """A signal the run could not wait for: it stops where it is."""
+
+
+class Signals(list):
+    """The names of the SIGINTs and SIGTERMs a run received. Normally the run finishes its
+    iteration and checkpoints; a second signal, or any once ``at_once`` says why nothing is left
+    to save, stops it at once (a reward function that hangs must not need kill -9)."""
+
+    at_once = None  # the message to stop at once with
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop: list):
-    """While active, SIGINT and SIGTERM append their name to ``stop`` instead of killing the run;
-    a second one stops it at once (a reward function that hangs must not need kill -9)."""
+def _stop_on_signals(stop: Signals):
+    """While active, SIGINT and SIGTERM append their name to ``stop`` instead of killing the run,
+    or stop it at once (see :class:`Signals`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handle(number, _frame):
         stop.append(signal.Signals(number).name)
+        if stop.at_once:
+            raise StoppedAtOnce(f"{stop.at_once} ({stop[-1]})")
         if len(stop) > 1:
-            raise StoppedAtOnce(f"stopped at once by a second signal ({' then '.join(stop)}), without a "
-                                "checkpoint")
+            raise StoppedAtOnce(f"stopped at once by a second signal ({' then '.join(stop)}), without a checkpoint; "
+                                "the newest checkpoint is intact")
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:

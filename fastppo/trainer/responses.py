@@ -13,10 +13,11 @@ import dataclasses
 import torch
 
 
-def completions(rollout, tokenizer) -> list:
-    """Each row's response as text, special tokens left out."""
-    return [tokenizer.decode(rollout.response_ids[i, :int(n)].tolist(), skip_special_tokens=True)
-            for i, n in enumerate(rollout.response_lens)]
+def completions(rollout, tokenizer, rows=None) -> list:
+    """Each row's response (or those of ``rows``) as text, special tokens left out."""
+    rows = range(len(rollout.response_lens)) if rows is None else rows
+    return [tokenizer.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
+                             skip_special_tokens=True) for i in rows]
 
 
 def _holds_stop(tokenizer, ids: list, stops: list) -> bool:

@@ -32,13 +32,14 @@ class Scored:
     stats: dict = dataclasses.field(default_factory=dict)
 
 
-def sample(trainer, prompt_ids: list, temperature: float, n: int, seed: int):
+def sample(trainer, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None):
     """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
     the ``--stop`` strings. The rollout copy must be refreshed."""
     r, tok = trainer.config.rollout, trainer.tokenizer
     rollout = trainer.sampler.generate(prompt_ids, max_new_tokens=r.max_new_tokens, temperature=temperature,
                                        top_k=r.top_k, top_p=r.top_p, stop_token_ids=(tok.eos_token_id,),
-                                       pad_token_id=tok.pad_token_id, num_samples_per_prompt=n, seed=seed)
+                                       pad_token_id=tok.pad_token_id, num_samples_per_prompt=n, seed=seed,
+                                       on_rows_ended=on_rows_ended)
     return responses.cut_at_stop_strings(rollout, tok, r.stop)
 
 
@@ -100,3 +101,13 @@ def scored_batch(trainer, iteration: int, attempt: int) -> Scored:
                                           c.reward.overlong_buffer, c.reward.overlong_penalty)
     return Scored(rolled, raw + r.no_stop_penalty * no_stop + overlong, raw, no_stop,
                   {name: torch.tensor(values) for name, values in each.items()})
+
+
+def examples(trainer, scored: Scored, k: int) -> list:
+    """The first ``k`` rows of ``scored`` as text, to read what the policy writes: the prompt as
+    the sampler saw it, the completion, its score and each reward function's."""
+    rows = range(min(k, len(scored.rollout.prompt_ids)))
+    texts = responses.completions(scored.rollout, trainer.tokenizer, rows)
+    return [{"prompt": trainer.tokenizer.decode(scored.rollout.prompt_ids[i]), "completion": text,
+             "score": float(scored.scores[i]), **{name: float(v[i]) for name, v in scored.each_reward.items()}}
+            for i, text in zip(rows, texts)]

@@ -11,7 +11,9 @@ crash deep in the trainer.
 import importlib
 import math
 import numbers
+import os
 import random
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Callable
@@ -106,7 +108,7 @@ def load_reward(spec: str, format_pattern: str = None):
     if not module_name or not name:
         raise UsageError(f"reward must be 'module:function' or one of {', '.join(rewards.BUILTIN)}, got {spec!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_here(module_name)
     except ImportError as error:
         raise UsageError(f"reward {spec!r}: cannot import {module_name} ({error})") from None
     except Exception as error:  # a syntax error in it, or its own code raising as it is imported
@@ -115,6 +117,19 @@ def load_reward(spec: str, format_pattern: str = None):
     if not callable(fn):
         raise UsageError(f"reward {spec!r}: {module_name} has no function {name}")
     return fn
+
+
+def _import_from_here(name: str):
+    """``import name``, finding a module in the working directory as ``python -m`` would: the
+    ``fastppo`` script, unlike ``python -m fastppo``, has no working directory on ``sys.path``."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        here = os.getcwd()
+        if error.name != name.partition(".")[0] or here in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(name)
 
 
 def configured_rewards(config, reward_fn=None, reward_model=None) -> "Rewards":

@@ -237,3 +237,11 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"iteration": 0, "reward_mean": 0.5, "entropy": 1, "response_length": 3}\n{"iter')
     with pytest.warns(UserWarning, match="metrics.jsonl:2: dropping a line"):
         assert fastppo_main(["plot", str(run)]) == 0
+
+
+def test_the_help_shows_no_markup_and_no_default_of_none(capsys):
+    with pytest.raises(SystemExit):
+        fastppo_main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "(default: None)" not in text
+    assert "default: only for gae" in text and "(default: 0.0005)" in text

@@ -94,6 +94,9 @@ def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, options)
         torch.testing.assert_close(g0, g1)  # every rank holds the same, summed gradient ...
         torch.testing.assert_close(g0, g.cpu(), rtol=1e-4, atol=1e-6)  # ... the gradient of the whole batch
     assert ranks[0]["metrics"]["reward_mean"] == pytest.approx(single["metrics"]["reward_mean"])
+    for key in ("entropy", "kl", "vf_loss"):  # the step's means over both ranks' tokens, not half of them
+        if key in single["metrics"]:
+            assert ranks[0]["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-4), key
 
 
 def _train_worker(rank, port, out_dir, fields, resume_to):
@@ -202,7 +205,8 @@ def test_torchrun_end_to_end(tmp_path, nodes, sharded):
     assert sum(out.count("mean reward: first 5 iterations") for out in outputs) == 1  # rank 0 alone reports
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]  # the last, the held-out score of the trained policy
-    assert "eval/greedy" in rows[0] and set(rows[-1]) == {"iteration", "eval/greedy", "eval/mean@4", "eval/pass@4"}
+    assert "eval/greedy" in rows[0] and set(rows[-1]) == {"iteration", "eval/greedy", "eval/mean@4", "eval/pass@4",
+                                                          "time_eval"}
     assert sum(out.count("held-out (64 prompts)") for out in outputs) == 1
     state = torch.load(run / "checkpoint-3" / "trainer_state.pt", weights_only=False)
     assert len(state["rng"]) == 2  # both ranks' random states

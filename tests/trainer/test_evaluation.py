@@ -25,7 +25,7 @@ def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkey
     trainer.rewards = Rewards([("is_a", lambda prompts, completions, **_: [float(c == "a") for c in completions])])
     calls = []
 
-    def sample(prompt_ids, temperature, n, seed):
+    def sample(prompt_ids, temperature, n, seed, on_rows_ended=None):
         prompts = [trainer.tokenizer.decode(ids) for ids in prompt_ids]
         calls.append((len(prompts), n))
         texts = [OUTCOMES[p][0] if temperature == 0 else OUTCOMES[p][1][j] for p in prompts for j in range(n)]
@@ -84,9 +84,9 @@ def test_evaluation_draws_apart_from_the_training_of_its_iteration(tmp_path):
     seeds, sample = {"train": set(), "eval": set()}, trainer.sample
     phase = []
 
-    def recording(prompt_ids, temperature, n, seed):
+    def recording(prompt_ids, temperature, n, seed, on_rows_ended=None):
         seeds[phase[-1]].add(seed)
-        return sample(prompt_ids, temperature, n, seed)
+        return sample(prompt_ids, temperature, n, seed, on_rows_ended)
 
     trainer.sample = recording
     for iteration in range(3):
@@ -95,3 +95,18 @@ def test_evaluation_draws_apart_from_the_training_of_its_iteration(tmp_path):
         phase.append("eval")
         trainer.evaluate(iteration)
     assert len(seeds["train"]) == 3 and len(seeds["eval"]) == 6 and not seeds["train"] & seeds["eval"]
+
+
+def test_the_evaluation_shows_its_progress_row_by_row(tmp_path, capsys):
+    """A bar over every held-out row, moved by the sampler as rows end (it used to sit still for
+    minutes on a real model)."""
+    trainer = untrained(tmp_path, save=False, evaluate=True, eval_samples=2)
+    ended = []
+    sample = trainer.sample
+    trainer.sample = lambda *args: sample(*args[:4], lambda k: (ended.append(k), args[4](k)))
+    capsys.readouterr()
+    trainer.evaluate(0)
+    rows = len(trainer.eval_prompts) * 3  # one greedy and two sampled per prompt
+    assert sum(ended) == rows and len(ended) > 2  # in several steps, not at the end
+    err = capsys.readouterr().err
+    assert "held-out before iteration 0" in err and f"/{rows} [" in err

@@ -186,3 +186,67 @@ def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tmp_path):
     assert process.returncode == 130
     assert err.strip().splitlines()[-1] == ("fastppo train: stopped at once by a second signal (SIGINT then SIGINT), "
                                             "without a checkpoint; the newest checkpoint is intact")
+
+
+HANGING_AT_THE_END = """
+import pathlib, time
+
+CALLS = []
+
+def score(prompts, completions, **_):
+    CALLS.append(1)
+    if len(CALLS) == 4:  # held-out greedy, held-out samples, iteration 0, then the final greedy
+        pathlib.Path(__file__).with_name("scoring").write_text("")
+        time.sleep(600)
+    return [0.0] * len(completions)
+"""
+
+
+def test_one_ctrl_c_stops_the_final_evaluation_once_everything_is_saved(tmp_path):
+    (tmp_path / "slow_end.py").write_text(HANGING_AT_THE_END)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    command = [sys.executable, "-m", "fastppo", "train", "--prompts", str(tmp_path / "p.jsonl"), "--eval-prompts",
+               str(tmp_path / "p.jsonl"), "--reward", "slow_end:score", "--out", str(tmp_path / "run"),
+               *TINY, "--evaluate", "true", "--save", "true"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "scoring").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130
+    assert err.strip().splitlines()[-1] == ("fastppo train: stopped during the final held-out evaluation; the trained "
+                                            "policy and checkpoint-1 are saved (SIGTERM)")
+    assert (tmp_path / "run" / "policy" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "checkpoint-1").is_dir()
+
+
+def test_a_reward_module_in_the_working_directory_is_found_without_python_m(tmp_path, monkeypatch):
+    """The ``fastppo`` script has no working directory on sys.path; ``python -m fastppo`` has."""
+    from fastppo.trainer.tasks import load_reward
+
+    (tmp_path / "here_reward.py").write_text("def score(prompts, completions, **_):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "here_reward", raising=False)
+    assert load_reward("here_reward:score")([], ["a", "b"]) == [1.0, 1.0]
+    with pytest.raises(UsageError, match="cannot import no_such_reward"):
+        load_reward("no_such_reward:score")
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(prompts="missing.jsonl", reward=["gsm8k"]), "--prompts missing.jsonl: no such file"),
+    (dict(reward=["nowhere_module:score"]), "cannot import nowhere_module"),
+    (dict(eval_prompts="held.txt", evaluate=True), "--eval-prompts held.txt: unknown format '.txt'"),
+])
+def test_prompt_and_reward_errors_come_before_the_model_loads(tmp_path, monkeypatch, fields, match):
+    from fastppo.trainer import ppo
+
+    def no_loading(path):
+        raise AssertionError("the model loaded before the prompts and rewards were checked")
+
+    monkeypatch.setattr(ppo, "load_policy", no_loading)
+    with pytest.raises(UsageError, match=match):
+        PPOTrainer(config(tmp_path, **fields))

@@ -115,3 +115,20 @@ def test_a_config_without_a_tokenizer_needs_the_prompt_length(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "1,543,714,304 fp32 master weights" in printed and "does NOT fit" in printed
     assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_a_plan_that_does_not_fit_names_what_would(capsys):
+    argv = ["train", "--plan", "--model", str(CONFIGS / "qwen2.5-1.5b"), "--plan-prompt-tokens", "256",
+            "--device", "cuda"]
+    assert fastppo_main([*argv, "--plan-device-memory", "80"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("  it would fit with: --gradient-checkpointing (") and "--minibatches 4" in last
+    assert fastppo_main([*argv, "--plan-device-memory", "1"]) == 0
+    assert "shard it over more (--fsdp with torchrun)" in capsys.readouterr().out
+    assert fastppo_main([*argv, "--plan-device-memory", "200"]) == 0
+    assert "would fit" not in capsys.readouterr().out
+
+
+def test_a_model_without_a_tokenizer_is_said_so(capsys):
+    assert fastppo_main(["train", "--plan", "--model", str(CONFIGS / "qwen2.5-1.5b")]) == 2
+    assert "has no tokenizer to measure the prompts with; give --plan-prompt-tokens" in capsys.readouterr().err

@@ -236,3 +236,16 @@ def test_a_checkpoint_keeps_the_epoch_cursor(tmp_path):
     trainer.checkpoint(tmp_path / "run", 1)
     resumed, start = PPOTrainer.resume(tmp_path / "run", {"iterations": 2})
     assert start == 1 and resumed.prompts_drawn == 37
+
+
+def test_a_run_saves_by_the_clock_by_default(tmp_path, monkeypatch):
+    """Without --save-every a run still saves every --save-every-minutes (30 by default): here the
+    clock moves 20 minutes an iteration, so iterations 2 and 4 of 5 save, and the last."""
+    from fastppo.trainer import ppo
+
+    assert untrained(tmp_path, iterations=1).config.run.save_every_minutes == 30
+    minutes = iter(range(0, 1000, 20))
+    monkeypatch.setattr(ppo.time, "monotonic", lambda: 60.0 * next(minutes))
+    untrained(tmp_path, iterations=5, keep_checkpoints=0, evaluate=False, overwrite=True).train()
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4",
+                                                                               "checkpoint-5"]

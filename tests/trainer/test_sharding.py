@@ -247,3 +247,20 @@ def test_under_bf16_autocast_sharded_ranks_compute_what_replicated_ranks_do(tmp_
         assert got.keys() == expected.keys()
         error = sum((got[k] - expected[k]).double().square().sum() for k in expected).sqrt()
         assert error <= 1e-5 * sum(v.double().square().sum() for v in expected.values()).sqrt(), part
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_head_is_saved_once_even_from_separate_copies(tmp_path, dtype):
+    """FSDP's gathered state dict holds the tied head and the embedding as two tensors (and a cast
+    makes two of one): the saved model holds the table once, and loads tied."""
+    from transformers import AutoModelForCausalLM
+
+    from fastppo.trainer.models import save_model
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model(tmp_path / "tied"))
+    gathered = {k: v.clone() for k, v in model.state_dict().items()}  # separate copies, as gathered
+    save_model(model, tmp_path / "saved", dtype, gathered)
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
