@@ -133,7 +133,7 @@ def _plan(args) -> int:
     from . import data, tasks
     from .distributed import world_size
     from .models import DEFAULT_MODEL
-    from .plan import GiB, device_memory, memory_plan, render
+    from .plan import GiB, device_memory, memory_plan, render, runtime_bytes
 
     config = from_arguments(args)
     _check_plan_options(args)
@@ -167,14 +167,18 @@ def _plan(args) -> int:
     device_type = torch.device(config.device).type
     world = args.plan_world_size or world_size()
     reward_config = AutoConfig.from_pretrained(config.reward.reward_model) if config.reward.reward_model else None
-    lines = memory_plan(config, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
-                        reward_model_config=reward_config)
-    available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
+    runtime = runtime_bytes() if device_type == "cpu" else 0
+
+    def plan(**changes) -> list:  # the run's lines, or those of the run with ``changes``
+        changed = TrainConfig.from_flat({**config.flat(), **changes}).validate()
+        return memory_plan(changed, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
+                           reward_model_config=reward_config, runtime=runtime)
 
     def total(**changes) -> int:
-        changed = TrainConfig.from_flat({**config.flat(), **changes}).validate()
-        return sum(line.bytes for line in memory_plan(changed, model_config, prompt_tokens=tokens, device_type=device_type,
-                                                      world_size=world, reward_model_config=reward_config))
+        return sum(line.bytes for line in plan(**changes))
+
+    lines = plan()
+    available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
     print(render(lines, available, f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
                                    f"tokens, {world} rank(s), "
                                    + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies")),

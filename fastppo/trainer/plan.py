@@ -8,6 +8,9 @@ counted from the options, each line with its dtype:
 - exact: parameters (fp32 masters; with LoRA the frozen base in the rollout dtype and the fp32
   adapters), gradients, AdamW's two moments and step counters, the bf16 rollout copy, the
   reference, the critic, the KV cache;
+- measured: on the CPU, the process itself (Python, torch, transformers: its resident memory
+  before any model loads), which with freed tensor memory returned at once (``host_memory.py``)
+  is what a run holds besides the lines above;
 - estimated: activations kept for the backward per layer and token, ``(8 hidden + 4
   intermediate + 2 kv_dim)`` values of a Llama-like block, measured from the tensors autograd
   saves (with checkpointing, each block's input plus one block recomputed at a time), one
@@ -89,9 +92,10 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, world_size: int = 1,
-                reward_model_config=None) -> list:
+                reward_model_config=None, runtime: int = 0) -> list:
     """The lines of one device's memory for a run of ``config`` (a validated ``TrainConfig``) on the
-    model ``model_config``, prompts of up to ``prompt_tokens`` tokens."""
+    model ``model_config``, prompts of up to ``prompt_tokens`` tokens; ``runtime``: bytes the
+    process holds besides tensors (on the CPU, :func:`runtime_bytes`)."""
     from ..ops.token_logprobs_from_hidden import default_chunk_size
 
     r, a, lora = config.rollout, config.algo, config.lora
@@ -160,7 +164,19 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
                       "head gradient, hidden gradient"))
     if world_size > 1 and not fsdp:
         lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients"))
+    if runtime:
+        lines.append(Line("runtime", runtime, "this process before any model: Python, torch, transformers"))
     return lines
+
+
+def runtime_bytes() -> int:
+    """This process's resident memory now (0 where ``/proc`` cannot say): on the CPU, what a run
+    holds besides its tensors, since the trainer returns freed tensor memory (``host_memory.py``)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def device_memory(device_type: str) -> int:

@@ -36,7 +36,7 @@ from ..ops import (gae, group_advantages, token_logprobs_from_hidden, masked_whi
                    rollout_is_weights, sequence_ppo_loss, token_rewards, value_loss)
 from ..ops.aggregation import denominator
 from ..rollout import Sampler
-from . import checkpoint, data, evaluation, inputs, plot, rollouts, sharding, tasks
+from . import checkpoint, data, evaluation, host_memory, inputs, plot, rollouts, sharding, tasks
 from .config import TrainConfig
 from .distributed import Ranks
 from .errors import UsageError
@@ -177,6 +177,8 @@ class PPOTrainer:
             from transformers.utils import logging as transformers_logging
 
             transformers_logging.disable_progress_bar()
+        if torch.device(device).type == "cpu" and config.releases_cpu_memory:
+            host_memory.release_freed_memory()  # before the model loads: every tensor of the run is served so
         if self.ranks.world > 1 and torch.device(device).type == "cuda":
             device = f"cuda:{self.ranks.local_rank}"
         if policy is None:

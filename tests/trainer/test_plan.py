@@ -2,6 +2,7 @@
 a config alone."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,56 @@ def test_a_plan_that_does_not_fit_names_what_would(capsys):
 def test_a_model_without_a_tokenizer_is_said_so(capsys):
     assert fastppo_main(["train", "--plan", "--model", str(CONFIGS / "qwen2.5-1.5b")]) == 2
     assert "has no tokenizer to measure the prompts with; give --plan-prompt-tokens" in capsys.readouterr().err
+
+
+def test_a_cpu_plan_counts_the_process_itself(capsys):
+    argv = ["train", "--plan", "--model", str(CONFIGS / "qwen2.5-1.5b"), "--plan-prompt-tokens", "64"]
+    assert fastppo_main([*argv, "--device", "cpu"]) == 0
+    runtime = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("runtime")]
+    assert len(runtime) == 1 and 0.05 < float(runtime[0].split()[1]) < 4  # GiB: Python, torch, transformers
+    assert fastppo_main([*argv, "--device", "cuda"]) == 0
+    assert "runtime" not in capsys.readouterr().out  # a GPU's memory holds tensors only
+
+
+MEASURE = """
+import resource, sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fastppo.trainer.host_memory import release_freed_memory
+
+if sys.argv[1] == "release":
+    assert release_freed_memory()
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=4000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.train()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for step in range(3):  # responses of growing lengths, as iterations bring
+    ids = torch.randint(0, 4000, (16, 150 + 20 * step))
+    model(input_ids=ids, labels=ids).loss.backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and ru_maxrss in KiB")
+def test_returning_freed_memory_cuts_the_peak_of_a_lora_update():
+    """Measured on the process, not on tensors: the peak resident memory a LoRA update adds, with
+    glibc's default (its heap keeps what tensors free) and with freed memory returned at once."""
+    import subprocess
+
+    growth = {mode: float(subprocess.run([sys.executable, "-c", MEASURE, mode], capture_output=True, text=True,
+                                         check=True).stdout.split()[-1]) for mode in ("default", "release")}
+    assert growth["release"] < 0.7 * growth["default"], growth
+
+
+@pytest.mark.parametrize("fields,released", [({"lora_rank": 4}, True), ({}, False),
+                                             ({"cpu_release_memory": True}, True),
+                                             ({"lora_rank": 4, "cpu_release_memory": False}, False)])
+def test_a_cpu_run_returns_freed_memory_by_default_when_it_is_lora(tmp_path, released_memory, fields, released):
+    tokenizer = char_tokenizer()
+    PPOTrainer(config(tmp_path, task="vowels", **fields), policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
+    assert released_memory == [True] * released
