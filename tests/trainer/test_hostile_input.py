@@ -167,6 +167,7 @@ def score(prompts, completions, **_):
 """
 
 
+@pytest.mark.slow  # the real command in a subprocess
 def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tmp_path):
     (tmp_path / "hang.py").write_text(HANGING_REWARD)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
@@ -202,6 +203,7 @@ def score(prompts, completions, **_):
 """
 
 
+@pytest.mark.slow  # the real command in a subprocess
 def test_one_ctrl_c_stops_the_final_evaluation_once_everything_is_saved(tmp_path):
     (tmp_path / "slow_end.py").write_text(HANGING_AT_THE_END)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")

@@ -28,6 +28,7 @@ def holder(directory):
     return process
 
 
+@pytest.mark.slow  # the real command in a subprocess
 def test_a_live_run_refuses_every_other_run_into_its_directory(tmp_path, capsys):
     """The real command, live in a subprocess: a resume, an --overwrite and a new run into its
     directory are each one line naming its pid, exit 2; its metrics go on uninterleaved."""
