@@ -30,7 +30,7 @@ import numpy
 import torch
 
 from .config import RESUMABLE, TrainConfig
-from .distributed import world_size
+from .distributed import rank, world_size
 from . import inputs
 from .inputs import sha256_of
 from .errors import UsageError
@@ -384,7 +384,7 @@ def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
     if not config_path.is_file():
         raise UsageError(f"--resume {run_dir}: no config.json, not a fastppo run directory")
     # rank 0 holds the directory before reading it: a live run there is refused, not read mid-save
-    lock = RunLock.acquire(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
+    lock = RunLock.acquire(run_dir) if rank() == 0 else None
     try:
         config, checkpoints = _resumable(run_dir, config_path, dict(overrides or {}))
         trainer = trainer_class(config, resuming=True)

@@ -183,7 +183,7 @@ def _plan(args) -> int:
                                    f"tokens, {world} rank(s), "
                                    + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies")),
           end="")
-    if total() > available:
+    if sum(line.bytes for line in lines) > available:
         print(_what_would_fit(config, total, available))
     return 0
 

@@ -23,10 +23,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank() -> int:
+    """This process's rank among them (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 class Ranks:
     def __init__(self, device_type: str):
         self.world = world_size()
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = rank()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.owns_group = self.world > 1 and not dist.is_initialized()
         if self.world > 1 and device_type == "cuda":

@@ -200,8 +200,6 @@ class PPOTrainer:
             self.rewards.check_fields(loaded.fields, loaded.origins)
         self.order = data.EpochOrder(len(self.prompts), config.run.seed)
         self.prompts_drawn = 0  # the position in the epoch order, which a checkpoint keeps
-        longest = max(len(ids) for p in every for ids in p.ids)
-        self.model_config, self.longest_prompt = policy.config, longest  # for the start-up summary's plan
         self.kl = KLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
         self.critic = None
         if config.uses_critic:  # from the full policy, before any LoRA wrapping: the critic trains in full
@@ -230,7 +228,7 @@ class PPOTrainer:
         if self.sharded:
             self._shard()
         self.sampler = Sampler(self.rollout_weights.model, max_batch_size=config.sampler_slots,
-                               max_seq_len=longest + r.max_new_tokens,
+                               max_seq_len=self.longest_prompt + r.max_new_tokens,
                                cuda_graphs=not self.sharded)
         o = config.optim
         self.optimizer = adamw([p for p in policy.parameters() if p.requires_grad], o.lr)
@@ -242,6 +240,11 @@ class PPOTrainer:
         self.evaluations = []  # {"iteration", held-out metrics} of each evaluation
         self.warned_truncated = False  # most of a batch masked out by mask_truncated, said once
         self.examples = []  # the last iteration's rows as text (rollouts.examples), for completions.jsonl
+
+    @property
+    def longest_prompt(self) -> int:
+        """The most tokens of any training or held-out prompt."""
+        return max(len(ids) for p in (self.prompts, self.eval_prompts) if p is not None for ids in p.ids)
 
     def _claim_run_directory(self, out: Path, resuming: bool) -> RunLock:
         """Hold ``out`` for this run (``run_lock.py``), check that a new run may start there, and
@@ -623,7 +626,7 @@ class PPOTrainer:
         total = sum(p.numel() for p in self.policy.parameters())
         rewards = ", ".join(f"{name} x {weight:g}" for (name, _), weight in zip(self.rewards.named,
                                                                                  self.rewards.weights))
-        plan = memory_plan(c, self.model_config, prompt_tokens=self.longest_prompt, device_type=self.device.type,
+        plan = memory_plan(c, self.policy.config, prompt_tokens=self.longest_prompt, device_type=self.device.type,
                            world_size=self.ranks.world)
         return [f"model: {c.model.model or DEFAULT_MODEL}, {total:,} parameters ({trainable:,} trained); "
                 f"{c.algo.estimator}, lr {c.optim.lr:g}; rewards: {rewards}",

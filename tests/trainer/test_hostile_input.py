@@ -167,18 +167,26 @@ def score(prompts, completions, **_):
 """
 
 
-@pytest.mark.slow  # the real command in a subprocess
-def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tmp_path):
-    (tmp_path / "hang.py").write_text(HANGING_REWARD)
+def hanging_in_a_subprocess(tmp_path, reward_source: str, *options):
+    """The real command in a subprocess, scoring with ``hang:score`` (``reward_source``, which
+    writes ``scoring`` beside itself when it starts to hang), returned once it hangs; the prompts
+    are ``tmp_path/p.jsonl``."""
+    (tmp_path / "hang.py").write_text(reward_source)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
     command = [sys.executable, "-m", "fastppo", "train", "--prompts", str(tmp_path / "p.jsonl"), "--reward",
-               "hang:score", "--out", str(tmp_path / "run"), *TINY]
+               "hang:score", "--out", str(tmp_path / "run"), *TINY, *options]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                                env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
     deadline = time.monotonic() + 120
     while not (tmp_path / "scoring").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.2)
+    return process
+
+
+@pytest.mark.slow  # the real command in a subprocess
+def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tmp_path):
+    process = hanging_in_a_subprocess(tmp_path, HANGING_REWARD)
     process.send_signal(signal.SIGINT)  # the first asks for a checkpoint after this iteration ...
     time.sleep(1)
     assert process.poll() is None  # ... which the hung reward never reaches
@@ -205,17 +213,8 @@ def score(prompts, completions, **_):
 
 @pytest.mark.slow  # the real command in a subprocess
 def test_one_ctrl_c_stops_the_final_evaluation_once_everything_is_saved(tmp_path):
-    (tmp_path / "slow_end.py").write_text(HANGING_AT_THE_END)
-    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
-    command = [sys.executable, "-m", "fastppo", "train", "--prompts", str(tmp_path / "p.jsonl"), "--eval-prompts",
-               str(tmp_path / "p.jsonl"), "--reward", "slow_end:score", "--out", str(tmp_path / "run"),
-               *TINY, "--evaluate", "true", "--save", "true"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "scoring").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.2)
+    process = hanging_in_a_subprocess(tmp_path, HANGING_AT_THE_END, "--eval-prompts", str(tmp_path / "p.jsonl"),
+                                      "--evaluate", "true", "--save", "true")
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 130
