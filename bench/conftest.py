@@ -28,8 +28,11 @@ def pytest_generate_tests(metafunc):
         for case in FAMILIES[op](DEVICE, quick):
             for mode in ("fwd", "fwd+bwd") if case.bytes_fwd_bwd else ("fwd",):
                 for contender in case.contenders:
-                    params.append(pytest.param((case, contender, mode),
-                                               id=f"{op}-{case.label}-{contender.name}-{mode}".replace(" ", "_")))
+                    params.append(
+                        pytest.param(
+                            (case, contender, mode), id=f"{op}-{case.label}-{contender.name}-{mode}".replace(" ", "_")
+                        )
+                    )
     metafunc.parametrize("bench_case", params)
 
 
@@ -52,8 +55,13 @@ def run_bench_case(benchmark):
             if DEVICE.type == "cuda":
                 torch.cuda.synchronize()
 
-        benchmark.extra_info.update(op=case.op, shape=case.label, contender=contender.name, mode=mode,
-                                    bytes=case.bytes_fwd if mode == "fwd" else case.bytes_fwd_bwd)
+        benchmark.extra_info.update(
+            op=case.op,
+            shape=case.label,
+            contender=contender.name,
+            mode=mode,
+            bytes=case.bytes_fwd if mode == "fwd" else case.bytes_fwd_bwd,
+        )
         benchmark.pedantic(timed, warmup_rounds=1, rounds=10, iterations=1)
 
     return run

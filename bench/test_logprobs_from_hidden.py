@@ -1,4 +1,5 @@
-"""pytest-benchmark: token_logprobs_from_hidden from hidden states and the LM head, beside naive PyTorch, torch.compile and peers."""
+"""pytest-benchmark: token_logprobs_from_hidden from hidden states and the LM head, beside naive PyTorch,
+torch.compile and peers."""
 
 FAMILIES = ("logprobs_from_hidden",)
 

@@ -1,4 +1,5 @@
-"""pytest-benchmark: the PPO policy loss, from logits and from token log-probs, beside naive PyTorch, torch.compile and peers."""
+"""pytest-benchmark: the PPO policy loss, from logits and from token log-probs, beside naive PyTorch,
+torch.compile and peers."""
 
 FAMILIES = ("ppo_loss", "ppo_loss_hidden", "ppo_loss_tokens")
 

@@ -5,10 +5,10 @@ any trainer: exact documented semantics, fp32 results, no host syncs, clear erro
 """
 
 from .ops import (
+    IGNORE_INDEX,
     gae,
     group_advantages,
     kl_penalty,
-    linear_token_logprobs,
     masked_whiten,
     ppo_loss_from_hidden,
     ppo_loss_from_logits,
@@ -24,6 +24,6 @@ from .ops import (
 from .ops import __all__ as _ops
 from .rollout import Rollout, Sampler
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [*_ops, "Sampler", "Rollout", "__version__"]

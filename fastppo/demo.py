@@ -9,20 +9,28 @@ have taken.
 """
 
 import argparse
+import math
 import time
 
 import torch
 
-from .ops import token_logprobs_from_hidden, token_logprobs
+from .ops import token_logprobs, token_logprobs_from_hidden
 
 
 def build_tiny_llama(vocab_size: int, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -33,8 +41,16 @@ def _reference(hidden, weight, labels, temperature):
     return logp, -(log_p.exp() * log_p).sum(-1)
 
 
-def run_demo(*, device: str = "cpu", backend: str = "auto", batch: int = 4, seq_len: int = 128,
-             vocab_size: int = 32000, temperature: float = 0.9, seed: int = 0) -> dict:
+def run_demo(
+    *,
+    device: str = "cpu",
+    backend: str = "auto",
+    batch: int = 4,
+    seq_len: int = 128,
+    vocab_size: int = 32000,
+    temperature: float = 0.9,
+    seed: int = 0,
+) -> dict:
     """Run the comparison and return its numbers (also printed by :func:`main`)."""
     model = build_tiny_llama(vocab_size, seed).to(device)
     ids = torch.randint(0, vocab_size, (batch, seq_len), device=device)
@@ -50,16 +66,21 @@ def run_demo(*, device: str = "cpu", backend: str = "auto", batch: int = 4, seq_
         start = time.perf_counter()
         if name == "token_logprobs":
             logits = hidden @ w.T  # (B, T-1, V): the tensor the fused path never builds
-            logp, entropy = token_logprobs(logits, labels, temperature=temperature, return_entropy=True,
-                                           backend=backend)
+            logp, entropy = token_logprobs(
+                logits, labels, temperature=temperature, return_entropy=True, backend=backend
+            )
         else:
-            logp, entropy = token_logprobs_from_hidden(hidden, w, labels, temperature=temperature,
-                                                  return_entropy=True, backend=backend)
+            logp, entropy = token_logprobs_from_hidden(
+                hidden, w, labels, temperature=temperature, return_entropy=True, backend=backend
+            )
         (logp.sum() + 0.1 * entropy.sum()).backward()
         seconds = time.perf_counter() - start
-        results[name] = dict(logp_err=(logp.double() - ref_logp).abs().max().item(),
-                             entropy_err=(entropy.double() - ref_entropy).abs().max().item(),
-                             grad=w.grad, seconds=seconds)
+        results[name] = dict(
+            logp_err=(logp.double() - ref_logp).abs().max().item(),
+            entropy_err=(entropy.double() - ref_entropy).abs().max().item(),
+            grad=w.grad,
+            seconds=seconds,
+        )
 
     ref_w = weight.double().requires_grad_()
     ref_logp, ref_entropy = _reference(hidden, ref_w, labels, temperature)
@@ -81,14 +102,25 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    r = run_demo(device=args.device, backend=args.backend, batch=args.batch, seq_len=args.seq_len,
-                 vocab_size=args.vocab_size, seed=args.seed)
+    r = run_demo(
+        device=args.device,
+        backend=args.backend,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+    )
     print(f"tiny Llama, {r['tokens']} tokens, V={args.vocab_size}, device={args.device}, backend={args.backend}")
-    print(f"mean log-prob of the next token: {r['mean_logp']:.4f}  (uniform would be {-torch.log(torch.tensor(args.vocab_size)).item():.4f})")
+    uniform = -math.log(args.vocab_size)
+    print(f"mean log-prob of the next token: {r['mean_logp']:.4f}  (uniform would be {uniform:.4f})")
     print(f"{'op':<24}{'max |logp err|':>16}{'max |H err|':>14}{'LM-head grad rel err':>22}{'seconds':>10}")
     for name in ("token_logprobs", "token_logprobs_from_hidden"):
         x = r[name]
-        print(f"{name:<24}{x['logp_err']:>16.2e}{x['entropy_err']:>14.2e}{x['grad_rel_err']:>22.2e}{x['seconds']:>10.3f}")
-    print(f"errors are against float64 PyTorch; token_logprobs_from_hidden never built the "
-          f"{r['full_logits_mib']:.0f} MiB of fp32 logits")
+        print(
+            f"{name:<24}{x['logp_err']:>16.2e}{x['entropy_err']:>14.2e}{x['grad_rel_err']:>22.2e}{x['seconds']:>10.3f}"
+        )
+    print(
+        f"errors are against float64 PyTorch; token_logprobs_from_hidden never built the "
+        f"{r['full_logits_mib']:.0f} MiB of fp32 logits"
+    )
     return 0

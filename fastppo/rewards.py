@@ -6,9 +6,9 @@ needs in ``needs`` (the trainer checks every row has them at start-up). ``fastpp
 --reward gsm8k`` (or ``math``, ``boxed``, ``format``) names them without a module.
 
 * ``gsm8k``: the completion's answer is the number after its last ``####`` that has one, else
-  (no marker at all) its last number; the reference is the number after the row's ``####`` (GSM8K's format), else the row's
-  answer itself. Thousands separators, a ``$`` and trailing zeros do not matter (``1,000.0`` is
-  ``1000``); numbers compare exactly, as decimals.
+  (no marker at all) its last number; the reference is the number after the row's ``####`` (GSM8K's
+  format), else the row's answer itself. Thousands separators, a ``$`` and trailing zeros do not
+  matter (``1,000.0`` is ``1000``); numbers compare exactly, as decimals.
 * ``boxed``: the content of the completion's last ``\\boxed{...}`` (braces matched) against the
   row's answer (its own last ``\\boxed{}`` if it has one, as MATH's solutions do); equal as
   numbers, else as strings with whitespace and ``$`` removed. Symbolic equivalence is ``math``'s.
@@ -51,8 +51,10 @@ def gsm8k_answer(text: str):
 
 def _reference(answer, name: str) -> str:
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-        raise ValueError(f"reward {name} needs each row's 'answer' to be a string or a number, got "
-                         f"{type(answer).__name__} {answer!r}")
+        raise ValueError(
+            f"reward {name} needs each row's 'answer' to be a string or a number, got "
+            f"{type(answer).__name__} {answer!r}"
+        )
     return str(answer)
 
 

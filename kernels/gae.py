@@ -30,8 +30,7 @@ import triton.language as tl
 def _compose(a_r, b_r, d_r, e_r, f_r, a_l, b_l, d_l, e_l, f_l):
     # (left o right)(x) = L (R x + c_r) + c_l for L = [[a_l, b_l], [0, d_l]]: the reverse scan
     # combines the maps of later positions (right) with the next earlier one (left).
-    return (a_l * a_r, a_l * b_r + b_l * d_r, d_l * d_r,
-            a_l * e_r + b_l * f_r + e_l, d_l * f_r + f_l)
+    return (a_l * a_r, a_l * b_r + b_l * d_r, d_l * d_r, a_l * e_r + b_l * f_r + e_l, d_l * f_r + f_l)
 
 
 @triton.jit
@@ -42,10 +41,23 @@ def _left_edge(x, j):
 
 @triton.jit
 def _gae_kernel(
-    rewards_ptr, srb, srt, values_ptr, svb, svt, mask_ptr, smb, smt,
-    adv_ptr, ret_ptr,
-    B, T, gamma, gamma_lam,
-    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    rewards_ptr,
+    srb,
+    srt,
+    values_ptr,
+    svb,
+    svt,
+    mask_ptr,
+    smb,
+    smt,
+    adv_ptr,
+    ret_ptr,
+    B,
+    T,
+    gamma,
+    gamma_lam,
+    BLOCK_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)  # (BLOCK_B,)
     row_ok = rows[:, None] < B
@@ -64,7 +76,10 @@ def _gae_kernel(
         zero = tl.zeros_like(r)
         a, b, d, e, f = tl.associative_scan(
             (tl.where(m, gamma_lam, one), tl.where(m, gamma, zero), tl.where(m, zero, one), r - v, v),
-            axis=1, combine_fn=_compose, reverse=True)
+            axis=1,
+            combine_fn=_compose,
+            reverse=True,
+        )
         adv = a * next_adv[:, None] + b * next_value[:, None] + e  # (BLOCK_B, BLOCK_T): A at S(t)
         value = d * next_value[:, None] + f
         # +0 exactly where masked, not m * adv = -0; returns are A + V at valid positions.
@@ -82,19 +97,28 @@ def _tiling(B, T, block_t):
 
 
 def gae(rewards, values, mask, gamma, lam, advantages, returns, *, block_t=None):
-    """Fill ``advantages`` and ``returns`` (contiguous fp32 ``(B, T)``) from ``(B, T)`` inputs.
-
-    ``rewards`` and ``values`` are any float dtype and strides; ``mask`` is bool or numeric,
-    nonzero where the position is part of the trajectory.
-    """
+    """The launcher of ``fastppo/ops/launchers.py``; ``block_t`` overrides the time tile."""
     B, T = rewards.shape
     if B == 0 or T == 0:
         return
     BLOCK_B, BLOCK_T, num_warps = _tiling(B, T, block_t)
     _gae_kernel[(triton.cdiv(B, BLOCK_B),)](
-        rewards, rewards.stride(0), rewards.stride(1), values, values.stride(0), values.stride(1),
-        mask, mask.stride(0), mask.stride(1),
-        advantages, returns,
-        B, T, gamma, gamma * lam,
-        BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, num_warps=num_warps,
+        rewards,
+        rewards.stride(0),
+        rewards.stride(1),
+        values,
+        values.stride(0),
+        values.stride(1),
+        mask,
+        mask.stride(0),
+        mask.stride(1),
+        advantages,
+        returns,
+        B,
+        T,
+        gamma,
+        gamma * lam,
+        BLOCK_B=BLOCK_B,
+        BLOCK_T=BLOCK_T,
+        num_warps=num_warps,
     )

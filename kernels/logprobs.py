@@ -65,11 +65,25 @@ def _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP: tl.constexp
 
 @triton.jit
 def _logprobs_fwd_kernel(
-    logits_ptr, stride_b, stride_t, stride_v,
-    labels_ptr, temp_ptr, inv_temp,
-    logp_ptr, ent_ptr, lse_ptr, stats_ptr,
-    N, T, V, ignore_index,
-    HAS_TEMP: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_t,
+    stride_v,
+    labels_ptr,
+    temp_ptr,
+    inv_temp,
+    logp_ptr,
+    ent_ptr,
+    lse_ptr,
+    stats_ptr,
+    N,
+    T,
+    V,
+    ignore_index,
+    HAS_TEMP: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
@@ -92,8 +106,9 @@ def _logprobs_fwd_kernel(
     for v0 in range(0, V_live, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         ok = live[:, None] & (cols < V)[None, :]
-        x = tl.load(logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v,
-                    mask=ok, other=float("-inf")).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
+        x = tl.load(
+            logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v, mask=ok, other=float("-inf")
+        ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
         # The scale is positive (or NaN, which then reaches every output): max(x) * scale2 is
         # max(y), so the scale costs one FFMA per element, inside d = x * scale2 - ref.
         m_x = tl.maximum(m_x, tl.max(x, axis=1))
@@ -123,8 +138,9 @@ def _logprobs_fwd_kernel(
     entropy = (log2_s - w / s) * LN2
 
     in_range = (labels >= 0) & (labels < V)
-    x_label = tl.load(logits_ptr + base + tl.where(in_range, labels, 0) * stride_v,
-                      mask=live & in_range, other=0.0).to(tl.float32)
+    x_label = tl.load(logits_ptr + base + tl.where(in_range, labels, 0) * stride_v, mask=live & in_range, other=0.0).to(
+        tl.float32
+    )
     logp = tl.where(in_range, x_label * scale - lse, float("nan"))  # out-of-range labels are visible NaN
     tl.store(logp_ptr + rows, tl.where(ignored, 0.0, logp), mask=row_ok)
     tl.store(ent_ptr + rows, tl.where(ignored, 0.0, entropy), mask=row_ok)
@@ -139,13 +155,29 @@ def _logprobs_fwd_kernel(
 
 @triton.jit
 def _logprobs_bwd_kernel(
-    logits_ptr, stride_b, stride_t, stride_v,
-    grad_ptr, gstride_b, gstride_t, gstride_v,
-    labels_ptr, temp_ptr, inv_temp,
-    lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr,
-    N, T, V, ignore_index,
-    HAS_TEMP: tl.constexpr, HAS_G_ENT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_t,
+    stride_v,
+    grad_ptr,
+    gstride_b,
+    gstride_t,
+    gstride_v,
+    labels_ptr,
+    temp_ptr,
+    inv_temp,
+    lse_ptr,
+    ent_ptr,
+    g_lp_ptr,
+    g_ent_ptr,
+    N,
+    T,
+    V,
+    ignore_index,
+    HAS_TEMP: tl.constexpr,
+    HAS_G_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
@@ -169,8 +201,11 @@ def _logprobs_bwd_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         ok = row_ok[:, None] & (cols < V)[None, :]
-        x = tl.load(logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v,
-                    mask=ok & live[:, None], other=float("-inf")).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
+        x = tl.load(
+            logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v,
+            mask=ok & live[:, None],
+            other=float("-inf"),
+        ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
         log_p = x * scale[:, None] - lse[:, None]
         p = exp2(log_p * LOG2E)
         dz = tl.where(cols[None, :] == labels[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
@@ -179,8 +214,11 @@ def _logprobs_bwd_kernel(
             dz -= g_ent[:, None] * (p * (tl.maximum(log_p, -_EXP2_FLOOR * LN2) + entropy[:, None]))
         # Exactly 0 in an ignored row, whatever its logits hold (0 * NaN would be NaN).
         dz = tl.where(ignored[:, None], 0.0, dz * scale[:, None])
-        tl.store(grad_ptr + gbase[:, None] + cols[None, :].to(tl.int64) * gstride_v,
-                 dz.to(grad_ptr.dtype.element_ty), mask=ok)
+        tl.store(
+            grad_ptr + gbase[:, None] + cols[None, :].to(tl.int64) * gstride_v,
+            dz.to(grad_ptr.dtype.element_ty),
+            mask=ok,
+        )
 
 
 # Elements a program touches per loop iteration, and the widest vocabulary block. A block of the
@@ -218,15 +256,10 @@ def _launch(logits, temperature, inv_temperature, block_v):
     return (triton.cdiv(B * T, BLOCK_N),), temperature_args, (B * T, T, V), switches
 
 
-def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
-                     logp, entropy, lse, stats=None, *, block_v=None):
-    """Fill ``logp``, ``entropy``, ``lse`` (fp32, ``(N,)``) from ``logits`` ``(B, T, V)``, and
-    ``stats`` (fp32 ``(N, 3)``, contiguous) when given: log sum p^2, mean z, label is top-1.
-    ``entropy`` may be None when it is not wanted.
-
-    ``labels`` is ``(N,)`` integer with N = B * T; ``temperature`` is ``(N,)`` or None, in which
-    case the scalar ``inv_temperature`` (1 / temperature) applies to every row.
-    """
+def logprobs_forward(
+    logits, labels, temperature, inv_temperature, ignore_index, logp, entropy, lse, stats=None, *, block_v=None
+):
+    """The launcher of ``fastppo/ops/launchers.py``; ``block_v`` overrides the vocabulary tile."""
     launch = _launch(logits, temperature, inv_temperature, block_v)
     if launch is None:
         return
@@ -234,30 +267,53 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
         entropy = lse.new_empty(lse.shape)
     grid, temperature_args, sizes, switches = launch
     _logprobs_fwd_kernel[grid](
-        logits, *logits.stride(),
-        labels, *temperature_args,
-        logp, entropy, lse, stats,
-        *sizes, ignore_index,
-        HAS_STATS=stats is not None, **switches,
+        logits,
+        *logits.stride(),
+        labels,
+        *temperature_args,
+        logp,
+        entropy,
+        lse,
+        stats,
+        *sizes,
+        ignore_index,
+        HAS_STATS=stats is not None,
+        **switches,
     )
 
 
-def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,
-                      lse, entropy, grad_logp, grad_entropy, *, block_v=None):
-    """Write d(loss)/d(logits) into ``grad`` (same ``(B, T, V)`` shape; may be ``logits`` itself).
-
-    ``grad_logp`` and ``grad_entropy`` are the upstream gradients, ``(N,)``; ``grad_entropy`` may
-    be None when the entropy was not used.
-    """
+def logprobs_backward(
+    logits,
+    grad,
+    labels,
+    temperature,
+    inv_temperature,
+    ignore_index,
+    lse,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    *,
+    block_v=None,
+):
+    """The launcher of ``fastppo/ops/launchers.py``; ``block_v`` overrides the vocabulary tile."""
     launch = _launch(logits, temperature, inv_temperature, block_v)
     if launch is None:
         return
     grid, temperature_args, sizes, switches = launch
     _logprobs_bwd_kernel[grid](
-        logits, *logits.stride(),
-        grad, *grad.stride(),
-        labels, *temperature_args,
-        lse, entropy, grad_logp, grad_entropy,
-        *sizes, ignore_index,
-        HAS_G_ENT=grad_entropy is not None, **switches,
+        logits,
+        *logits.stride(),
+        grad,
+        *grad.stride(),
+        labels,
+        *temperature_args,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        *sizes,
+        ignore_index,
+        HAS_G_ENT=grad_entropy is not None,
+        **switches,
     )

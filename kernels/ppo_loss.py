@@ -27,23 +27,37 @@ from .layout import PARTIALS
 # The partials' row width and column of each sum, from the one definition of their layout.
 _WIDTH = tl.constexpr(len(PARTIALS))
 _PG, _KL, _ENTROPY, _CLIPPED, _HALF_LR_SQ, _RATIO, _RATIO_MAX, _DUAL_CLIPPED, _COUNT = (
-    tl.constexpr(PARTIALS.index(name)) for name in
-    ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count"))
+    tl.constexpr(PARTIALS.index(name))
+    for name in ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
+)
 
 
 @triton.jit
 def _clamp20(x):
     # clamp to [-20, 20] keeping NaN: the hardware min/max would turn a NaN into a bound
-    return tl.minimum(tl.maximum(x, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
-                      propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(tl.maximum(x, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _ppo_loss_fwd_kernel(
-    logp_ptr, old_ptr, adv_ptr, weight_ptr, valid_ptr, ref_ptr, ent_ptr,
-    grad_ptr, partials_ptr,
-    N, clip_low, clip_high, dual_clip, kl_coef,
-    HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr, DUAL_CLIP: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    logp_ptr,
+    old_ptr,
+    adv_ptr,
+    weight_ptr,
+    valid_ptr,
+    ref_ptr,
+    ent_ptr,
+    grad_ptr,
+    partials_ptr,
+    N,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    HAS_REF: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -113,21 +127,45 @@ def num_programs(N: int) -> int:
     return max(1, triton.cdiv(N, _BLOCK))
 
 
-def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
-                     clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials):
-    """Write ``d loss / d logprobs`` into ``grad`` and per-program sums into ``partials``.
-
-    Token tensors are contiguous ``(N,)``: ``weights`` and ``grad`` fp32, ``valid`` bool,
-    ``ref_logprobs`` and ``entropy`` optional. ``partials`` is zeroed fp32 ``(num_programs(N),
-    len(PARTIALS))``. ``dual_clip`` is 0 when off; ``kl_estimator`` is 1, 2 or 3 (k1, k2, k3).
-    """
+def ppo_loss_forward(
+    logprobs,
+    old_logprobs,
+    advantages,
+    weights,
+    valid,
+    ref_logprobs,
+    entropy,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    kl_estimator,
+    grad,
+    partials,
+):
+    """The launcher of ``fastppo/ops/launchers.py``: one program per ``_BLOCK`` tokens."""
     N = logprobs.numel()
     if N == 0:
         return
     _ppo_loss_fwd_kernel[(num_programs(N),)](
-        logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
-        grad, partials,
-        N, clip_low, clip_high, dual_clip, kl_coef,
-        HAS_REF=ref_logprobs is not None, HAS_ENTROPY=entropy is not None, DUAL_CLIP=dual_clip > 0,
-        KL_ESTIMATOR=kl_estimator, BLOCK=_BLOCK, num_warps=4,
+        logprobs,
+        old_logprobs,
+        advantages,
+        weights,
+        valid,
+        ref_logprobs,
+        entropy,
+        grad,
+        partials,
+        N,
+        clip_low,
+        clip_high,
+        dual_clip,
+        kl_coef,
+        HAS_REF=ref_logprobs is not None,
+        HAS_ENTROPY=entropy is not None,
+        DUAL_CLIP=dual_clip > 0,
+        KL_ESTIMATOR=kl_estimator,
+        BLOCK=_BLOCK,
+        num_warps=4,
     )

@@ -39,8 +39,8 @@ import triton.language as tl
 from .fastmath import LN2, LOG2E, exp2, log2
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
-_SMALLEST_UNIFORM = tl.constexpr(2.0 ** -32)
-_NO_COLUMN = tl.constexpr(2 ** 31 - 1)  # above every column: the neutral value of a min over columns
+_SMALLEST_UNIFORM = tl.constexpr(2.0**-32)
+_NO_COLUMN = tl.constexpr(2**31 - 1)  # above every column: the neutral value of a min over columns
 
 
 @triton.jit
@@ -67,10 +67,22 @@ def _finish(logits_ptr, rows, row_ok, stride_b, stride_v, m_x, s, col, inv_temp,
 
 @triton.jit(do_not_specialize=["seed"])
 def _sample_kernel(
-    logits_ptr, stride_b, stride_v,
-    tokens_ptr, logp_ptr, part_ptr, part_col_ptr,
-    inv_temp, seed, B, V, split_cols,
-    GREEDY: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_v,
+    tokens_ptr,
+    logp_ptr,
+    part_ptr,
+    part_col_ptr,
+    inv_temp,
+    seed,
+    B,
+    V,
+    split_cols,
+    GREEDY: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < B
@@ -86,8 +98,9 @@ def _sample_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,) int32: V < 2**31
         ok = row_ok[:, None] & (cols < v_end)[None, :]
-        x = tl.load(logits_ptr + rows[:, None] * stride_b + cols[None, :].to(tl.int64) * stride_v,
-                    mask=ok, other=float("-inf")).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
+        x = tl.load(
+            logits_ptr + rows[:, None] * stride_b + cols[None, :].to(tl.int64) * stride_v, mask=ok, other=float("-inf")
+        ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
 
         m_new = tl.maximum(m_x, tl.max(x, axis=1))
         ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)  # finite while a row has seen only -inf
@@ -121,10 +134,17 @@ def _sample_kernel(
 
 @triton.jit
 def _combine_kernel(
-    logits_ptr, stride_b, stride_v,
-    tokens_ptr, logp_ptr, part_ptr, part_col_ptr,
-    inv_temp, B,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_v,
+    tokens_ptr,
+    logp_ptr,
+    part_ptr,
+    part_col_ptr,
+    inv_temp,
+    B,
+    SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < B
@@ -173,12 +193,8 @@ def _splits(B, V, BLOCK_N, BLOCK_V):
 
 
 def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, block_v=None, splits=None):
-    """Fill ``tokens`` (int64) and ``logprobs`` (fp32), both ``(B,)``, from ``logits`` ``(B, V)``.
-
-    ``inv_temperature`` scales the logits; ``greedy`` takes the argmax instead of a draw;
-    ``seed`` (an int in ``[0, 2**63)``) keys the draw. ``block_v`` (a multiple of 4) and
-    ``splits`` (a power of two) override the tiling for tests; neither changes the draw.
-    """
+    """The launcher of ``fastppo/ops/launchers.py``. ``block_v`` (a multiple of 4) and ``splits`` (a
+    power of two) override the tiling for tests; neither changes the draw."""
     B, V = logits.shape
     if B == 0:
         return
@@ -189,8 +205,17 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, b
     part_col = tokens.new_empty((B, SPLITS) if SPLITS > 1 else (0,))  # int64 columns
     pointers = (logits, *logits.stride(), tokens, logprobs, part, part_col)
     _sample_kernel[(triton.cdiv(B, BLOCK_N), SPLITS)](
-        *pointers, inv_temperature, seed, B, V, split_cols,
-        GREEDY=greedy, SPLITS=SPLITS, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps,
+        *pointers,
+        inv_temperature,
+        seed,
+        B,
+        V,
+        split_cols,
+        GREEDY=greedy,
+        SPLITS=SPLITS,
+        BLOCK_N=BLOCK_N,
+        BLOCK_V=BLOCK_V,
+        num_warps=num_warps,
     )
     if SPLITS > 1:
         _combine_kernel[(triton.cdiv(B, 32),)](*pointers, inv_temperature, B, SPLITS=SPLITS, BLOCK_N=32, num_warps=1)

@@ -32,8 +32,8 @@ def batch(tokenizer, rng, size):
     inputs = torch.full((size, length), tokenizer.pad_token_id)
     labels = torch.full((size, length), -100)
     for i, (ids, prompt_len) in enumerate(rows):
-        inputs[i, :len(ids)] = torch.tensor(ids)
-        labels[i, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
+        inputs[i, : len(ids)] = torch.tensor(ids)
+        labels[i, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
     return inputs, labels
 
 
@@ -44,10 +44,16 @@ def sampled_accuracy(model, tokenizer, count=512, seed=1):
     rng = random.Random(seed)
     examples = [arithmetic_example(rng) for _ in range(count)]
     rollout = Sampler(model, max_batch_size=count, max_seq_len=16).generate(
-        [tokenizer(p, add_special_tokens=False).input_ids for p, _ in examples], max_new_tokens=4,
-        stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id, seed=seed)
-    completions = [tokenizer.decode(rollout.response_ids[i, :int(n)].tolist(), skip_special_tokens=True)
-                   for i, n in enumerate(rollout.response_lens)]
+        [tokenizer(p, add_special_tokens=False).input_ids for p, _ in examples],
+        max_new_tokens=4,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+        seed=seed,
+    )
+    completions = [
+        tokenizer.decode(rollout.response_ids[i, : int(n)].tolist(), skip_special_tokens=True)
+        for i, n in enumerate(rollout.response_lens)
+    ]
     return sum(arithmetic_reward([p for p, _ in examples], completions)) / count
 
 
@@ -60,7 +66,7 @@ def main():
     model = tiny_policy(tokenizer, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
-    for step in range(args.steps):
+    for _ in range(args.steps):
         inputs, labels = batch(tokenizer, rng, 64)
         loss = model(input_ids=inputs, attention_mask=(inputs != tokenizer.pad_token_id).long(), labels=labels).loss
         optimizer.zero_grad()

@@ -103,9 +103,24 @@ def aggregate_oracle(x, mask, agg, num_tokens=None):
     return x.sum() / x.numel()
 
 
-def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.2, clip_eps_high=None,
-                    dual_clip=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, agg="token-mean",
-                    num_tokens=None, is_weights=None):
+def ppo_loss_oracle(
+    logp,
+    old,
+    adv,
+    mask,
+    *,
+    ref=None,
+    entropy=None,
+    clip_eps=0.2,
+    clip_eps_high=None,
+    dual_clip=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+    agg="token-mean",
+    num_tokens=None,
+    is_weights=None,
+):
     """float64 PPO policy loss and stats; differentiable w.r.t. ``logp`` and ``entropy``.
     ``is_weights`` multiplies each token's policy-gradient term (rollout importance sampling)."""
     mask = mask != 0
@@ -148,7 +163,7 @@ def ppo_loss_oracle(logp, old, adv, mask, *, ref=None, entropy=None, clip_eps=0.
     return loss, stats
 
 
-def philox_uniform4(seed: int, offsets) -> "np.ndarray":
+def philox_uniform4(seed: int, offsets):
     """The fp32 uniforms Triton's ``tl.rand4x(seed, offsets)`` gives for int64 ``offsets``, in NumPy,
     stacked on a new last axis of 4.
 
@@ -172,3 +187,28 @@ def philox_uniform4(seed: int, offsets) -> "np.ndarray":
     x = np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32).view(np.int32)
     x = np.where(x < 0, ~x, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+def sequence_ppo_loss_oracle(
+    logp, old, adv, mask, clip_low, clip_high, ref=None, kl_coef=0.0, entropy=None, entropy_coef=0.0
+):
+    """float64, a loop over sequences: the definitions of GSPO's paper."""
+    terms, kls, entropies = [], [], []
+    for b in range(logp.shape[0]):
+        valid = mask[b].bool()
+        n = int(valid.sum())
+        if n == 0:
+            continue
+        s = torch.exp((logp[b][valid] - old[b][valid]).sum() / n)
+        terms.append(-torch.minimum(adv[b] * s, adv[b] * s.clamp(1 - clip_low, 1 + clip_high)))
+        if ref is not None:  # k3: exp(ref - logp) - (ref - logp) - 1
+            d = ref[b][valid] - logp[b][valid]
+            kls.append((torch.exp(d) - d - 1).sum() / n)
+        if entropy is not None:
+            entropies.append(entropy[b][valid].sum() / n)
+    loss = torch.stack(terms).sum() / len(terms)
+    if kls:
+        loss = loss + kl_coef * torch.stack(kls).sum() / len(terms)
+    if entropies:
+        loss = loss - entropy_coef * torch.stack(entropies).sum() / len(terms)
+    return loss

@@ -11,7 +11,6 @@ import torch
 from fastppo.bench.cli import main as bench_main
 from fastppo.bench.runner import FAMILIES, run_suite
 
-
 CPU = torch.device("cpu")
 
 
@@ -24,7 +23,11 @@ def test_every_contender_gets_a_row(op):
     assert len(rows) == sum(len(c.contenders) for c in cases) * passes
     statuses = {r["contender"]: r["status"] for r in rows}
     baseline = next((c.name for c in cases[0].contenders if c.baseline), None)
-    assert all(status == "ok" for name, status in statuses.items() if not name.startswith(("torch.compile", "HF generate (static", "liger", "flash-attn", "trl")))
+    assert all(
+        status == "ok"
+        for name, status in statuses.items()
+        if not name.startswith(("torch.compile", "HF generate (static", "liger", "flash-attn", "trl"))
+    )
     assert baseline is None or statuses[baseline] == "ok"
     for row in rows:
         assert row["bytes"] > 0
@@ -38,8 +41,22 @@ def test_every_contender_gets_a_row(op):
 
 
 def test_cli_writes_json_and_markdown(tmp_path, capsys):
-    assert bench_main(["--op", "gae", "--device", "cpu", "--quick", "--json", str(tmp_path / "r.json"),
-                       "--markdown", str(tmp_path / "r.md")]) == 0
+    assert (
+        bench_main(
+            [
+                "--op",
+                "gae",
+                "--device",
+                "cpu",
+                "--quick",
+                "--json",
+                str(tmp_path / "r.json"),
+                "--markdown",
+                str(tmp_path / "r.md"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "## gae" in printed and "| fastppo | fwd |" in printed
     assert (tmp_path / "r.md").read_text() == printed
@@ -54,8 +71,26 @@ def test_time_budget_skips_the_rest():
 
 def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
     pytest.importorskip("trl")
-    assert bench_main(["--versus-trl", "--device", "cpu", "--iterations", "3", "--prompts", "2", "--samples", "2",
-                       "--max-new-tokens", "4", "--json", str(tmp_path / "v.json")]) == 0
+    assert (
+        bench_main(
+            [
+                "--versus-trl",
+                "--device",
+                "cpu",
+                "--iterations",
+                "3",
+                "--prompts",
+                "2",
+                "--samples",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--json",
+                str(tmp_path / "v.json"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| fastppo train |" in printed and "| TRL GRPOTrainer |" in printed and "fp32" in printed
     result = json.loads((tmp_path / "v.json").read_text())
@@ -69,8 +104,12 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sharding_runs_both_modes_on_two_ranks(tmp_path, capsys):
-    assert bench_main(["--sharding", "--hidden", "64", "--layers", "2", "--iterations", "1",
-                       "--json", str(tmp_path / "s.json")]) == 0
+    assert (
+        bench_main(
+            ["--sharding", "--hidden", "64", "--layers", "2", "--iterations", "1", "--json", str(tmp_path / "s.json")]
+        )
+        == 0
+    )
     assert "| --fsdp | 1 |" in capsys.readouterr().out
     modes = json.loads((tmp_path / "s.json").read_text())["modes"]
     for replicated, sharded in zip(modes["replicated"], modes["--fsdp"]):
@@ -90,21 +129,32 @@ def test_the_real_model_contenders_generate_exactly_the_imposed_lengths(monkeypa
     lengths = sampler_real.long_tail_lengths(12, 40)
     assert lengths == sampler_real.long_tail_lengths(12, 40) and min(lengths) >= 1 and max(lengths) <= 40
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
-                                         eos_token_id=None)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
     prompts = [[i + 1] * (3 + i % 4) for i in range(12)]
     out = sampler_real._hf_generate(model, prompts, lengths)
     assert out.shape == (12, max(map(len, prompts)) + max(lengths))
     rollout = fastppo.Sampler(model, max_batch_size=4, max_seq_len=48).generate(
-        prompts, max_new_tokens=lengths, stop_token_ids=(), seed=0)
+        prompts, max_new_tokens=lengths, stop_token_ids=(), seed=0
+    )
     assert rollout.response_lens.tolist() == lengths
 
     monkeypatch.setenv("FASTPPO_CACHE", str(tmp_path))
     monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
     [case] = sampler_real.real_sampler_cases(CPU, quick=False)
-    assert {c.status for c in case.contenders} == {f"unavailable: SmolLM2-135M-Instruct is not installed "
-                                                   f"({smollm2.INSTALL})"}
+    assert {c.status for c in case.contenders} == {
+        f"unavailable: SmolLM2-135M-Instruct is not installed ({smollm2.INSTALL})"
+    }
     assert sampler_real.real_sampler_cases(CPU, quick=True) == []
 
     def broken(gguf, target):
@@ -113,5 +163,6 @@ def test_the_real_model_contenders_generate_exactly_the_imposed_lengths(monkeypa
     monkeypatch.setattr(smollm2, "_gguf_file", lambda: tmp_path / smollm2.GGUF)
     monkeypatch.setattr(smollm2, "_convert", broken)
     [case] = sampler_real.real_sampler_cases(CPU, quick=False)
-    assert {c.status for c in case.contenders} == {f"unavailable: converting {smollm2.GGUF} failed "
-                                                   "(ValueError: no such tensor type)"}
+    assert {c.status for c in case.contenders} == {
+        f"unavailable: converting {smollm2.GGUF} failed (ValueError: no such tensor type)"
+    }

@@ -33,7 +33,7 @@ def test_the_hot_loop_is_the_backward_branch_and_its_mix_is_counted():
     assert [i.opcode for i in instructions[:3]] == ["MOV", "LDG.E.64", "LDG.E.128"]  # predicates stripped
     first, last = sass.hot_loop(instructions)
     assert (instructions[first].address, instructions[last].address) == (0x20, 0x70)  # a forward BRA is no loop
-    loop = sass.mix(instructions[first:last + 1])
+    loop = sass.mix(instructions[first : last + 1])
     assert (loop.instructions, loop.mufu, loop.shuffles, loop.barriers) == (5, 1, 1, 1)  # the NOP not counted
     assert loop.load_bits == (128,) and loop.store_bits == ()
     whole = sass.mix(instructions)
@@ -67,8 +67,14 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "sass.json"
-    result = subprocess.run([sys.executable, "-m", "fastppo", "bench", "--sass", "--gpu-copy-tbs", "4.0",
-                             "--json", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "fastppo", "bench", "--sass", "--gpu-copy-tbs", "4.0", "--json", str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "an estimate, not a measurement" in result.stdout
     report = json.loads(out.read_text())
@@ -87,15 +93,27 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="without triton --sass refuses before reading the figures")
 def test_sass_refuses_a_gpu_figure_that_is_not_positive():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "fastppo", "bench", "--sass", "--gpu-sms", "0"], env=env,
-                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "fastppo", "bench", "--sass", "--gpu-sms", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 2 and "--gpu-sms must be positive" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_sass_refuses_the_interpreter_in_one_line():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "fastppo", "bench", "--sass"], env=env, capture_output=True,
-                            text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "fastppo", "bench", "--sass"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stderr
     assert "Traceback" not in result.stderr

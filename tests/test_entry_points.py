@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fastppo
 from fastppo.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,11 +15,26 @@ def test_ci_runs_the_readme_test_command():
     install_and_run, install_and_test = blocks[:2]
     assert "fastppo train" in install_and_run
     assert "pytest" in install_and_test
-    ci_commands = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci_commands[0] == install_and_test  # first, verbatim; then the slow runs, the peers, the older TRLs
-    assert ci_commands[1] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m slow"
-    assert ci_commands[2] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m peers"
-    assert all("trl" in line or line == "done" for line in ci_commands[3:])
+    ci_commands = [
+        line
+        for line in (ROOT / ".ci/run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert ci_commands[0] == install_and_test  # first, verbatim; then ruff, the slow runs, the peers, older TRLs
+    assert ci_commands[1] == ".venv/bin/ruff format --check . && .venv/bin/ruff check ."
+    assert ci_commands[2] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m slow"
+    assert ci_commands[3] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m peers"
+    assert all("trl" in line or line == "done" for line in ci_commands[4:])
+
+
+def test_the_documentation_s_tables_are_generated_from_the_code():
+    """The peers table (from the drop-ins' declared releases), the estimators table (from the registry)."""
+    from fastppo import generated
+
+    for page, name, source in generated.TABLES:
+        assert generated.current(ROOT / page, name) == generated.between(name, source()), (
+            f"{page} is stale: run python -m fastppo.generated"
+        )
 
 
 def test_kernels_import_as_a_subpackage():
@@ -33,13 +47,15 @@ def test_kernels_import_as_a_subpackage():
 def test_the_cpu_path_needs_no_triton():
     # As on a machine without triton: the twins, and the layouts they share with the kernels, import
     # and run; the kernel families are not imported with the package.
-    script = ("import sys; sys.modules['triton'] = None\n"
-              "import torch, fastppo, fastppo.kernels.layout\n"
-              "m = torch.ones(2, 5, dtype=torch.bool)\n"
-              "loss, _ = fastppo.ppo_policy_loss(-torch.rand(2, 5), -torch.rand(2, 5), torch.randn(2, 5), m)\n"
-              "logp = fastppo.token_logprobs(torch.randn(2, 5, 7), torch.zeros(2, 5, dtype=torch.long))\n"
-              "assert torch.isfinite(loss) and logp.shape == (2, 5)\n"
-              "assert 'fastppo.kernels.ppo_loss' not in sys.modules\n")
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, fastppo, fastppo.kernels.layout\n"
+        "m = torch.ones(2, 5, dtype=torch.bool)\n"
+        "loss, _ = fastppo.ppo_policy_loss(-torch.rand(2, 5), -torch.rand(2, 5), torch.randn(2, 5), m)\n"
+        "logp = fastppo.token_logprobs(torch.randn(2, 5, 7), torch.zeros(2, 5, dtype=torch.long))\n"
+        "assert torch.isfinite(loss) and logp.shape == (2, 5)\n"
+        "assert 'fastppo.kernels.ppo_loss' not in sys.modules\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 

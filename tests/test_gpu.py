@@ -74,15 +74,19 @@ def test_from_hidden_memory_bound_on_the_allocator():
 
 
 def test_sampler_cuda_graphs_match_eager_decoding():
-    from tests.rollout.test_sampler import PROMPTS, tiny
+    from tests.rollout.models import PROMPTS, tiny
 
     model = tiny("qwen3").cuda()
     runs = {}
     for graphs in (True, False):
         sampler = fastppo.Sampler(model, max_batch_size=16, max_seq_len=128, cuda_graphs=graphs)
         assert (sampler.graphs is not None) == graphs
-        runs[graphs] = [sampler.generate(PROMPTS, max_new_tokens=40, temperature=t, stop_token_ids=(), seed=5,
-                                         num_samples_per_prompt=2) for t in (0.0, 0.9)]
+        runs[graphs] = [
+            sampler.generate(
+                PROMPTS, max_new_tokens=40, temperature=t, stop_token_ids=(), seed=5, num_samples_per_prompt=2
+            )
+            for t in (0.0, 0.9)
+        ]
     for with_graphs, eager in zip(runs[True], runs[False]):
         assert torch.equal(with_graphs.response_ids, eager.response_ids)
         torch.testing.assert_close(with_graphs.logprobs, eager.logprobs, rtol=0, atol=1e-5)

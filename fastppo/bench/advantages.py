@@ -35,8 +35,11 @@ def naive_whiten(x, mask, eps=1e-8):
 
 
 def _inputs(B, T, device):
-    return {"rewards": random_tokens(B, T, device=device), "values": random_tokens(B, T, device=device),
-            "mask": torch.rand(B, T, device=device) > 0.1}
+    return {
+        "rewards": random_tokens(B, T, device=device),
+        "values": random_tokens(B, T, device=device),
+        "mask": torch.rand(B, T, device=device) > 0.1,
+    }
 
 
 def gae_cases(device: torch.device, quick: bool) -> list:
@@ -47,8 +50,9 @@ def gae_cases(device: torch.device, quick: bool) -> list:
             Contender("naive (Python loop over T)", lambda x: naive_gae(x["rewards"], x["values"]), baseline=True),
             Contender("torch.compile(naive)", status="not run: compiling a loop over T unrolls it"),
         ]
-        cases.append(Case("gae", f"B={B} T={T}", lambda B=B, T=T: _inputs(B, T, device), contenders,
-                          bytes_fwd=17 * B * T))
+        cases.append(
+            Case("gae", f"B={B} T={T}", lambda B=B, T=T: _inputs(B, T, device), contenders, bytes_fwd=17 * B * T)
+        )
     return cases
 
 
@@ -64,6 +68,7 @@ def whiten_cases(device: torch.device, quick: bool) -> list:
             Contender("naive", naive, baseline=True),
             compiled_naive,
         ]
-        cases.append(Case("whiten", f"B={B} T={T}", lambda B=B, T=T: _inputs(B, T, device), contenders,
-                          bytes_fwd=9 * B * T))
+        cases.append(
+            Case("whiten", f"B={B} T={T}", lambda B=B, T=T: _inputs(B, T, device), contenders, bytes_fwd=9 * B * T)
+        )
     return cases

@@ -12,34 +12,52 @@ from .runner import FAMILIES, run_suite
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastppo bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--op", action="append", choices=list(FAMILIES),
-                        help="an op family to run (repeatable; default: all)")
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--op", action="append", choices=list(FAMILIES), help="an op family to run (repeatable; default: all)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes that finish in seconds on a CPU")
     parser.add_argument("--json", type=Path, help="also write the rows and the machine as JSON here")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
-    parser.add_argument("--time-budget", type=float, default=float("inf"), metavar="SECONDS",
-                        help="stop measuring after this long; the rest is listed as skipped")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=float("inf"),
+        metavar="SECONDS",
+        help="stop measuring after this long; the rest is listed as skipped",
+    )
     versus = parser.add_argument_group("end to end against TRL (--versus-trl)")
-    versus.add_argument("--versus-trl", action="store_true",
-                        help="train with fastppo and with TRL's GRPOTrainer side by side instead of the op tables")
+    versus.add_argument(
+        "--versus-trl",
+        action="store_true",
+        help="train with fastppo and with TRL's GRPOTrainer side by side instead of the op tables",
+    )
     versus.add_argument("--model", help="local Hugging Face causal LM (default: the shipped tiny model)")
     versus.add_argument("--iterations", type=int, help="iterations of each run (default: 40; 3 with --sharding)")
     versus.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
     versus.add_argument("--samples", type=int, default=8, help="samples per prompt")
     versus.add_argument("--max-new-tokens", type=int, default=8)
     versus.add_argument("--lr", type=float, default=5e-4)
-    versus.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="both trainers in bf16 mixed precision (default: on CUDA only)")
+    versus.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="both trainers in bf16 mixed precision (default: on CUDA only)",
+    )
     sharded = parser.add_argument_group("sharded against replicated data parallelism (--sharding)")
-    sharded.add_argument("--sharding", action="store_true",
-                         help="one PPO iteration on 2 gloo ranks with and without --fsdp instead of the op tables")
+    sharded.add_argument(
+        "--sharding",
+        action="store_true",
+        help="one PPO iteration on 2 gloo ranks with and without --fsdp instead of the op tables",
+    )
     sharded.add_argument("--hidden", type=int, default=512, help="hidden size of the random Llama")
     sharded.add_argument("--layers", type=int, default=8, help="layers of the random Llama")
     sass = parser.add_argument_group("predicted from sm_90 machine code, no GPU needed (--sass)")
-    sass.add_argument("--sass", action="store_true",
-                      help="compile every kernel at realistic shapes and print the roofline estimate of its SASS")
+    sass.add_argument(
+        "--sass",
+        action="store_true",
+        help="compile every kernel at realistic shapes and print the roofline estimate of its SASS",
+    )
     gpu = GPU()
     sass.add_argument("--gpu-name", help=f"the GPU the figures describe (default: {gpu.name})")
     sass.add_argument("--gpu-sms", type=int, help=f"multiprocessors (default: {gpu.sms})")
@@ -63,8 +81,13 @@ def main(argv=None) -> int:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(render(meta, rows))
 
-    meta, rows = run_suite(args.op or list(FAMILIES), torch.device(args.device), quick=args.quick,
-                           time_budget_s=args.time_budget, on_case=write)
+    meta, rows = run_suite(
+        args.op or list(FAMILIES),
+        torch.device(args.device),
+        quick=args.quick,
+        time_budget_s=args.time_budget,
+        on_case=write,
+    )
     write(meta, rows)
     print(markdown(meta, rows), end="")
     return 0
@@ -72,17 +95,27 @@ def main(argv=None) -> int:
 
 def _versus_trl(args) -> int:
     from .runner import machine
-    from .versus_trl import compare, markdown as versus_markdown
+    from .versus_trl import compare
+    from .versus_trl import markdown as versus_markdown
 
     device = torch.device(args.device)
-    result = compare(args.model, device, prompts=args.prompts, samples=args.samples,
-                     max_new_tokens=args.max_new_tokens, lr=args.lr, iterations=args.iterations or 40, bf16=args.bf16)
+    result = compare(
+        args.model,
+        device,
+        prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        lr=args.lr,
+        iterations=args.iterations or 40,
+        bf16=args.bf16,
+    )
     return _report(args, result, versus_markdown(result, machine(device)))
 
 
 def _sharding(args) -> int:
     from .runner import machine
-    from .sharding import compare, markdown as sharding_markdown
+    from .sharding import compare
+    from .sharding import markdown as sharding_markdown
 
     result = compare(hidden=args.hidden, layers=args.layers, iterations=args.iterations or 3)
     return _report(args, result, sharding_markdown(result, machine(torch.device("cpu"))))
@@ -95,7 +128,8 @@ def _sass(args, parser) -> int:
 
     from ..ops.dispatch import TRITON_INSTALLED
     from .kernel_cases import all_cases, from_hidden_plans
-    from .roofline import estimate, markdown as roofline_markdown, with_overrides
+    from .roofline import estimate, with_overrides
+    from .roofline import markdown as roofline_markdown
     from .runner import commit
 
     if os.environ.get("TRITON_INTERPRET"):
@@ -107,14 +141,23 @@ def _sass(args, parser) -> int:
     for name in ("gpu_sms", "gpu_clock_ghz", "gpu_copy_tbs", "gpu_matmul_tflops", "gpu_latency_us"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    gpu = with_overrides(GPU(), name=args.gpu_name, sms=args.gpu_sms, clock_ghz=args.gpu_clock_ghz,
-                         copy_tbs=args.gpu_copy_tbs, matmul_tflops=args.gpu_matmul_tflops,
-                         latency_us=args.gpu_latency_us)
+    gpu = with_overrides(
+        GPU(),
+        name=args.gpu_name,
+        sms=args.gpu_sms,
+        clock_ghz=args.gpu_clock_ghz,
+        copy_tbs=args.gpu_copy_tbs,
+        matmul_tflops=args.gpu_matmul_tflops,
+        latency_us=args.gpu_latency_us,
+    )
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "triton": triton.__version__}
     rows = [estimate(case, gpu) for case in all_cases()]
     plans = from_hidden_plans(gpu)
-    return _report(args, {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "from_hidden": plans},
-                   roofline_markdown(rows, plans, gpu, meta))
+    return _report(
+        args,
+        {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "from_hidden": plans},
+        roofline_markdown(rows, plans, gpu, meta),
+    )
 
 
 def _report(args, result: dict, table: str) -> int:

@@ -13,9 +13,19 @@ from ..kernels import gae, logprobs, ppo_loss, sampling
 from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
 from .roofline import KernelCase, from_hidden_model
 
-LOGPROB_ROWS = {"stride_b": "i64", "stride_t": "i64", "labels_ptr": "*i64", "temp_ptr": "*fp32",
-                "inv_temp": "fp32", "N": "i32", "T": "i32", "V": "i32", "ignore_index": "i32",
-                "lse_ptr": "*fp32", "ent_ptr": "*fp32"}
+LOGPROB_ROWS = {
+    "stride_b": "i64",
+    "stride_t": "i64",
+    "labels_ptr": "*i64",
+    "temp_ptr": "*fp32",
+    "inv_temp": "fp32",
+    "N": "i32",
+    "T": "i32",
+    "V": "i32",
+    "ignore_index": "i32",
+    "lse_ptr": "*fp32",
+    "ent_ptr": "*fp32",
+}
 # Alignment Triton sees at run time for 16-aligned rows (every real vocabulary).
 LOGPROB_ALIGNED = ("logits_ptr", "stride_b", "stride_t", "V")
 LOGPROB_BWD_ALIGNED = LOGPROB_ALIGNED + ("grad_ptr", "gstride_b", "gstride_t")
@@ -26,28 +36,71 @@ def logprob_fwd_types(dtype: str) -> dict:
 
 
 def logprob_bwd_types(dtype: str) -> dict:
-    return {**LOGPROB_ROWS, "logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "gstride_b": "i64",
-            "gstride_t": "i64", "g_lp_ptr": "*fp32", "g_ent_ptr": "*fp32"}
+    return {
+        **LOGPROB_ROWS,
+        "logits_ptr": f"*{dtype}",
+        "grad_ptr": f"*{dtype}",
+        "gstride_b": "i64",
+        "gstride_t": "i64",
+        "g_lp_ptr": "*fp32",
+        "g_ent_ptr": "*fp32",
+    }
 
 
 def gae_types(values: str) -> dict:
-    return {"rewards_ptr": "*fp32", "srb": "i64", "srt": "i64", "values_ptr": f"*{values}", "svb": "i64",
-            "svt": "i64", "mask_ptr": "*i1", "smb": "i64", "smt": "i64", "adv_ptr": "*fp32",
-            "ret_ptr": "*fp32", "B": "i32", "T": "i32", "gamma": "fp32", "gamma_lam": "fp32"}
+    return {
+        "rewards_ptr": "*fp32",
+        "srb": "i64",
+        "srt": "i64",
+        "values_ptr": f"*{values}",
+        "svb": "i64",
+        "svt": "i64",
+        "mask_ptr": "*i1",
+        "smb": "i64",
+        "smt": "i64",
+        "adv_ptr": "*fp32",
+        "ret_ptr": "*fp32",
+        "B": "i32",
+        "T": "i32",
+        "gamma": "fp32",
+        "gamma_lam": "fp32",
+    }
 
 
 GAE_ALIGNED = ("rewards_ptr", "srb", "values_ptr", "svb", "mask_ptr", "smb", "adv_ptr", "ret_ptr", "T")
 
-PPO_LOSS_TYPES = {"logp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "weight_ptr": "*fp32",
-                  "valid_ptr": "*i1", "ref_ptr": "*fp32", "ent_ptr": "*fp32", "grad_ptr": "*fp32",
-                  "partials_ptr": "*fp32", "N": "i32", "clip_low": "fp32", "clip_high": "fp32",
-                  "dual_clip": "fp32", "kl_coef": "fp32"}
+PPO_LOSS_TYPES = {
+    "logp_ptr": "*fp32",
+    "old_ptr": "*fp32",
+    "adv_ptr": "*fp32",
+    "weight_ptr": "*fp32",
+    "valid_ptr": "*i1",
+    "ref_ptr": "*fp32",
+    "ent_ptr": "*fp32",
+    "grad_ptr": "*fp32",
+    "partials_ptr": "*fp32",
+    "N": "i32",
+    "clip_low": "fp32",
+    "clip_high": "fp32",
+    "dual_clip": "fp32",
+    "kl_coef": "fp32",
+}
 
 
 def sample_types(dtype: str) -> dict:
-    return {"logits_ptr": f"*{dtype}", "stride_b": "i64", "tokens_ptr": "*i64", "logp_ptr": "*fp32",
-            "part_ptr": "*fp32", "part_col_ptr": "*i64", "inv_temp": "fp32", "seed": "i64", "B": "i32", "V": "i32",
-            "split_cols": "i32"}
+    return {
+        "logits_ptr": f"*{dtype}",
+        "stride_b": "i64",
+        "tokens_ptr": "*i64",
+        "logp_ptr": "*fp32",
+        "part_ptr": "*fp32",
+        "part_col_ptr": "*i64",
+        "inv_temp": "fp32",
+        "seed": "i64",
+        "B": "i32",
+        "V": "i32",
+        "split_cols": "i32",
+    }
 
 
 SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V", "split_cols")
@@ -56,18 +109,40 @@ SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V", "split_cols")
 def logprob_cases(N: int = 8192, V: int = 151936) -> list:
     BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
     tiles = {"stride_v": 1, "HAS_TEMP": False, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-    launch = dict(num_warps=warps, programs=triton.cdiv(N, BLOCK_N), trips=triton.cdiv(V, BLOCK_V),
-                  elements_per_trip=BLOCK_N * BLOCK_V, loaded_per_trip=2 * BLOCK_N * BLOCK_V, target=0.9)
+    launch = dict(
+        num_warps=warps,
+        programs=triton.cdiv(N, BLOCK_N),
+        trips=triton.cdiv(V, BLOCK_V),
+        elements_per_trip=BLOCK_N * BLOCK_V,
+        loaded_per_trip=2 * BLOCK_N * BLOCK_V,
+        target=0.9,
+    )
     shape = f"bf16 [{N}, {V}]"
-    cases = [KernelCase("token_logprobs forward", shape, logprobs._logprobs_fwd_kernel, logprob_fwd_types("bf16"),
-                        {**tiles, "HAS_STATS": False}, bytes=2 * N * V + 20 * N, aligned=LOGPROB_ALIGNED,
-                        **launch)]
+    cases = [
+        KernelCase(
+            "token_logprobs forward",
+            shape,
+            logprobs._logprobs_fwd_kernel,
+            logprob_fwd_types("bf16"),
+            {**tiles, "HAS_STATS": False},
+            bytes=2 * N * V + 20 * N,
+            aligned=LOGPROB_ALIGNED,
+            **launch,
+        )
+    ]
     for g_ent in (False, True):
-        cases.append(KernelCase(f"token_logprobs backward{' (+ entropy grad)' if g_ent else ''}", shape,
-                                logprobs._logprobs_bwd_kernel, logprob_bwd_types("bf16"),
-                                {**tiles, "gstride_v": 1, "HAS_G_ENT": g_ent},
-                                bytes=4 * N * V + (32 if g_ent else 16) * N,
-                                aligned=LOGPROB_BWD_ALIGNED, **launch))
+        cases.append(
+            KernelCase(
+                f"token_logprobs backward{' (+ entropy grad)' if g_ent else ''}",
+                shape,
+                logprobs._logprobs_bwd_kernel,
+                logprob_bwd_types("bf16"),
+                {**tiles, "gstride_v": 1, "HAS_G_ENT": g_ent},
+                bytes=4 * N * V + (32 if g_ent else 16) * N,
+                aligned=LOGPROB_BWD_ALIGNED,
+                **launch,
+            )
+        )
     return cases
 
 
@@ -77,13 +152,23 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
     cases = []
     for greedy in (False, True):
-        cases.append(KernelCase(
-            f"sample_tokens{' (greedy)' if greedy else ''}", f"bf16 [{B}, {V}], {SPLITS} splits",
-            sampling._sample_kernel, sample_types("bf16"),
-            {"stride_v": 1, "GREEDY": greedy, "SPLITS": SPLITS, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V},
-            num_warps=warps, programs=triton.cdiv(B, BLOCK_N) * SPLITS, trips=triton.cdiv(split_cols, BLOCK_V),
-            elements_per_trip=BLOCK_N * BLOCK_V, loaded_per_trip=2 * BLOCK_N * BLOCK_V, bytes=2 * B * V + 12 * B,
-            target=0.7, aligned=SAMPLE_ALIGNED))
+        cases.append(
+            KernelCase(
+                f"sample_tokens{' (greedy)' if greedy else ''}",
+                f"bf16 [{B}, {V}], {SPLITS} splits",
+                sampling._sample_kernel,
+                sample_types("bf16"),
+                {"stride_v": 1, "GREEDY": greedy, "SPLITS": SPLITS, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V},
+                num_warps=warps,
+                programs=triton.cdiv(B, BLOCK_N) * SPLITS,
+                trips=triton.cdiv(split_cols, BLOCK_V),
+                elements_per_trip=BLOCK_N * BLOCK_V,
+                loaded_per_trip=2 * BLOCK_N * BLOCK_V,
+                bytes=2 * B * V + 12 * B,
+                target=0.7,
+                aligned=SAMPLE_ALIGNED,
+            )
+        )
     return cases
 
 
@@ -91,20 +176,43 @@ def gae_cases(B: int = 512, T: int = 8192) -> list:
     BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
     per_element = 4 + 4 + 1 + 4 + 4  # rewards, values, mask in; advantages, returns out
     contiguous = {"srt": 1, "svt": 1, "smt": 1}  # what Triton specialises unit strides to
-    return [KernelCase("gae", f"fp32 [{B}, {T}]", gae._gae_kernel, gae_types("fp32"),
-                       {**contiguous, "BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T}, num_warps=warps,
-                       programs=triton.cdiv(B, BLOCK_B), trips=triton.cdiv(T, BLOCK_T),
-                       elements_per_trip=BLOCK_B * BLOCK_T, loaded_per_trip=9 * BLOCK_B * BLOCK_T,
-                       bytes=per_element * B * T, target=0.6, aligned=GAE_ALIGNED)]
+    return [
+        KernelCase(
+            "gae",
+            f"fp32 [{B}, {T}]",
+            gae._gae_kernel,
+            gae_types("fp32"),
+            {**contiguous, "BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T},
+            num_warps=warps,
+            programs=triton.cdiv(B, BLOCK_B),
+            trips=triton.cdiv(T, BLOCK_T),
+            elements_per_trip=BLOCK_B * BLOCK_T,
+            loaded_per_trip=9 * BLOCK_B * BLOCK_T,
+            bytes=per_element * B * T,
+            target=0.6,
+            aligned=GAE_ALIGNED,
+        )
+    ]
 
 
 def ppo_loss_cases(N: int = 512 * 8192) -> list:
     BLOCK = ppo_loss._BLOCK
     read = 4 * 6 + 1  # logp, old, advantages, weights, ref, entropy; valid
-    return [KernelCase("ppo_loss forward (ref k3, entropy, dual clip)", f"fp32 [{N}]", ppo_loss._ppo_loss_fwd_kernel,
-                       PPO_LOSS_TYPES, {"HAS_REF": True, "HAS_ENTROPY": True, "DUAL_CLIP": True, "KL_ESTIMATOR": 3,
-                                        "BLOCK": BLOCK}, num_warps=4, programs=ppo_loss.num_programs(N), trips=1,
-                       elements_per_trip=BLOCK, loaded_per_trip=read * BLOCK, bytes=(read + 4) * N)]
+    return [
+        KernelCase(
+            "ppo_loss forward (ref k3, entropy, dual clip)",
+            f"fp32 [{N}]",
+            ppo_loss._ppo_loss_fwd_kernel,
+            PPO_LOSS_TYPES,
+            {"HAS_REF": True, "HAS_ENTROPY": True, "DUAL_CLIP": True, "KL_ESTIMATOR": 3, "BLOCK": BLOCK},
+            num_warps=4,
+            programs=ppo_loss.num_programs(N),
+            trips=1,
+            elements_per_trip=BLOCK,
+            loaded_per_trip=read * BLOCK,
+            bytes=(read + 4) * N,
+        )
+    ]
 
 
 def all_cases() -> list:
@@ -118,5 +226,8 @@ def from_hidden_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> lis
     cast, += per chunk) and one between."""
     default = (default_chunk_size(N, V, "cuda"), WEIGHT_GRAD_IN_PLACE, HALF_LOGIT_GRAD)
     plans = [default] + [p for p in ((256, False, False), (256, True, True), (1024, True, True)) if p != default]
-    return [{**from_hidden_model(gpu, N, H, V, *plan, recompute=recompute), "default": plan == default}
-            for recompute in (False, True) for plan in plans]
+    return [
+        {**from_hidden_model(gpu, N, H, V, *plan, recompute=recompute), "default": plan == default}
+        for recompute in (False, True)
+        for plan in plans
+    ]

@@ -52,9 +52,13 @@ def logprobs_cases(device: torch.device, quick: bool) -> list:
     compiled_naive = compiled("torch.compile(naive)", lambda x: naive_logprobs(x["logits"], x["labels"]), device)
     cases = []
     for N, V in itertools.product(*logit_shapes(device, quick)):
+
         def make(N=N, V=V):
-            return {"logits": random_tokens(N, V, device=device, dtype=dtype, requires_grad=True),
-                    "labels": torch.randint(0, V, (N,), device=device)}
+            return {
+                "logits": random_tokens(N, V, device=device, dtype=dtype, requires_grad=True),
+                "labels": torch.randint(0, V, (N,), device=device),
+            }
+
         contenders = [
             Contender("fastppo", lambda x: fastppo.token_logprobs(x["logits"], x["labels"], return_entropy=True)),
             Contender("fastppo (logp only)", lambda x: fastppo.token_logprobs(x["logits"], x["labels"])),
@@ -62,34 +66,60 @@ def logprobs_cases(device: torch.device, quick: bool) -> list:
             compiled_naive,
             *logprobs_peers(device),
         ]
-        cases.append(Case("logprobs", f"N={N} V={V}", make, contenders,
-                          bytes_fwd=N * V * e + 16 * N, bytes_fwd_bwd=3 * N * V * e + 24 * N,
-                          grad_inputs=("logits",)))
+        cases.append(
+            Case(
+                "logprobs",
+                f"N={N} V={V}",
+                make,
+                contenders,
+                bytes_fwd=N * V * e + 16 * N,
+                bytes_fwd_bwd=3 * N * V * e + 24 * N,
+                grad_inputs=("logits",),
+            )
+        )
     return cases
 
 
 def logprobs_from_hidden_cases(device: torch.device, quick: bool) -> list:
     dtype = dtype_for(device)
     e = torch.finfo(dtype).bits // 8
-    compiled_naive = compiled("torch.compile(naive)",
-                              lambda x: naive_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"]), device)
+    compiled_naive = compiled(
+        "torch.compile(naive)", lambda x: naive_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"]), device
+    )
     shapes = (QUICK_TOKENS, QUICK_VOCABS, QUICK_HIDDENS) if quick else (TOKENS, VOCABS, HIDDENS)
     cases = []
     for N, V, H in itertools.product(*shapes):
+
         def make(N=N, V=V, H=H):
-            return {"hidden": random_tokens(N, H, device=device, dtype=dtype, requires_grad=True),
-                    "weight": (random_tokens(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
-                    "labels": torch.randint(0, V, (N,), device=device)}
+            return {
+                "hidden": random_tokens(N, H, device=device, dtype=dtype, requires_grad=True),
+                "weight": (random_tokens(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
+                "labels": torch.randint(0, V, (N,), device=device),
+            }
+
         contenders = [
-            Contender("fastppo", lambda x: fastppo.token_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"],
-                                                                         return_entropy=True)),
-            Contender("naive", lambda x: naive_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"]),
-                      baseline=True),
+            Contender(
+                "fastppo",
+                lambda x: fastppo.token_logprobs_from_hidden(
+                    x["hidden"], x["weight"], x["labels"], return_entropy=True
+                ),
+            ),
+            Contender(
+                "naive", lambda x: naive_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"]), baseline=True
+            ),
             compiled_naive,
             *logprobs_from_hidden_peers(device),
         ]
         operands = (N * H + V * H) * e
-        cases.append(Case("logprobs_from_hidden", f"N={N} V={V} H={H}", make, contenders,
-                          bytes_fwd=operands + 16 * N, bytes_fwd_bwd=4 * operands + 24 * N,
-                          grad_inputs=("hidden", "weight")))
+        cases.append(
+            Case(
+                "logprobs_from_hidden",
+                f"N={N} V={V} H={H}",
+                make,
+                contenders,
+                bytes_fwd=operands + 16 * N,
+                bytes_fwd_bwd=4 * operands + 24 * N,
+                grad_inputs=("hidden", "weight"),
+            )
+        )
     return cases

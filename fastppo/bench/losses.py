@@ -21,8 +21,7 @@ import torch
 import fastppo
 
 from .case import Case, Contender, compiled, random_tokens
-from .logprobs import (HIDDENS, QUICK_HIDDENS, QUICK_TOKENS, QUICK_VOCABS, TOKENS, VOCABS, dtype_for,
-                       naive_logprobs)
+from .logprobs import HIDDENS, QUICK_HIDDENS, QUICK_TOKENS, QUICK_VOCABS, TOKENS, VOCABS, dtype_for, naive_logprobs
 from .peers import ppo_loss_peers
 
 # Token-level ops run on (B, T) batches the size of a rollout.
@@ -45,9 +44,13 @@ def naive_ppo_loss(logp, old, adv, mask, ref, entropy=None, clip_eps=0.2, kl_coe
 
 def _token_inputs(shape, device):
     logp = -torch.rand(shape, device=device) * 3
-    return {"old": logp + torch.randn(shape, device=device) * 0.2, "adv": random_tokens(*shape, device=device),
-            "ref": logp + torch.randn(shape, device=device) * 0.3, "mask": torch.rand(shape, device=device) > 0.2,
-            "logp": logp.requires_grad_()}
+    return {
+        "old": logp + torch.randn(shape, device=device) * 0.2,
+        "adv": random_tokens(*shape, device=device),
+        "ref": logp + torch.randn(shape, device=device) * 0.3,
+        "mask": torch.rand(shape, device=device) > 0.2,
+        "logp": logp.requires_grad_(),
+    }
 
 
 def ppo_loss_cases(device: torch.device, quick: bool) -> list:
@@ -61,23 +64,45 @@ def ppo_loss_cases(device: torch.device, quick: bool) -> list:
     compiled_naive = compiled("torch.compile(naive)", naive, device)
     cases = []
     for N, V in itertools.product(*((QUICK_TOKENS, QUICK_VOCABS) if quick else (TOKENS, VOCABS))):
+
         def make(N=N, V=V):
             x = _token_inputs((N,), device)
             del x["logp"]
-            x.update(logits=random_tokens(N, V, device=device, dtype=dtype, requires_grad=True),
-                     labels=torch.randint(0, V, (N,), device=device))
+            x.update(
+                logits=random_tokens(N, V, device=device, dtype=dtype, requires_grad=True),
+                labels=torch.randint(0, V, (N,), device=device),
+            )
             return x
+
         contenders = [
-            Contender("fastppo", lambda x: fastppo.ppo_loss_from_logits(
-                x["logits"], x["labels"], x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"],
-                entropy_coef=0.01, **LOSS_OPTIONS)[0]),
+            Contender(
+                "fastppo",
+                lambda x: fastppo.ppo_loss_from_logits(
+                    x["logits"],
+                    x["labels"],
+                    x["old"],
+                    x["adv"],
+                    x["mask"],
+                    ref_logprobs=x["ref"],
+                    entropy_coef=0.01,
+                    **LOSS_OPTIONS,
+                )[0],
+            ),
             Contender("naive", naive, baseline=True),
             compiled_naive,
             *ppo_loss_peers(device),
         ]
-        cases.append(Case("ppo_loss", f"N={N} V={V}", make, contenders,
-                          bytes_fwd=N * V * e + 21 * N, bytes_fwd_bwd=3 * N * V * e + 21 * N,
-                          grad_inputs=("logits",)))
+        cases.append(
+            Case(
+                "ppo_loss",
+                f"N={N} V={V}",
+                make,
+                contenders,
+                bytes_fwd=N * V * e + 21 * N,
+                bytes_fwd_bwd=3 * N * V * e + 21 * N,
+                grad_inputs=("logits",),
+            )
+        )
     return cases
 
 
@@ -91,31 +116,63 @@ def ppo_loss_hidden_cases(device: torch.device, quick: bool) -> list:
 
     def unfused(x):
         logp, entropy = fastppo.token_logprobs_from_hidden(x["hidden"], x["weight"], x["labels"], return_entropy=True)
-        return fastppo.ppo_policy_loss(logp, x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"], entropy=entropy,
-                                       entropy_coef=0.01, **LOSS_OPTIONS)[0]
+        return fastppo.ppo_policy_loss(
+            logp,
+            x["old"],
+            x["adv"],
+            x["mask"],
+            ref_logprobs=x["ref"],
+            entropy=entropy,
+            entropy_coef=0.01,
+            **LOSS_OPTIONS,
+        )[0]
 
     compiled_naive = compiled("torch.compile(naive)", naive, device)
     shapes = (QUICK_TOKENS, QUICK_VOCABS, QUICK_HIDDENS) if quick else (TOKENS, VOCABS, HIDDENS)
     cases = []
     for N, V, H in itertools.product(*shapes):
+
         def make(N=N, V=V, H=H):
             x = _token_inputs((N,), device)
             del x["logp"]
-            x.update(hidden=random_tokens(N, H, device=device, dtype=dtype, requires_grad=True),
-                     weight=(random_tokens(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
-                     labels=torch.randint(0, V, (N,), device=device))
+            x.update(
+                hidden=random_tokens(N, H, device=device, dtype=dtype, requires_grad=True),
+                weight=(random_tokens(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_(),
+                labels=torch.randint(0, V, (N,), device=device),
+            )
             return x
+
         contenders = [
-            Contender("fastppo", lambda x: fastppo.ppo_loss_from_hidden(
-                x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"],
-                entropy_coef=0.01, **LOSS_OPTIONS)[0]),
+            Contender(
+                "fastppo",
+                lambda x: fastppo.ppo_loss_from_hidden(
+                    x["hidden"],
+                    x["weight"],
+                    x["labels"],
+                    x["old"],
+                    x["adv"],
+                    x["mask"],
+                    ref_logprobs=x["ref"],
+                    entropy_coef=0.01,
+                    **LOSS_OPTIONS,
+                )[0],
+            ),
             Contender("fastppo unfused (token_logprobs_from_hidden + ppo_policy_loss)", unfused),
             Contender("naive", naive, baseline=True),
             compiled_naive,
         ]
         operands = (N * H + V * H) * e
-        cases.append(Case("ppo_loss_hidden", f"N={N} V={V} H={H}", make, contenders, bytes_fwd=operands + 21 * N,
-                          bytes_fwd_bwd=4 * operands + 21 * N, grad_inputs=("hidden", "weight")))
+        cases.append(
+            Case(
+                "ppo_loss_hidden",
+                f"N={N} V={V} H={H}",
+                make,
+                contenders,
+                bytes_fwd=operands + 21 * N,
+                bytes_fwd_bwd=4 * operands + 21 * N,
+                grad_inputs=("hidden", "weight"),
+            )
+        )
     return cases
 
 
@@ -127,13 +184,26 @@ def ppo_loss_tokens_cases(device: torch.device, quick: bool) -> list:
     cases = []
     for B, T in QUICK_BATCHES if quick else BATCHES:
         contenders = [
-            Contender("fastppo", lambda x: fastppo.ppo_policy_loss(x["logp"], x["old"], x["adv"], x["mask"],
-                                                                   ref_logprobs=x["ref"], **LOSS_OPTIONS)[0]),
+            Contender(
+                "fastppo",
+                lambda x: fastppo.ppo_policy_loss(
+                    x["logp"], x["old"], x["adv"], x["mask"], ref_logprobs=x["ref"], **LOSS_OPTIONS
+                )[0],
+            ),
             Contender("naive", naive, baseline=True),
             compiled_naive,
         ]
-        cases.append(Case("ppo_loss_tokens", f"B={B} T={T}", lambda B=B, T=T: _token_inputs((B, T), device),
-                          contenders, bytes_fwd=17 * B * T, bytes_fwd_bwd=21 * B * T, grad_inputs=("logp",)))
+        cases.append(
+            Case(
+                "ppo_loss_tokens",
+                f"B={B} T={T}",
+                lambda B=B, T=T: _token_inputs((B, T), device),
+                contenders,
+                bytes_fwd=17 * B * T,
+                bytes_fwd_bwd=21 * B * T,
+                grad_inputs=("logp",),
+            )
+        )
     return cases
 
 
@@ -149,9 +219,12 @@ def value_loss_cases(device: torch.device, quick: bool) -> list:
         return naive_value_loss(x["values"], x["old"], x["returns"], x["mask"])
 
     def make(B, T):
-        return {"values": random_tokens(B, T, device=device, requires_grad=True),
-                "old": random_tokens(B, T, device=device), "returns": random_tokens(B, T, device=device),
-                "mask": torch.rand(B, T, device=device) > 0.2}
+        return {
+            "values": random_tokens(B, T, device=device, requires_grad=True),
+            "old": random_tokens(B, T, device=device),
+            "returns": random_tokens(B, T, device=device),
+            "mask": torch.rand(B, T, device=device) > 0.2,
+        }
 
     compiled_naive = compiled("torch.compile(naive)", naive, device)
     cases = []
@@ -161,6 +234,15 @@ def value_loss_cases(device: torch.device, quick: bool) -> list:
             Contender("naive", naive, baseline=True),
             compiled_naive,
         ]
-        cases.append(Case("value_loss", f"B={B} T={T}", lambda B=B, T=T: make(B, T), contenders,
-                          bytes_fwd=13 * B * T, bytes_fwd_bwd=17 * B * T, grad_inputs=("values",)))
+        cases.append(
+            Case(
+                "value_loss",
+                f"B={B} T={T}",
+                lambda B=B, T=T: make(B, T),
+                contenders,
+                bytes_fwd=13 * B * T,
+                bytes_fwd_bwd=17 * B * T,
+                grad_inputs=("values",),
+            )
+        )
     return cases

@@ -36,8 +36,9 @@ def time_call(call, device: torch.device, *, quick: bool = False, smoke: bool = 
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        median, low, high = do_bench(call, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                     quantiles=[0.5, 0.0, 1.0])
+        median, low, high = do_bench(
+            call, warmup=10 if quick else 25, rep=40 if quick else 100, quantiles=[0.5, 0.0, 1.0]
+        )
         return Timing(median, low, high)
     call()  # warm-up
     budget = 0.2 if quick else 1.0

@@ -30,19 +30,27 @@ def markdown(meta: dict, rows: list) -> str:
     for op in dict.fromkeys(r["op"] for r in rows):
         op_rows = [r for r in rows if r["op"] == op]
         rated = any(r["rate"] is not None for r in op_rows)  # e.g. generated tokens per second
-        lines += ["", f"## {op}", "",
-                  "| shape | contender | pass | ms | x naive | GB/s | % copy | memory |" + (" items/s |" if rated else ""),
-                  "| --- " * (9 if rated else 8) + "|"]
+        lines += [
+            "",
+            f"## {op}",
+            "",
+            "| shape | contender | pass | ms | x naive | GB/s | % copy | memory |" + (" items/s |" if rated else ""),
+            "| --- " * (9 if rated else 8) + "|",
+        ]
         for r in op_rows:
             if r["status"] != "ok":
-                lines.append(f"| {r['case']} | {r['contender']} | {r['mode']} | {r['status']} | | | | |"
-                             + (" |" if rated else ""))
+                lines.append(
+                    f"| {r['case']} | {r['contender']} | {r['mode']} | {r['status']} | | | | |"
+                    + (" |" if rated else "")
+                )
                 continue
             speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else ""
             rate = f" {r['rate']:.0f} |" if rated else ""
             name = f"{r['contender']} ({r['note']})" if r.get("note") else r["contender"]
-            lines.append(f"| {r['case']} | {name} | {r['mode']} | {_time(r)} | {speedup} | "
-                         f"{r['gbps']:.1f} | {r['pct_copy']:.0f} | {_bytes(r['memory_bytes'])} |{rate}")
+            lines.append(
+                f"| {r['case']} | {name} | {r['mode']} | {_time(r)} | {speedup} | "
+                f"{r['gbps']:.1f} | {r['pct_copy']:.0f} | {_bytes(r['memory_bytes'])} |{rate}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -74,7 +74,7 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
     loop = hot_loop(instructions)
     # Without a loop the whole body is what runs per program, once.
     first, last = loop if loop else (0, len(instructions) - 1)
-    hot, once = mix(instructions[first:last + 1]), mix(instructions[:first] + instructions[last + 1:])
+    hot, once = mix(instructions[first : last + 1]), mix(instructions[:first] + instructions[last + 1 :])
     trips = case.trips if loop else 1
     threads = 32 * case.num_warps
     per_thread = case.elements_per_trip / threads  # elements one thread handles per trip
@@ -86,28 +86,53 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
     t_issue = warp_instructions / (gpu.issue_per_clock * busy_sms * clock)
     t_mufu = mufu_lanes / (gpu.mufu_per_clock * busy_sms * clock)
 
-    per_sm = min(gpu.max_warps // case.num_warps, gpu.max_programs,
-                 gpu.registers // max(1, res.registers * threads),
-                 gpu.shared_bytes // max(1, res.shared_bytes))
+    per_sm = min(
+        gpu.max_warps // case.num_warps,
+        gpu.max_programs,
+        gpu.registers // max(1, res.registers * threads),
+        gpu.shared_bytes // max(1, res.shared_bytes),
+    )
     in_flight = min(case.programs, gpu.sms * per_sm) * case.loaded_per_trip
     bandwidth = min(gpu.copy_tbs * 1e12, in_flight / (gpu.latency_us * 1e-6))
     t_copy = case.bytes / (gpu.copy_tbs * 1e12)
     t_memory = case.bytes / bandwidth
     bound, t = max((("issue", t_issue), ("MUFU", t_mufu), ("memory", t_memory)), key=lambda x: x[1])
     return {
-        "kernel": case.name, "shape": case.shape, "warps": case.num_warps, "programs": case.programs,
-        "registers": res.registers, "spill_bytes": res.local_bytes, "shared_bytes": res.shared_bytes,
-        "load_bits": hot.load_bits or once.load_bits, "store_bits": hot.store_bits or once.store_bits,
+        "kernel": case.name,
+        "shape": case.shape,
+        "warps": case.num_warps,
+        "programs": case.programs,
+        "registers": res.registers,
+        "spill_bytes": res.local_bytes,
+        "shared_bytes": res.shared_bytes,
+        "load_bits": hot.load_bits or once.load_bits,
+        "store_bits": hot.store_bits or once.store_bits,
         "loop_instructions": hot.instructions if loop else None,
         "instructions_per_element": hot.instructions / per_thread,
-        "barriers": hot.barriers, "shuffles": hot.shuffles, "mufu_per_element": hot.mufu / per_thread,
-        "issue_us": t_issue * 1e6, "mufu_us": t_mufu * 1e6, "memory_us": t_memory * 1e6,
-        "predicted_us": t * 1e6, "bound": bound, "copy_share": t_copy / t, "target": case.target,
+        "barriers": hot.barriers,
+        "shuffles": hot.shuffles,
+        "mufu_per_element": hot.mufu / per_thread,
+        "issue_us": t_issue * 1e6,
+        "mufu_us": t_mufu * 1e6,
+        "memory_us": t_memory * 1e6,
+        "predicted_us": t * 1e6,
+        "bound": bound,
+        "copy_share": t_copy / t,
+        "target": case.target,
     }
 
 
-def from_hidden_model(gpu: GPU, N: int, H: int, V: int, chunk: int, in_place: bool, half_grad: bool,
-                      recompute: bool, element_bytes: int = 2) -> dict:
+def from_hidden_model(
+    gpu: GPU,
+    N: int,
+    H: int,
+    V: int,
+    chunk: int,
+    in_place: bool,
+    half_grad: bool,
+    recompute: bool,
+    element_bytes: int = 2,
+) -> dict:
     """Predicted time of the chunked ops from hidden states, forward and backward, against the
     three bare matmuls of the same shapes, each step bound by FLOPs or by bytes.
 
@@ -135,8 +160,18 @@ def from_hidden_model(gpu: GPU, N: int, H: int, V: int, chunk: int, in_place: bo
         grad_weight = step(2 * n * H * V, n * V * e + n * H * e + accumulate)
         total += (2 if recompute else 1) * logits + kernels + grad_hidden + grad_weight
     bare = 3 * step(2 * N * H * V, 0)
-    return {"N": N, "H": H, "V": V, "chunk": chunk, "in_place": in_place, "half_grad": half_grad,
-            "recompute": recompute, "predicted_ms": total * 1e3, "bare_ms": bare * 1e3, "ratio": total / bare}
+    return {
+        "N": N,
+        "H": H,
+        "V": V,
+        "chunk": chunk,
+        "in_place": in_place,
+        "half_grad": half_grad,
+        "recompute": recompute,
+        "predicted_ms": total * 1e3,
+        "bare_ms": bare * 1e3,
+        "ratio": total / bare,
+    }
 
 
 def markdown(rows: list, plans: list, gpu: GPU, meta: dict) -> str:
@@ -161,20 +196,28 @@ def markdown(rows: list, plans: list, gpu: GPU, meta: dict) -> str:
             f"| {r['kernel']} | {r['shape']} | {r['warps']} x {r['programs']} | {r['registers']} | "
             f"{r['spill_bytes']} | {r['shared_bytes']} | {bits} | {r['instructions_per_element']:.1f} | "
             f"{r['barriers']} | {r['shuffles']} | {r['issue_us']:.0f} | {r['memory_us']:.0f} | "
-            f"{r['predicted_us']:.0f} | {r['bound']} | {r['copy_share']:.0%} | {target} |")
+            f"{r['predicted_us']:.0f} | {r['bound']} | {r['copy_share']:.0%} | {target} |"
+        )
     if plans:
-        lines += ["", "## From hidden states: a FLOP/byte model of the chunk plan", "",
-                  "Each step of each chunk takes max(FLOPs / matmul rate, bytes / copy bandwidth); "
-                  "bare = the three matmuls (logits, hidden and weight gradients) alone.", "",
-                  "| op | N x H x V | chunk rows | logit grad | weight grad | predicted ms | bare matmuls ms | ratio |",
-                  "| --- " * 8 + "|"]
+        lines += [
+            "",
+            "## From hidden states: a FLOP/byte model of the chunk plan",
+            "",
+            "Each step of each chunk takes max(FLOPs / matmul rate, bytes / copy bandwidth); "
+            "bare = the three matmuls (logits, hidden and weight gradients) alone.",
+            "",
+            "| op | N x H x V | chunk rows | logit grad | weight grad | predicted ms | bare matmuls ms | ratio |",
+            "| --- " * 8 + "|",
+        ]
         for m in plans:
             op = "token_logprobs_from_hidden" if m["recompute"] else "ppo_loss_from_hidden"
             chunk = f"{m['chunk']} (the launcher's)" if m.get("default") else str(m["chunk"])
             grad = "half, by the kernel" if m["half_grad"] else "fp32, then cast"
             how = "in place (fp32 out)" if m["in_place"] else "+= per chunk"
-            lines.append(f"| {op} | {m['N']} x {m['H']} x {m['V']} | {chunk} | {grad} | {how} | "
-                         f"{m['predicted_ms']:.1f} | {m['bare_ms']:.1f} | {m['ratio']:.2f}x |")
+            lines.append(
+                f"| {op} | {m['N']} x {m['H']} x {m['V']} | {chunk} | {grad} | {how} | "
+                f"{m['predicted_ms']:.1f} | {m['bare_ms']:.1f} | {m['ratio']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -14,11 +14,11 @@ import torch
 import fastppo
 
 from .advantages import gae_cases, whiten_cases
-from .logprobs import logprobs_from_hidden_cases, logprobs_cases
+from .logprobs import logprobs_cases, logprobs_from_hidden_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
+from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 from .sampler import sampler_cases, sampling_cases
 from .trainer import trainer_cases, trainer_options_cases
-from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 
 # op family -> cases(device, quick). A time budget cuts the end of the list, so one family of
 # each kind comes first and the matmul-bound ones, whose naive contenders take longest, last.
@@ -94,8 +94,15 @@ def run_case(case, device, *, quick, smoke, copy_gbps, deadline) -> list:
             elif contender.fn is not None:
                 try:
                     inputs = inputs or case.make_inputs()
-                    _measure(row, make_call(contender.fn, inputs, mode, case.grad_inputs), device,
-                             quick=quick, smoke=smoke, copy_gbps=copy_gbps, items=case.items)
+                    _measure(
+                        row,
+                        make_call(contender.fn, inputs, mode, case.grad_inputs),
+                        device,
+                        quick=quick,
+                        smoke=smoke,
+                        copy_gbps=copy_gbps,
+                        items=case.items,
+                    )
                     row.note = contender.note and contender.note(inputs)
                 except Exception as error:  # an OOM or a broken peer is a row, not the end of the run
                     row.status = f"error: {type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
@@ -114,10 +121,16 @@ def commit() -> str:
     """The checkout's commit, ``+changes`` when its working tree differs from it."""
     root = Path(__file__).parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=5).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                 capture_output=True, text=True, timeout=5).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return (head + ("+changes" if changed else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -129,8 +142,15 @@ def machine(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def run_suite(ops, device: torch.device, *, quick: bool = False, smoke: bool = False,
-              time_budget_s: float = float("inf"), on_case=None) -> tuple:
+def run_suite(
+    ops,
+    device: torch.device,
+    *,
+    quick: bool = False,
+    smoke: bool = False,
+    time_budget_s: float = float("inf"),
+    on_case=None,
+) -> tuple:
     """Run the families ``ops`` on ``device``; return ``(meta, rows)``.
 
     ``on_case(meta, rows)``, if given, sees the rows so far after every case, so a run that is
@@ -138,20 +158,32 @@ def run_suite(ops, device: torch.device, *, quick: bool = False, smoke: bool = F
     """
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    meta = {"machine": machine(device), "device": device.type, "date": datetime.datetime.now(
-                datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit(), "fastppo": fastppo.__version__, "torch": torch.__version__,
-            "triton": triton_version, "python": platform.python_version(), "quick": quick,
-            "copy_gbps": copy_bandwidth_gbps(device, quick=quick, smoke=smoke)}
+    meta = {
+        "machine": machine(device),
+        "device": device.type,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "fastppo": fastppo.__version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "quick": quick,
+        "copy_gbps": copy_bandwidth_gbps(device, quick=quick, smoke=smoke),
+    }
     deadline = time.monotonic() + time_budget_s
     rows = []
     for op in ops:
         for case in FAMILIES[op](device, quick):
-            rows += [asdict(r) for r in run_case(case, device, quick=quick, smoke=smoke,
-                                                 copy_gbps=meta["copy_gbps"], deadline=deadline)]
+            rows += [
+                asdict(r)
+                for r in run_case(
+                    case, device, quick=quick, smoke=smoke, copy_gbps=meta["copy_gbps"], deadline=deadline
+                )
+            ]
             if on_case is not None:
                 on_case(meta, rows)
     return meta, rows

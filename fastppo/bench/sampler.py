@@ -42,19 +42,45 @@ def _model(device: torch.device, quick: bool):
 
     torch.manual_seed(0)
     if quick or device.type != "cuda":
-        config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
+        config = LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         return LlamaForCausalLM(config).to(device).eval()
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
 def _hf_generate(model, prompt_ids, new: int, **options):
     ids = torch.tensor(prompt_ids, device=model.device)  # (B, PROMPT): equal lengths, no padding
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                          do_sample=True, top_k=0, eos_token_id=None, pad_token_id=0, **options)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=True,
+        top_k=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        **options,
+    )
 
 
 def sampler_cases(device: torch.device, quick: bool) -> list:
@@ -63,23 +89,44 @@ def sampler_cases(device: torch.device, quick: bool) -> list:
     model = _model(device, quick)
     cases = []
     for B in sizes["batches"]:
+
         def make(B=B):
             sampler = fastppo.Sampler(model, max_batch_size=B, max_seq_len=prompt + new)
             prompts = torch.randint(0, model.config.vocab_size, (B, prompt)).tolist()
             return {"model": model, "sampler": sampler, "prompts": prompts}
 
         contenders = [
-            Contender("fastppo", lambda x: x["sampler"].generate(
-                x["prompts"], max_new_tokens=new, temperature=1.0, stop_token_ids=(), seed=0).response_ids),
-            Contender("HF generate (dynamic cache)", lambda x: _hf_generate(x["model"], x["prompts"], new),
-                      baseline=True),
+            Contender(
+                "fastppo",
+                lambda x: (
+                    x["sampler"]
+                    .generate(x["prompts"], max_new_tokens=new, temperature=1.0, stop_token_ids=(), seed=0)
+                    .response_ids
+                ),
+            ),
+            Contender(
+                "HF generate (dynamic cache)", lambda x: _hf_generate(x["model"], x["prompts"], new), baseline=True
+            ),
             # Without generate()'s automatic torch.compile: compiling per batch size takes minutes.
-            Contender("HF generate (static cache, no compile)", lambda x: _hf_generate(
-                x["model"], x["prompts"], new, cache_implementation="static", disable_compile=True))
-            if device.type == "cuda" else Contender("HF generate (static cache, no compile)", status="CUDA only"),
+            Contender(
+                "HF generate (static cache, no compile)",
+                lambda x: _hf_generate(
+                    x["model"], x["prompts"], new, cache_implementation="static", disable_compile=True
+                ),
+            )
+            if device.type == "cuda"
+            else Contender("HF generate (static cache, no compile)", status="CUDA only"),
         ]
-        cases.append(Case("sampler", f"B={B} prompt={prompt} new={new}", make, contenders,
-                          bytes_fwd=rollout_bytes(model, [prompt] * B, [new] * B), items=B * new))
+        cases.append(
+            Case(
+                "sampler",
+                f"B={B} prompt={prompt} new={new}",
+                make,
+                contenders,
+                bytes_fwd=rollout_bytes(model, [prompt] * B, [new] * B),
+                items=B * new,
+            )
+        )
     return cases + real_sampler_cases(device, quick)
 
 
@@ -97,6 +144,7 @@ def sampling_cases(device: torch.device, quick: bool) -> list:
     cases = []
     shapes = (QUICK_DRAW_ROWS, QUICK_DRAW_VOCABS) if quick else (DRAW_ROWS, DRAW_VOCABS)
     for B, V in itertools.product(*shapes):
+
         def make(B=B, V=V):
             return {"logits": random_tokens(B, V, device=device, dtype=dtype)}
 

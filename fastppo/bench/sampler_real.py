@@ -34,12 +34,22 @@ from .case import Case, Contender
 from .smollm2 import Unavailable, smollm2
 
 QUESTIONS = (
-    "What is 17 times 23?", "Name three primary colors.", "Write a haiku about the sea.",
-    "Explain why the sky is blue.", "What is the capital of Australia?", "Give me a synonym for happy.",
-    "How many legs does a spider have?", "Summarise the plot of Romeo and Juliet.", "What is photosynthesis?",
-    "Translate 'good morning' into French.", "List four planets of the solar system.",
-    "What does a thermometer measure?", "Solve for x: 3x + 5 = 20.", "Why do leaves change color in autumn?",
-    "Write one sentence about a cat.", "What is the boiling point of water in Fahrenheit?",
+    "What is 17 times 23?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "Explain why the sky is blue.",
+    "What is the capital of Australia?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What is photosynthesis?",
+    "Translate 'good morning' into French.",
+    "List four planets of the solar system.",
+    "What does a thermometer measure?",
+    "Solve for x: 3x + 5 = 20.",
+    "Why do leaves change color in autumn?",
+    "Write one sentence about a cat.",
+    "What is the boiling point of water in Fahrenheit?",
 )
 ROWS = 48
 SLOTS = (48, 16)
@@ -51,8 +61,13 @@ def _prompts(tokenizer, rows: int) -> list:
     prompts = []
     for i in range(rows):
         messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]))
+        prompts.append(
+            list(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                    "input_ids"
+                ]
+            )
+        )
     return prompts
 
 
@@ -69,8 +84,16 @@ def _hf_generate(model, prompts: list, lengths: list):
     L = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device=model.device)  # left-padded
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    return model.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
-                          do_sample=True, top_k=0, eos_token_id=None, pad_token_id=0)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max(lengths),
+        min_new_tokens=max(lengths),
+        do_sample=True,
+        top_k=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def _hf_continuous(model, prompts: list, lengths: list):
@@ -100,7 +123,9 @@ def rollout_bytes(model, prompt_lens: list, lengths: list) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     head_dim = config.hidden_size // config.num_attention_heads
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
-    return max(lengths) * weights + sum(sum(p + s for s in range(n)) for p, n in zip(prompt_lens, lengths)) * kv_per_token
+    return (
+        max(lengths) * weights + sum(sum(p + s for s in range(n)) for p, n in zip(prompt_lens, lengths)) * kv_per_token
+    )
 
 
 def real_sampler_cases(device: torch.device, quick: bool) -> list:
@@ -108,13 +133,22 @@ def real_sampler_cases(device: torch.device, quick: bool) -> list:
     ``--quick`` sizes (a smoke test of the suite loads no real model)."""
     if quick:
         return []
-    contender_names = [f"fastppo, {n} slots" for n in SLOTS] + ["HF generate (dynamic cache)",
-                                                                 "transformers continuous batching"]
+    contender_names = [f"fastppo, {n} slots" for n in SLOTS] + [
+        "HF generate (dynamic cache)",
+        "transformers continuous batching",
+    ]
     try:
         path = smollm2()
     except Unavailable as why:
-        return [Case("sampler", "SmolLM2-135M-Instruct", dict, [Contender(n, status=f"unavailable: {why}")
-                                                                 for n in contender_names], bytes_fwd=1)]
+        return [
+            Case(
+                "sampler",
+                "SmolLM2-135M-Instruct",
+                dict,
+                [Contender(n, status=f"unavailable: {why}") for n in contender_names],
+                bytes_fwd=1,
+            )
+        ]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -125,27 +159,46 @@ def real_sampler_cases(device: torch.device, quick: bool) -> list:
     workloads = {"fixed": [FIXED_NEW] * rows, "long tail": long_tail_lengths(rows, BUDGET)}
     cases = []
     for name, lengths in workloads.items():
+
         def make(lengths=lengths):
             longest = max(map(len, prompts)) + max(lengths)
             samplers = [fastppo.Sampler(model, max_batch_size=n, max_seq_len=longest) for n in SLOTS]
             return {"model": model, "samplers": samplers, "prompts": prompts, "lengths": lengths}
 
         def fastppo_contender(i):
-            return Contender(contender_names[i], lambda x: x["samplers"][i].generate(
-                x["prompts"], max_new_tokens=x["lengths"], temperature=1.0, stop_token_ids=(), seed=0).response_ids,
-                note=lambda x: _waste(x["samplers"][i].rows_decoded, x["lengths"]))
+            return Contender(
+                contender_names[i],
+                lambda x: (
+                    x["samplers"][i]
+                    .generate(x["prompts"], max_new_tokens=x["lengths"], temperature=1.0, stop_token_ids=(), seed=0)
+                    .response_ids
+                ),
+                note=lambda x: _waste(x["samplers"][i].rows_decoded, x["lengths"]),
+            )
 
         def hf_waste(x):
             return _waste(len(x["lengths"]) * (max(x["lengths"]) - 1), x["lengths"])
 
         contenders = [fastppo_contender(i) for i in range(len(SLOTS))] + [
-            Contender(contender_names[-2], lambda x: _hf_generate(x["model"], x["prompts"], x["lengths"]),
-                      baseline=True, note=hf_waste),
+            Contender(
+                contender_names[-2],
+                lambda x: _hf_generate(x["model"], x["prompts"], x["lengths"]),
+                baseline=True,
+                note=hf_waste,
+            ),
             Contender(contender_names[-1], lambda x: _hf_continuous(x["model"], x["prompts"], x["lengths"]))
             if hasattr(model, "continuous_batching_context_manager")
             else Contender(contender_names[-1], status="not in this transformers"),
         ]
         label = f"SmolLM2-135M {name}: {rows} rows, new tokens mean {sum(lengths) / rows:.0f} max {max(lengths)}"
-        cases.append(Case("sampler", label, make, contenders, items=sum(lengths),
-                          bytes_fwd=rollout_bytes(model, [len(p) for p in prompts], lengths)))
+        cases.append(
+            Case(
+                "sampler",
+                label,
+                make,
+                contenders,
+                items=sum(lengths),
+                bytes_fwd=rollout_bytes(model, [len(p) for p in prompts], lengths),
+            )
+        )
     return cases

@@ -82,8 +82,9 @@ def disassemble(cubin: bytes) -> tuple:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
         sass = subprocess.run([_tool("cuobjdump"), "-sass", str(path)], capture_output=True, text=True, check=True)
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True,
-                               check=True)
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True, check=True
+        )
     return parse(sass.stdout), resources(usage.stdout)
 
 

@@ -2,13 +2,14 @@
 
 A random Llama of the given shape (the shipped tokenizer's vocabulary, so no download) is trained
 with GAE, a critic and a KL reference, the heaviest set of models, and a bf16 rollout copy (as on
-CUDA), on two gloo ranks of this machine; each mode runs one warm-up iteration and then the timed ones. Per rank: seconds per
-iteration (median), the storage held for the weights of every model and the AdamW states
-(measured from the live tensors, DTensor shards by their local part), the rollout copy's storage
-between rollouts, and the peak of tensor memory during one more iteration: every tensor alive
-before it plus the peak of those it creates (``LiveBytes``), gathered weights and activations
-included. Not the process's resident memory: on a CPU that says more about glibc, which keeps
-what FSDP's gathers free, than about the run. The collectives go through gloo here; on GPUs NCCL runs the same code.
+CUDA), on two gloo ranks of this machine; each mode runs one warm-up iteration and then the timed
+ones. Per rank: seconds per iteration (median), the storage held for the weights of every model and
+the AdamW states (measured from the live tensors, DTensor shards by their local part), the rollout
+copy's storage between rollouts, and the peak of tensor memory during one more iteration: every
+tensor alive before it plus the peak of those it creates (``LiveBytes``), gathered weights and
+activations included. Not the process's resident memory: on a CPU that says more about glibc, which
+keeps what FSDP's gathers free, than about the run. The collectives go through gloo here; on GPUs
+NCCL runs the same code.
 """
 
 import gc
@@ -28,11 +29,11 @@ from .measure import LiveBytes, storage_bytes
 def resident_bytes(trainer) -> dict:
     """The storage this rank holds, from the live tensors: the models' weights with the AdamW
     states (``trained``), and the rollout copy's weights (``rollout``)."""
-    models = [trainer.policy, trainer.critic, trainer.reference]
+    models = [trainer.policy, trainer.critic, trainer.models.reference]
     tensors = [p for model in models if model is not None for p in model.parameters()]
-    for optimizer in trainer._optimizers():
+    for optimizer in trainer.optimizers.each():
         tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    rollout = [] if trainer.rollout_weights.shared else list(trainer.rollout_weights.model.parameters())
+    rollout = [] if trainer.models.rollout_weights.shared else list(trainer.models.rollout_weights.model.parameters())
     return {"trained": storage_bytes(tensors), "rollout": storage_bytes(rollout)}
 
 
@@ -44,10 +45,18 @@ def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
 
     _, tokenizer = load_policy(None)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
-                         num_key_value_heads=max(hidden // 256, 1), max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 256, 1),
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -63,16 +72,28 @@ def live_tensor_bytes() -> int:
 
 
 def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)  # two ranks on a shared CPU
     from ..trainer import PPOTrainer, TrainConfig
 
-    config = TrainConfig.from_flat({
-        "model": model, "out": f"{out}/run", "save": False, "device": "cpu", "fsdp": fsdp, "estimator": "gae",
-        "kl_coef": 0.02, "prompts_per_iteration": 4, "samples_per_prompt": 4, "max_new_tokens": 16,
-        "rollout_dtype": "bfloat16",
-        "iterations": iterations + 2}).validate()
+    config = TrainConfig.from_flat(
+        {
+            "model": model,
+            "out": f"{out}/run",
+            "save": False,
+            "device": "cpu",
+            "fsdp": fsdp,
+            "estimator": "gae",
+            "kl_coef": 0.02,
+            "prompts_per_iteration": 4,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 16,
+            "rollout_dtype": "bfloat16",
+            "iterations": iterations + 2,
+        }
+    ).validate()
     trainer = PPOTrainer(config)
     seconds = []
     for i in range(iterations + 1):
@@ -82,8 +103,12 @@ def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: st
     before = live_tensor_bytes()
     with LiveBytes() as during:  # one more iteration, untimed: the mode sees every op
         trainer.iteration(iterations + 1)
-    result = {**resident_bytes(trainer), "seconds": statistics.median(seconds[1:]), "peak": before + during.peak,
-              "params": sum(p.numel() for p in trainer.rollout_weights.model.parameters())}
+    result = {
+        **resident_bytes(trainer),
+        "seconds": statistics.median(seconds[1:]),
+        "peak": before + during.peak,
+        "params": sum(p.numel() for p in trainer.models.rollout_weights.model.parameters()),
+    }
     Path(f"{out}/rank{rank}.json").write_text(json.dumps(result))
     trainer.ranks.close()
 
@@ -109,15 +134,21 @@ def compare(*, hidden: int = 512, layers: int = 8, iterations: int = 3) -> dict:
 def markdown(result: dict, machine: str) -> str:
     MiB = 1 << 20
     params = result["modes"]["replicated"][0]["params"]
-    lines = [f"# Sharded vs replicated data parallelism, {machine}", "",
-             f"One PPO iteration (GAE, critic, KL reference, bf16 rollout copy; 16 rows per rank, 16 new tokens) of a random Llama "
-             f"with hidden {result['hidden']}, {result['layers']} layers ({params:,} parameters), on 2 gloo ranks; "
-             f"median of {result['iterations']} after a warm-up.", "",
-             "| mode | rank | s / iteration | weights + AdamW state held | rollout copy between rollouts | "
-             "peak tensor memory |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Sharded vs replicated data parallelism, {machine}",
+        "",
+        "One PPO iteration (GAE, critic, KL reference, bf16 rollout copy; 16 rows per rank, 16 new tokens) of a "
+        f"random Llama with hidden {result['hidden']}, {result['layers']} layers ({params:,} parameters), on 2 "
+        f"gloo ranks; median of {result['iterations']} after a warm-up.",
+        "",
+        "| mode | rank | s / iteration | weights + AdamW state held | rollout copy between rollouts | "
+        "peak tensor memory |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for mode, ranks in result["modes"].items():
         for rank, r in enumerate(ranks):
-            lines.append(f"| {mode} | {rank} | {r['seconds']:.3f} | {r['trained'] / MiB:.1f} MiB | "
-                         f"{r['rollout'] / MiB:.1f} MiB | {r['peak'] / MiB:.0f} MiB |")
+            lines.append(
+                f"| {mode} | {rank} | {r['seconds']:.3f} | {r['trained'] / MiB:.1f} MiB | "
+                f"{r['rollout'] / MiB:.1f} MiB | {r['peak'] / MiB:.0f} MiB |"
+            )
     return "\n".join(lines) + "\n"

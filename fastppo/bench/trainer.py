@@ -36,8 +36,9 @@ OPTIONS = {  # contender -> the config fields that make it
 def _trainer(device, fields: dict, policy_factory=None):
     from ..trainer import PPOTrainer, TrainConfig
 
-    config = TrainConfig.from_flat({"out": tempfile.mkdtemp(prefix="fastppo-bench-"), "save": False,
-                                    "device": str(device), **fields}).validate()
+    config = TrainConfig.from_flat(
+        {"out": tempfile.mkdtemp(prefix="fastppo-bench-"), "save": False, "device": str(device), **fields}
+    ).validate()
     if policy_factory is None:
         return PPOTrainer(config)
     policy, tokenizer = policy_factory()
@@ -52,9 +53,18 @@ def _mid_size_llama():
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     return LlamaForCausalLM(config), tokenizer
 
 
@@ -70,20 +80,32 @@ def _phases_case(device) -> Case:
     def make():
         trainer = _trainer(device, {})
         scored = trainer.rollout(0)
-        return {"trainer": trainer, "rollout": scored.rollout, "scores": scored.scores,
-                "batch": trainer.prepare(scored.rollout, scored.scores)}
+        return {
+            "trainer": trainer,
+            "rollout": scored.rollout,
+            "scores": scored.scores,
+            "batch": trainer.prepare(scored.rollout, scored.scores),
+        }
 
     contenders = [
         Contender("rollout (sampler + reward)", lambda x: x["trainer"].rollout(0)),
-        Contender("forward (reference, values, old log-probs if recomputed)",
-                  lambda x: x["trainer"].prepare(x["rollout"], x["scores"])),
+        Contender(
+            "forward (reference, values, old log-probs if recomputed)",
+            lambda x: x["trainer"].prepare(x["rollout"], x["scores"]),
+        ),
         # a fresh copy each call: the update fills in the old log-probs it computes
         Contender("update (PPO minibatch steps)", lambda x: x["trainer"].update(dataclasses.replace(x["batch"]))),
         Contender("whole iteration", lambda x: x["trainer"].iteration(0)),
     ]
     rows, new_tokens = 16 * 8, 8
-    return Case("trainer", f"shipped tiny model, {rows} rows x {new_tokens} tokens", make, contenders,
-                bytes_fwd=_weights(), items=rows * new_tokens)
+    return Case(
+        "trainer",
+        f"shipped tiny model, {rows} rows x {new_tokens} tokens",
+        make,
+        contenders,
+        bytes_fwd=_weights(),
+        items=rows * new_tokens,
+    )
 
 
 def _options_case(device, label: str, shape: dict, policy_factory=None) -> Case:
@@ -93,13 +115,20 @@ def _options_case(device, label: str, shape: dict, policy_factory=None) -> Case:
     def make():
         return {name: _trainer(device, {**shape, **OPTIONS[name]}, policy_factory) for name in names}
 
-    contenders = [Contender(name, lambda x, name=name: x[name].iteration(0),
-                            baseline=name.startswith("before")) for name in names]
+    contenders = [
+        Contender(name, lambda x, name=name: x[name].iteration(0), baseline=name.startswith("before")) for name in names
+    ]
     if not lora:
         contenders.append(Contender("LoRA rank 8 (+ bf16 rollout copy)", status="peft not installed"))
     rows = shape["prompts_per_iteration"] * shape["samples_per_prompt"]
-    return Case("trainer_options", f"{label}, {rows} rows x {shape['max_new_tokens']} tokens", make, contenders,
-                bytes_fwd=_weights(policy_factory), items=rows * shape["max_new_tokens"])
+    return Case(
+        "trainer_options",
+        f"{label}, {rows} rows x {shape['max_new_tokens']} tokens",
+        make,
+        contenders,
+        bytes_fwd=_weights(policy_factory),
+        items=rows * shape["max_new_tokens"],
+    )
 
 
 def trainer_cases(device: torch.device, quick: bool) -> list:

@@ -25,12 +25,23 @@ import torch
 def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16) -> list:
     from ..trainer import PPOTrainer, TrainConfig
 
-    config = TrainConfig.from_flat({
-        "model": model, "out": tempfile.mkdtemp(prefix="fastppo-versus-trl-"), "save": False, "device": device.type,
-        "iterations": iterations, "prompts_per_iteration": prompts, "samples_per_prompt": samples,
-        "max_new_tokens": max_new_tokens, "lr": lr, "seed": seed, "estimator": "grpo", "kl_coef": 0.0,
-        **({"autocast": True, "rollout_dtype": "bfloat16"} if bf16 else {}),
-    }).validate()
+    config = TrainConfig.from_flat(
+        {
+            "model": model,
+            "out": tempfile.mkdtemp(prefix="fastppo-versus-trl-"),
+            "save": False,
+            "device": device.type,
+            "iterations": iterations,
+            "prompts_per_iteration": prompts,
+            "samples_per_prompt": samples,
+            "max_new_tokens": max_new_tokens,
+            "lr": lr,
+            "seed": seed,
+            "estimator": "grpo",
+            "kl_coef": 0.0,
+            **({"autocast": True, "rollout_dtype": "bfloat16"} if bf16 else {}),
+        }
+    ).validate()
     trainer = PPOTrainer(config)
     rows = []
     for i in range(iterations):
@@ -38,8 +49,13 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
         metrics = trainer.iteration(i)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        rows.append({"seconds": time.perf_counter() - start, "reward": metrics["reward_mean"],
-                     "tokens": metrics["response_length"] * prompts * samples})
+        rows.append(
+            {
+                "seconds": time.perf_counter() - start,
+                "reward": metrics["reward_mean"],
+                "tokens": metrics["response_length"] * prompts * samples,
+            }
+        )
     return rows
 
 
@@ -70,19 +86,41 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-versus-fastppo-"), per_device_train_batch_size=prompts * samples,
-                      num_generations=samples, max_completion_length=max_new_tokens, max_steps=iterations,
-                      learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.01, optim="adamw_torch",
-                      logging_steps=1, report_to="none", save_strategy="no", use_cpu=device.type != "cuda",
-                      bf16=bf16, disable_dropout=True, seed=seed, temperature=1.0,
-                      num_iterations=1, beta=0.0)
-    trainer = GRPOTrainer(model=policy, reward_funcs=score, args=args, processing_class=tokenizer,
-                          train_dataset=datasets.Dataset.from_list(rows), callbacks=[Clock()])
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-versus-fastppo-"),
+        per_device_train_batch_size=prompts * samples,
+        num_generations=samples,
+        max_completion_length=max_new_tokens,
+        max_steps=iterations,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        optim="adamw_torch",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=device.type != "cuda",
+        bf16=bf16,
+        disable_dropout=True,
+        seed=seed,
+        temperature=1.0,
+        num_iterations=1,
+        beta=0.0,
+    )
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=score,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(rows),
+        callbacks=[Clock()],
+    )
     trainer.train()
     logs = [row for row in trainer.state.log_history if "reward" in row]
-    return [{"seconds": end - start, "reward": log["reward"],
-             "tokens": log["completions/mean_length"] * prompts * samples}
-            for start, end, log in zip(starts, ends, logs)]
+    return [
+        {"seconds": end - start, "reward": log["reward"], "tokens": log["completions/mean_length"] * prompts * samples}
+        for start, end, log in zip(starts, ends, logs)
+    ]
 
 
 def _summary(name: str, rows: list, cutoff: float) -> dict:
@@ -94,43 +132,78 @@ def _summary(name: str, rows: list, cutoff: float) -> dict:
             break
         finished.append(r)
     last = finished[-5:] or rows[:1]
-    return {"trainer": name, "iterations": len(rows), "seconds_median": statistics.median(steady),
-            "seconds_min": min(steady), "seconds_max": max(steady),
-            "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
-            "total_seconds": sum(r["seconds"] for r in rows),
-            "reward_first5": statistics.mean(r["reward"] for r in rows[:5]),
-            "iterations_by_cutoff": len(finished), "reward_at_cutoff": statistics.mean(r["reward"] for r in last)}
+    return {
+        "trainer": name,
+        "iterations": len(rows),
+        "seconds_median": statistics.median(steady),
+        "seconds_min": min(steady),
+        "seconds_max": max(steady),
+        "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
+        "total_seconds": sum(r["seconds"] for r in rows),
+        "reward_first5": statistics.mean(r["reward"] for r in rows[:5]),
+        "iterations_by_cutoff": len(finished),
+        "reward_at_cutoff": statistics.mean(r["reward"] for r in last),
+    }
 
 
-def compare(model=None, device=torch.device("cpu"), *, prompts: int = 16, samples: int = 8, max_new_tokens: int = 8,
-            lr: float = 5e-4, iterations: int = 30, seed: int = 0, bf16: bool = None) -> dict:
+def compare(
+    model=None,
+    device=None,
+    *,
+    prompts: int = 16,
+    samples: int = 8,
+    max_new_tokens: int = 8,
+    lr: float = 5e-4,
+    iterations: int = 30,
+    seed: int = 0,
+    bf16: bool = None,
+) -> dict:
     """Both trainers for ``iterations`` on the arithmetic task; a summary row each (see the module).
     ``bf16`` (default: on CUDA): both in mixed precision, fastppo with bf16 autocast and a bf16
     rollout copy, TRL with ``bf16=True``; else both in fp32."""
+    device = torch.device("cpu") if device is None else device
     bf16 = device.type == "cuda" if bf16 is None else bf16
-    shape = dict(prompts=prompts, samples=samples, max_new_tokens=max_new_tokens, lr=lr, iterations=iterations,
-                 seed=seed, bf16=bf16)
+    shape = dict(
+        prompts=prompts,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        lr=lr,
+        iterations=iterations,
+        seed=seed,
+        bf16=bf16,
+    )
     runs = {"fastppo train": _fastppo_run(model, device, **shape), "TRL GRPOTrainer": _trl_run(model, device, **shape)}
     cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
     summaries = [_summary(name, rows, cutoff) for name, rows in runs.items()]
     ours, theirs = summaries
-    return {"model": model or "the shipped tiny model", "shape": shape, "cutoff_seconds": cutoff,
-            "speedup": theirs["seconds_median"] / ours["seconds_median"], "rows": summaries}
+    return {
+        "model": model or "the shipped tiny model",
+        "shape": shape,
+        "cutoff_seconds": cutoff,
+        "speedup": theirs["seconds_median"] / ours["seconds_median"],
+        "rows": summaries,
+    }
 
 
 def markdown(result: dict, machine: str) -> str:
     s = result["shape"]
-    lines = [f"## fastppo train vs TRL GRPOTrainer: {result['model']}", "",
-             f"{machine}; arithmetic task, {s['prompts']} prompts x {s['samples']} samples, up to "
-             f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, "
-             f"{'bf16 mixed precision' if s['bf16'] else 'fp32'}, one run. "
-             f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "
-             f"**{result['speedup']:.2f}x** (median seconds per iteration).", "",
-             "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "
-             "iterations by the cutoff | reward at the cutoff (last 5) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"## fastppo train vs TRL GRPOTrainer: {result['model']}",
+        "",
+        f"{machine}; arithmetic task, {s['prompts']} prompts x {s['samples']} samples, up to "
+        f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, "
+        f"{'bf16 mixed precision' if s['bf16'] else 'fp32'}, one run. "
+        f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "
+        f"**{result['speedup']:.2f}x** (median seconds per iteration).",
+        "",
+        "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "
+        "iterations by the cutoff | reward at the cutoff (last 5) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['trainer']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
-                     f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
-                     f"{r['reward_at_cutoff']:.3f} |")
+        lines.append(
+            f"| {r['trainer']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
+            f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
+            f"{r['reward_at_cutoff']:.3f} |"
+        )
     return "\n".join(lines) + "\n"

@@ -84,30 +84,48 @@ from ._nan import nan_unless
 from .patching import Patch
 from .peers import ConstructorSignature, Peer, parameters
 
-OPENRLHF = Peer("openrlhf", {
-    "0.8.0": (), "0.8.0.post1": (), "0.8.1": (), "0.8.1.post1": (),
-    "0.8.2": ("clip-range-low-high",),
-    "0.8.3": ("returns-clip-ratio",),
-    "0.8.4": (), "0.8.5": (),
-    "0.8.6": ("dual-clip", "kl-clamped"),
-    "0.8.7": (),
-    "0.8.8": ("policy-loss-type", "returns-ppo-kl"),
-    "0.8.9": ("vllm-is-cap", "returns-vllm-kl"),
-    "0.8.9.post1": (),
-    "0.8.10": ("vllm-is-switch",),
-    "0.8.11": (), "0.9.0": (),
-    "0.9.1": ("vllm-is-band",),
-    "0.9.1.post1": (), "0.9.2": (),
-    "0.9.3": ("vllm-is-correction-type",),
-    "0.9.4": ("seq-mask-tis",),
-    "0.9.5": (), "0.9.6": (), "0.9.7": (), "0.9.8": (),
-    "0.9.9": ("kl-estimator-checked",),
-    "0.9.10": (), "0.10.0": (), "0.10.1": (), "0.10.1.post1": (), "0.10.1.post2": (), "0.10.2": (),
-    "0.10.3": ("global-batch", "policy-ratio-clamped", "ppo-kl-of-the-policy"),
-    "0.10.4": (), "0.11.0": (),
-    "0.11.1": ("kl-unbiased-gradient", "icepop-where"),
-    "0.11.2": ("is-correction", "returns-filter-ratio"),
-})
+OPENRLHF = Peer(
+    "openrlhf",
+    {
+        "0.8.0": (),
+        "0.8.0.post1": (),
+        "0.8.1": (),
+        "0.8.1.post1": (),
+        "0.8.2": ("clip-range-low-high",),
+        "0.8.3": ("returns-clip-ratio",),
+        "0.8.4": (),
+        "0.8.5": (),
+        "0.8.6": ("dual-clip", "kl-clamped"),
+        "0.8.7": (),
+        "0.8.8": ("policy-loss-type", "returns-ppo-kl"),
+        "0.8.9": ("vllm-is-cap", "returns-vllm-kl"),
+        "0.8.9.post1": (),
+        "0.8.10": ("vllm-is-switch",),
+        "0.8.11": (),
+        "0.9.0": (),
+        "0.9.1": ("vllm-is-band",),
+        "0.9.1.post1": (),
+        "0.9.2": (),
+        "0.9.3": ("vllm-is-correction-type",),
+        "0.9.4": ("seq-mask-tis",),
+        "0.9.5": (),
+        "0.9.6": (),
+        "0.9.7": (),
+        "0.9.8": (),
+        "0.9.9": ("kl-estimator-checked",),
+        "0.9.10": (),
+        "0.10.0": (),
+        "0.10.1": (),
+        "0.10.1.post1": (),
+        "0.10.1.post2": (),
+        "0.10.2": (),
+        "0.10.3": ("global-batch", "policy-ratio-clamped", "ppo-kl-of-the-policy"),
+        "0.10.4": (),
+        "0.11.0": (),
+        "0.11.1": ("kl-unbiased-gradient", "icepop-where"),
+        "0.11.2": ("is-correction", "returns-filter-ratio"),
+    },
+)
 _ESTIMATORS = ("k1", "k2", "k3")
 _KL_WEIGHT_CAP = 10.0  # OpenRLHF's cap on the importance weight of the unbiased KL gradient
 _GLOBAL_BATCH = dict(dp_size=1, batch_num_tokens=None, global_batch_size=None)
@@ -132,11 +150,17 @@ def masked_mean(tensor: Tensor, mask, dim=None) -> Tensor:
     return (torch.where(mask.bool(), tensor, 0.0) * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
-@OPENRLHF.follows({"0.8.0": parameters("log_probs", "log_probs_base", kl_estimator="k1"),
-                   "0.11.1": parameters("log_probs", "log_probs_base", log_probs_old=None, kl_estimator="k1",
-                                        unbiased_gradient=False)})
-def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, kl_estimator: str, log_probs_old=None,
-                      unbiased_gradient: bool = False) -> Tensor:
+@OPENRLHF.follows(
+    {
+        "0.8.0": parameters("log_probs", "log_probs_base", kl_estimator="k1"),
+        "0.11.1": parameters(
+            "log_probs", "log_probs_base", log_probs_old=None, kl_estimator="k1", unbiased_gradient=False
+        ),
+    }
+)
+def compute_approx_kl(
+    log_probs: Tensor, log_probs_base: Tensor, kl_estimator: str, log_probs_old=None, unbiased_gradient: bool = False
+) -> Tensor:
     """OpenRLHF's per-token KL estimate (k1, k2 or k3), fp32; clamped to [-10, 10] from 0.8.6.
 
     Elementwise PyTorch in OpenRLHF's own order of operations, so the values are OpenRLHF's to the
@@ -163,8 +187,9 @@ def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, kl_estimator: s
     return value.detach() + surrogate - surrogate.detach()
 
 
-def get_advantages_and_returns(values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float,
-                               lambd: float) -> tuple:
+def get_advantages_and_returns(
+    values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float, lambd: float
+) -> tuple:
     """OpenRLHF's GAE: ``(advantages, returns)``, ``(B, T)`` fp32, one kernel launch."""
     with torch.no_grad():
         if action_mask is not None:
@@ -196,8 +221,10 @@ def _mask(action_mask, like: Tensor, token_level_loss: bool, batch_info: dict) -
     if action_mask is not None:
         return action_mask
     if OPENRLHF.has("global-batch") and not (token_level_loss and batch_info.get("batch_num_tokens") is None):
-        raise TypeError(f"OpenRLHF {OPENRLHF.release}'s loss aggregation needs action_mask for "
-                        f"{'batch_num_tokens' if token_level_loss else 'the sequence mean'}")
+        raise TypeError(
+            f"OpenRLHF {OPENRLHF.release}'s loss aggregation needs action_mask for "
+            f"{'batch_num_tokens' if token_level_loss else 'the sequence mean'}"
+        )
     return torch.ones_like(like, dtype=torch.bool)
 
 
@@ -217,26 +244,33 @@ class _Correction:
     def _kind(o: dict):
         if OPENRLHF.has("is-correction"):
             level, mode, gating = o["is_correction_level"], o["is_correction_mode"], o["is_correction_gating"]
-            for name, value, allowed in (("is_correction_level", level, ("off", "token", "seq")),
-                                         ("is_correction_mode", mode, ("mask", "clip")),
-                                         ("is_correction_gating", gating, ("ratio", "binary_kl", "tv"))):
+            for name, value, allowed in (
+                ("is_correction_level", level, ("off", "token", "seq")),
+                ("is_correction_mode", mode, ("mask", "clip")),
+                ("is_correction_gating", gating, ("ratio", "binary_kl", "tv")),
+            ):
                 if value not in allowed:
                     raise ValueError(f"{name} must be {'/'.join(allowed)}, got {value}")
             if mode == "clip" and (level == "seq" or gating != "ratio"):
-                raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
-                                 "is_correction_gating=ratio")
+                raise ValueError(
+                    "is_correction_mode=clip requires is_correction_level=token and is_correction_gating=ratio"
+                )
             if gating != "ratio" and level != "off" and o["is_correction_threshold"][0] > 0:
                 raise ValueError(f"is_correction_gating={gating} takes an upper bound only (a single delta)")
             return None if level == "off" else "gate"
         if OPENRLHF.has("vllm-is-correction-type"):
             types = ("tis", "icepop", "seq-mask-tis" if OPENRLHF.has("seq-mask-tis") else "mis")
             if o["vllm_is_correction_type"] not in types:
-                raise ValueError(f"Invalid vllm_is_correction_type: {o['vllm_is_correction_type']}, must be one "
-                                 f"of {'/'.join(types)}")
+                raise ValueError(
+                    f"Invalid vllm_is_correction_type: {o['vllm_is_correction_type']}, must be one of {'/'.join(types)}"
+                )
         if not OPENRLHF.has("vllm-is-cap"):
             return None
-        if not (o["enable_vllm_is_correction"] if OPENRLHF.has("vllm-is-switch")
-                else o["vllm_is_truncated_threshold"] is not None):
+        if not (
+            o["enable_vllm_is_correction"]
+            if OPENRLHF.has("vllm-is-switch")
+            else o["vllm_is_truncated_threshold"] is not None
+        ):
             return None
         if not OPENRLHF.has("vllm-is-band"):
             return "cap"
@@ -284,10 +318,22 @@ class _Correction:
 
 
 # PolicyLoss's constructor parameters with their defaults, and each release's, in its order.
-_POLICY_DEFAULTS = dict(clip_eps=0.2, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
-                        policy_loss_type="ppo", enable_vllm_is_correction=False, vllm_is_truncated_threshold=None,
-                        use_icepop=False, vllm_is_correction_type="tis", is_correction_level="off",
-                        is_correction_mode="mask", is_correction_gating="ratio", is_correction_threshold=(0.5, 5.0))
+_POLICY_DEFAULTS = dict(
+    clip_eps=0.2,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    dual_clip=None,
+    token_level_loss=True,
+    policy_loss_type="ppo",
+    enable_vllm_is_correction=False,
+    vllm_is_truncated_threshold=None,
+    use_icepop=False,
+    vllm_is_correction_type="tis",
+    is_correction_level="off",
+    is_correction_mode="mask",
+    is_correction_gating="ratio",
+    is_correction_threshold=(0.5, 5.0),
+)
 _CLIP = ("clip_eps_low", "clip_eps_high")
 _TYPED = (*_CLIP, "dual_clip", "token_level_loss", "policy_loss_type")
 _POLICY_LOSS = {
@@ -299,8 +345,7 @@ _POLICY_LOSS = {
     "0.8.10": (*_TYPED, "enable_vllm_is_correction", "vllm_is_truncated_threshold"),
     "0.9.1": (*_TYPED, "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_icepop"),
     "0.9.3": (*_TYPED, "enable_vllm_is_correction", "vllm_is_truncated_threshold", "vllm_is_correction_type"),
-    "0.11.2": (*_TYPED, "is_correction_level", "is_correction_mode", "is_correction_gating",
-               "is_correction_threshold"),
+    "0.11.2": (*_TYPED, "is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold"),
 }
 _POLICY_FORWARD = ("self", "log_probs", "old_log_probs", "advantages")
 
@@ -310,8 +355,10 @@ def _openrlhf_policy_loss():
     try:
         return _PATCH.original(_LOSS, "PolicyLoss")
     except ImportError as error:
-        raise ValueError("fastppo reproduces policy_loss_type='ppo'; another type runs OpenRLHF's own PolicyLoss, "
-                         "which needs OpenRLHF installed") from error
+        raise ValueError(
+            "fastppo reproduces policy_loss_type='ppo'; another type runs OpenRLHF's own PolicyLoss, "
+            "which needs OpenRLHF installed"
+        ) from error
 
 
 class PolicyLoss(nn.Module):
@@ -333,8 +380,12 @@ class PolicyLoss(nn.Module):
             return _openrlhf_policy_loss()(*args, **kwargs)
         return super().__new__(cls)
 
-    @OPENRLHF.follows({release: parameters("self", **{name: _POLICY_DEFAULTS[name] for name in names})
-                       for release, names in _POLICY_LOSS.items()})
+    @OPENRLHF.follows(
+        {
+            release: parameters("self", **{name: _POLICY_DEFAULTS[name] for name in names})
+            for release, names in _POLICY_LOSS.items()
+        }
+    )
     def __init__(self, **options) -> None:
         super().__init__()
         if options.get("dual_clip") is not None and options["dual_clip"] <= 1.0:
@@ -345,12 +396,22 @@ class PolicyLoss(nn.Module):
         self.dual_clip, self.token_level_loss = options.get("dual_clip"), options["token_level_loss"]
         self.correction = _Correction(options)
 
-    @OPENRLHF.follows({"0.8.0": parameters(*_POLICY_FORWARD, action_mask=None),
-                       "0.8.9": parameters(*_POLICY_FORWARD, action_mask=None, rollout_log_probs=None),
-                       "0.10.3": parameters(*_POLICY_FORWARD, action_mask=None, rollout_log_probs=None,
-                                            **_GLOBAL_BATCH)})
-    def forward(self, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, action_mask: Tensor = None,
-                rollout_log_probs: Tensor = None, **batch_info):
+    @OPENRLHF.follows(
+        {
+            "0.8.0": parameters(*_POLICY_FORWARD, action_mask=None),
+            "0.8.9": parameters(*_POLICY_FORWARD, action_mask=None, rollout_log_probs=None),
+            "0.10.3": parameters(*_POLICY_FORWARD, action_mask=None, rollout_log_probs=None, **_GLOBAL_BATCH),
+        }
+    )
+    def forward(
+        self,
+        log_probs: Tensor,
+        old_log_probs: Tensor,
+        advantages: Tensor,
+        action_mask: Tensor = None,
+        rollout_log_probs: Tensor = None,
+        **batch_info,
+    ):
         mask = _mask(action_mask, log_probs, self.token_level_loss, batch_info)
         agg, scale, poison = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
         weighted, filtered = advantages, None
@@ -358,8 +419,16 @@ class PolicyLoss(nn.Module):
             coefficients, filtered = self.correction.weights(old_log_probs, rollout_log_probs, mask)
             weighted = advantages * coefficients  # >= 0 commutes with the clipping; < 0 poisons the loss
             poison = poison + nan_unless(((coefficients >= 0) | ~mask.bool()).all())
-        loss, _ = ppo_policy_loss(log_probs, old_log_probs, weighted, mask, clip_eps=self.clip_eps_low,
-                                  clip_eps_high=self.clip_eps_high, dual_clip=self.dual_clip, agg=agg)
+        loss, _ = ppo_policy_loss(
+            log_probs,
+            old_log_probs,
+            weighted,
+            mask,
+            clip_eps=self.clip_eps_low,
+            clip_eps_high=self.clip_eps_high,
+            dual_clip=self.dual_clip,
+            agg=agg,
+        )
         loss = loss * scale + poison
         if not OPENRLHF.has("returns-clip-ratio"):
             return loss
@@ -370,14 +439,18 @@ class PolicyLoss(nn.Module):
         result = (loss, masked_mean(clipped.float(), action_mask))
         if OPENRLHF.has("returns-ppo-kl"):
             reported = log_ratio
-            if self.correction.kind is not None and OPENRLHF.has("vllm-is-correction-type") \
-                    and not OPENRLHF.has("ppo-kl-of-the-policy"):
+            if (
+                self.correction.kind is not None
+                and OPENRLHF.has("vllm-is-correction-type")
+                and not OPENRLHF.has("ppo-kl-of-the-policy")
+            ):
                 reported = (old_log_probs - rollout_log_probs).detach().float()  # that release's log_ratio, reused
             result += (masked_mean(-reported, action_mask),)
         if OPENRLHF.has("returns-vllm-kl"):
             corrected = self.correction.kind is not None
-            result += (masked_mean((rollout_log_probs - old_log_probs).detach().float(), action_mask)
-                       if corrected else None,)
+            result += (
+                masked_mean((rollout_log_probs - old_log_probs).detach().float(), action_mask) if corrected else None,
+            )
         if OPENRLHF.has("returns-filter-ratio"):
             result += (filtered,)
         return result
@@ -394,10 +467,15 @@ class ValueLoss(nn.Module):
         super().__init__()
         self.clip_eps, self.token_level_loss = clip_eps, token_level_loss
 
-    @OPENRLHF.follows({"0.8.0": parameters(*_VALUE_FORWARD, action_mask=None),
-                       "0.10.3": parameters(*_VALUE_FORWARD, action_mask=None, **_GLOBAL_BATCH)})
-    def forward(self, values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor = None,
-                **batch_info) -> Tensor:
+    @OPENRLHF.follows(
+        {
+            "0.8.0": parameters(*_VALUE_FORWARD, action_mask=None),
+            "0.10.3": parameters(*_VALUE_FORWARD, action_mask=None, **_GLOBAL_BATCH),
+        }
+    )
+    def forward(
+        self, values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor = None, **batch_info
+    ) -> Tensor:
         mask = _mask(action_mask, values, self.token_level_loss, batch_info)
         agg, scale, poison = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
         loss, _ = value_loss(values, old_values, returns, mask, clip_eps=self.clip_eps, agg=agg)
@@ -405,13 +483,20 @@ class ValueLoss(nn.Module):
 
 
 _UTILS, _LOSS = "openrlhf.models.utils", "openrlhf.models.loss"
-_PATCH = Patch("openrlhf", {
-    **{(_UTILS, f.__name__): f for f in (log_probs_from_logits, compute_approx_kl, compute_entropy, masked_mean)},
-    (_LOSS, "PolicyLoss"): PolicyLoss,
-    (_LOSS, "ValueLoss"): ValueLoss,
-    ("openrlhf.trainer.ppo_utils.experience_maker", "RemoteExperienceMaker.get_advantages_and_returns"):
-        get_advantages_and_returns,
-}, caller="fastppo.integrations.openrlhf.patch()", install_hint="pip install openrlhf")
+_PATCH = Patch(
+    "openrlhf",
+    {
+        **{(_UTILS, f.__name__): f for f in (log_probs_from_logits, compute_approx_kl, compute_entropy, masked_mean)},
+        (_LOSS, "PolicyLoss"): PolicyLoss,
+        (_LOSS, "ValueLoss"): ValueLoss,
+        (
+            "openrlhf.trainer.ppo_utils.experience_maker",
+            "RemoteExperienceMaker.get_advantages_and_returns",
+        ): get_advantages_and_returns,
+    },
+    caller="fastppo.integrations.openrlhf.patch()",
+    install_hint="pip install openrlhf",
+)
 
 
 def patch() -> Patch:

@@ -56,8 +56,9 @@ class Patch:
         except ImportError as error:
             if _absent(self.package, error):
                 raise ImportError(f"{self.caller} needs {self.package}: {self.install_hint}") from error
-            raise ImportError(f"{self.caller}: {self.package} is installed but importing it failed: {error}; "
-                              f"nothing was patched") from error
+            raise ImportError(
+                f"{self.caller}: {self.package} is installed but importing it failed: {error}; nothing was patched"
+            ) from error
         peer.check_supported()
         owners = self._import_owners()
         pairs = []
@@ -89,8 +90,9 @@ class Patch:
             raise ImportError(f"{self.caller}: importing {module} failed: {error}; nothing was patched") from error
         for module, error in failed.items():
             names = ", ".join(name for owner, name in self.replacements if owner == module)
-            warnings.warn(f"{self.caller}: importing {module} failed: {error}; its {names} stay "
-                          f"{self.package}'s", stacklevel=4)
+            warnings.warn(
+                f"{self.caller}: importing {module} failed: {error}; its {names} stay {self.package}'s", stacklevel=4
+            )
         return owners
 
     def remove(self) -> None:
@@ -121,8 +123,11 @@ class Patch:
 
     def _modules(self) -> list:
         prefix = self.package + "."
-        return [module for name, module in list(sys.modules.items())
-                if isinstance(module, ModuleType) and (name == self.package or name.startswith(prefix))]
+        return [
+            module
+            for name, module in list(sys.modules.items())
+            if isinstance(module, ModuleType) and (name == self.package or name.startswith(prefix))
+        ]
 
     def __enter__(self):
         return self
@@ -135,5 +140,8 @@ def _absent(module: str, error: ImportError) -> bool:
     """Whether ``error``, raised importing ``module``, says that it (or a package above it) does not
     exist, as opposed to existing and failing to import something else."""
     missing = getattr(error, "name", None)
-    return isinstance(error, ModuleNotFoundError) and missing is not None and \
-        (module == missing or module.startswith(missing + "."))
+    return (
+        isinstance(error, ModuleNotFoundError)
+        and missing is not None
+        and (module == missing or module.startswith(missing + "."))
+    )

@@ -45,8 +45,10 @@ def parameters(*required: str, **optional) -> inspect.Signature:
     """A signature of positional-or-keyword parameters: ``required`` first, then ``optional`` with
     their defaults, in order (``parameters("x", "y", mode="k1")`` is ``(x, y, mode="k1")``)."""
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return inspect.Signature([inspect.Parameter(name, kind) for name in required]
-                             + [inspect.Parameter(name, kind, default=value) for name, value in optional.items()])
+    return inspect.Signature(
+        [inspect.Parameter(name, kind) for name in required]
+        + [inspect.Parameter(name, kind, default=value) for name, value in optional.items()]
+    )
 
 
 class Peer:
@@ -104,13 +106,15 @@ class Peer:
         range; one that is not declared is a warning naming the release followed instead."""
         version = self._declared()
         if version < self.oldest:
-            raise ValueError(f"{self.distribution} {version} is older than fastppo's drop-ins support "
-                             f"({self.range()})")
+            raise ValueError(f"{self.distribution} {version} is older than fastppo's drop-ins support ({self.range()})")
         if version not in self.releases:
             newer = version > self.newest
-            warnings.warn(f"{self.distribution} {version} is {'newer than' if newer else 'not one of'} the "
-                          f"releases fastppo's drop-ins were tested with ({self.range()}); they follow "
-                          f"{self.release}", stacklevel=3)
+            warnings.warn(
+                f"{self.distribution} {version} is {'newer than' if newer else 'not one of'} the "
+                f"releases fastppo's drop-ins were tested with ({self.range()}); they follow "
+                f"{self.release}",
+                stacklevel=3,
+            )
         return self.release
 
     def range(self) -> str:
@@ -127,6 +131,7 @@ class Peer:
 
         def decorate(implementation):
             return _Following(self, table, implementation)
+
         return decorate
 
     @contextmanager
@@ -175,4 +180,3 @@ class ConstructorSignature:
             raise AttributeError("__signature__")  # an instance is signed by its type's __call__
         parameters = list(owner.__init__.__signature__.parameters.values())[1:]  # without self
         return inspect.Signature(parameters)
-

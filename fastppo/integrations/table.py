@@ -1,16 +1,12 @@
-"""The README's supported-versions table, generated from the releases the drop-ins declare.
+"""The supported-versions table, generated from the releases the drop-ins declare.
 
 Every release a drop-in module declares (``TRL``, ``VERL``, ``OPENRLHF``) is what the differential
 suite (``tests/peers``, ``pytest -m peers``) fetches and runs against, so this table, written from
-those declarations, states exactly what is tested. ``python -m fastppo.integrations.table README.md``
-rewrites the table between its markers; a test fails while the README's copy is stale.
+those declarations, states exactly what is tested. ``python -m fastppo.generated`` rewrites it in
+the pages that show it (``fastppo/generated.py``).
 """
 
-import sys
 from itertools import groupby
-from pathlib import Path
-
-BEGIN, END = "<!-- peers-table:begin -->", "<!-- peers-table:end -->"
 
 
 def _series(peer) -> str:
@@ -26,25 +22,15 @@ def table() -> str:
     from . import openrlhf, trl, verl
 
     rows = []
-    for name, module, peer in (("TRL", trl, trl.TRL), ("verl", verl, verl.VERL),
-                               ("OpenRLHF", openrlhf, openrlhf.OPENRLHF)):
+    for name, module, peer in (
+        ("TRL", trl, trl.TRL),
+        ("verl", verl, verl.VERL),
+        ("OpenRLHF", openrlhf, openrlhf.OPENRLHF),
+    ):
         replaced = sorted({entry.split(".")[-1].lstrip("_") for _, entry in module._PATCH.replacements})
         posts = sum(1 for release in peer.releases if release.is_postrelease)
         count = f"{len(peer.releases)} releases" + (f", {posts} of them post releases" if posts else "")
         rows.append(f"| {name} | {_series(peer)} ({count}) | {', '.join(f'`{n}`' for n in replaced)} |")
-    return "\n".join([BEGIN, "| peer | releases followed, each with its own semantics | replaced |",
-                      "| --- | --- | --- |", *rows, END])
-
-
-def rewrite(path: Path) -> bool:
-    """Put the current table between the markers in ``path``; whether anything changed."""
-    text = path.read_text()
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    updated = text[:start] + table() + text[end:]
-    path.write_text(updated)
-    return updated != text
-
-
-if __name__ == "__main__":
-    for name in sys.argv[1:] or ["README.md"]:
-        print(f"{name}: {'rewritten' if rewrite(Path(name)) else 'up to date'}")
+    return "\n".join(
+        ["| peer | releases followed, each with its own semantics | replaced |", "| --- | --- | --- |", *rows]
+    )

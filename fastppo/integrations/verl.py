@@ -69,15 +69,18 @@ from ._nan import nan_unless
 from .patching import Patch
 from .peers import Peer, parameters
 
-VERL = Peer("verl", {
-    "0.6.0": (),
-    "0.6.1": ("policy-loss-returns-metrics", "seq-mean-leaves-out-empty-rows"),
-    "0.7.0": ("global-batch",),
-    "0.7.1": ("sum-norm-over-global-batch", "global-counts-required"),
-    "0.8.0": ("kl-plus-suffix",),
-    "0.9.0": ("token-sum", "value-loss-global-batch", "reinforce-pp-spans"),
-    "0.9.1": ("gspo-follows-agg-mode",),
-})
+VERL = Peer(
+    "verl",
+    {
+        "0.6.0": (),
+        "0.6.1": ("policy-loss-returns-metrics", "seq-mean-leaves-out-empty-rows"),
+        "0.7.0": ("global-batch",),
+        "0.7.1": ("sum-norm-over-global-batch", "global-counts-required"),
+        "0.8.0": ("kl-plus-suffix",),
+        "0.9.0": ("token-sum", "value-loss-global-batch", "reinforce-pp-spans"),
+        "0.9.1": ("gspo-follows-agg-mode",),
+    },
+)
 _KL_MODES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 _AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _GLOBAL_BATCH = dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
@@ -120,8 +123,9 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tens
     return whitened + mean if not shift_mean else whitened
 
 
-def compute_gae_advantage_return(token_level_rewards: Tensor, values: Tensor, response_mask: Tensor,
-                                 gamma, lam) -> tuple:
+def compute_gae_advantage_return(
+    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma, lam
+) -> tuple:
     """verl's GAE: ``(whitened advantages, returns)``, ``(B, T)`` fp32 (see the module docstring)."""
     mask = response_mask.float()
     advantages, _ = gae(token_level_rewards, values, response_mask, gamma=float(gamma), lam=float(lam))
@@ -145,8 +149,14 @@ def _groups(scores: Tensor, index) -> tuple:
     return n, torch.where(n > 1, mean[group], 0.0), torch.where(n > 1, std[group], 1.0)
 
 
-def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index, epsilon: float = 1e-6,
-                                   norm_adv_by_std_in_grpo: bool = True, config=None) -> tuple:
+def compute_grpo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config=None,
+) -> tuple:
     """verl's GRPO: each response's score against its group's, ``(advantages, advantages)`` ``(B, T)``."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
@@ -157,8 +167,9 @@ def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     return advantages, advantages
 
 
-def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index, epsilon: float = 1e-6,
-                                   config=None, **kwargs) -> tuple:
+def compute_rloo_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index, epsilon: float = 1e-6, config=None, **kwargs
+) -> tuple:
     """verl's RLOO: each score minus the mean of its group's others (a lone response keeps its score)."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
@@ -168,8 +179,9 @@ def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     return advantages, advantages
 
 
-def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, config=None,
-                                                  **kwargs) -> tuple:
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, config=None, **kwargs
+) -> tuple:
     """verl's REINFORCE++: discounted returns over each response, whitened over the mask.
 
     Before 0.9.0 the running return restarts after every masked position; from 0.9.0 it is carried
@@ -216,8 +228,9 @@ def _option(config, name, default):
     return default if value is None else value
 
 
-def _aggregation(mask: Tensor, mode: str, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-                 loss_scale_factor=None) -> tuple:
+def _aggregation(
+    mask: Tensor, mode: str, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+) -> tuple:
     """verl's ``agg_loss`` as ``(agg, scale, poison)``: fastppo's ``agg`` times ``scale``, plus
     ``poison`` (0, or NaN where verl divides 0 by 0), for the release followed.
 
@@ -265,15 +278,20 @@ def _agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, **batch_i
     return (torch.where(valid, loss_mat.float(), 0.0) * weights).sum() * scale + poison
 
 
-@VERL.follows({"0.6.0": parameters("loss_mat", "loss_mask", "loss_agg_mode"),
-               "0.7.0": parameters("loss_mat", "loss_mask", "loss_agg_mode", **_GLOBAL_BATCH)})
+@VERL.follows(
+    {
+        "0.6.0": parameters("loss_mat", "loss_mask", "loss_agg_mode"),
+        "0.7.0": parameters("loss_mat", "loss_mask", "loss_agg_mode", **_GLOBAL_BATCH),
+    }
+)
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, **batch_info) -> Tensor:
     """verl's loss aggregation, fp32 (the global-batch arguments from 0.7.0; see the module docstring)."""
     return _agg_loss(loss_mat, loss_mask, loss_agg_mode, **batch_info)
 
 
-def _clip_fractions(log_ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float,
-                    clip_c: float) -> tuple:
+def _clip_fractions(
+    log_ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float, clip_c: float
+) -> tuple:
     """verl's ``pg_clipfrac`` and ``pg_clipfrac_lower`` from the unweighted advantages, ``(B, T)``."""
     ratio = log_ratio.exp()
     pg1, pg2 = -advantages * ratio, -advantages * ratio.clamp(1 - low, 1 + high)
@@ -282,8 +300,18 @@ def _clip_fractions(log_ratio: Tensor, advantages: Tensor, mask: Tensor, low: fl
     return masked_mean((pg2 > pg1).float(), mask), masked_mean(lower.float(), mask)
 
 
-def _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_low, clip_high, clip_c,
-             rollout_is_weights, batch_info) -> tuple:
+def _vanilla(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    clip_low,
+    clip_high,
+    clip_c,
+    rollout_is_weights,
+    batch_info,
+) -> tuple:
     """verl's dual-clip PPO loss on the fused kernel: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``."""
     if clip_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be greater than 1.0, got {clip_c}")
@@ -292,14 +320,23 @@ def _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
     if rollout_is_weights is not None:  # weights >= 0 commute with the clipping; others poison the loss
         weighted = advantages * rollout_is_weights.detach()
         poison = poison + nan_unless(((rollout_is_weights >= 0) | ~response_mask.bool()).all())
-    pg_loss, stats = ppo_policy_loss(log_prob, old_log_prob, weighted, response_mask, clip_eps=clip_low,
-                                     clip_eps_high=clip_high, dual_clip=clip_c, agg=agg)
+    pg_loss, stats = ppo_policy_loss(
+        log_prob,
+        old_log_prob,
+        weighted,
+        response_mask,
+        clip_eps=clip_low,
+        clip_eps_high=clip_high,
+        dual_clip=clip_c,
+        agg=agg,
+    )
     log_ratio = (log_prob.float() - old_log_prob.float()).clamp(-20.0, 20.0)
     ppo_kl = masked_mean(-log_ratio, response_mask)  # differentiable, as verl's (0.6.0 returns it)
     clipfrac, lower = stats["clipfrac"], stats["dual_clipfrac"]
     if rollout_is_weights is not None:  # the kernel's counts saw the weighted advantages
-        clipfrac, lower = _clip_fractions(log_ratio.detach(), advantages.detach().float(), response_mask,
-                                          clip_low, clip_high, clip_c)
+        clipfrac, lower = _clip_fractions(
+            log_ratio.detach(), advantages.detach().float(), response_mask, clip_low, clip_high, clip_c
+        )
     return pg_loss * scale + poison, clipfrac, ppo_kl, lower
 
 
@@ -319,12 +356,22 @@ def _policy_result(pg_loss: Tensor, clipfrac: Tensor, ppo_kl: Tensor, clipfrac_l
     ``(pg_loss, metrics)`` from 0.6.1."""
     if not VERL.has("policy-loss-returns-metrics"):
         return pg_loss, clipfrac, ppo_kl, clipfrac_lower
-    return pg_loss, {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": ppo_kl.detach().item(),
-                     "actor/pg_clipfrac_lower": clipfrac_lower.item()}
+    return pg_loss, {
+        "actor/pg_clipfrac": clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.detach().item(),
+        "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+    }
 
 
-def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-                                loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None) -> tuple:
+def compute_policy_loss_vanilla(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+) -> tuple:
     """verl's vanilla PPO loss: ``(pg_loss, metrics)`` from 0.6.1, ``(pg_loss, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower)`` in 0.6.0.
 
@@ -332,12 +379,31 @@ def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantag
     (from 0.7.0) ``global_batch_info``, as attributes or keys, as verl's actor config.
     """
     low, high = _clip_range(config)
-    return _policy_result(*_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high,
-                                    _option(config, "clip_ratio_c", 3.0), rollout_is_weights, _batch_info(config)))
+    return _policy_result(
+        *_vanilla(
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            low,
+            high,
+            _option(config, "clip_ratio_c", 3.0),
+            rollout_is_weights,
+            _batch_info(config),
+        )
+    )
 
 
-def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-                             loss_agg_mode: str = "seq-mean-token-mean", config=None, rollout_is_weights=None) -> tuple:
+def compute_policy_loss_gspo(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+) -> tuple:
     """verl's GSPO loss (one importance ratio per sequence, its gradient through each token),
     returned as ``compute_policy_loss_vanilla`` returns; aggregated seq-mean-token-mean before
     0.9.1, by ``loss_agg_mode`` from 0.9.1.
@@ -364,23 +430,49 @@ def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     return _policy_result(pg_loss, clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device))  # no dual clip
 
 
-def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-                        cliprange=None, cliprange_low=None, cliprange_high=None, clip_ratio_c: float = 3.0,
-                        loss_agg_mode: str = "token-mean") -> tuple:
+def compute_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    cliprange=None,
+    cliprange_low=None,
+    cliprange_high=None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple:
     """verl's older policy-loss API (deprecated there, still called):
     ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``."""
     low = cliprange if cliprange_low is None else cliprange_low
     high = cliprange if cliprange_high is None else cliprange_high
-    return _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high, clip_ratio_c,
-                    None, {})
+    return _vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high, clip_ratio_c, None, {})
 
 
-@VERL.follows({"0.6.0": parameters("vpreds", "returns", "values", "response_mask", "cliprange_value",
-                                   loss_agg_mode="token-mean"),
-               "0.9.0": parameters("vpreds", "returns", "values", "response_mask", "cliprange_value",
-                                   loss_agg_mode="token-mean", **_GLOBAL_BATCH)})
-def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor, cliprange_value: float,
-                       loss_agg_mode: str, **batch_info) -> tuple:
+@VERL.follows(
+    {
+        "0.6.0": parameters(
+            "vpreds", "returns", "values", "response_mask", "cliprange_value", loss_agg_mode="token-mean"
+        ),
+        "0.9.0": parameters(
+            "vpreds",
+            "returns",
+            "values",
+            "response_mask",
+            "cliprange_value",
+            loss_agg_mode="token-mean",
+            **_GLOBAL_BATCH,
+        ),
+    }
+)
+def compute_value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str,
+    **batch_info,
+) -> tuple:
     """verl's clipped value loss on fastppo's ``value_loss``: ``(vf_loss, vf_clipfrac)`` (the
     global-batch arguments from 0.9.0)."""
     agg, scale, poison = _aggregation(response_mask, loss_agg_mode, **batch_info)
@@ -393,15 +485,39 @@ def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response
 
 
 _CORE, _FUNCTIONAL = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
-_PATCH = Patch("verl", {
-    **{(_FUNCTIONAL, f.__name__): f for f in (logprobs_from_logits, entropy_from_logits,
-                                             entropy_from_logits_with_chunking, masked_sum, masked_mean,
-                                             masked_whiten)},
-    **{(_CORE, f.__name__): f for f in (compute_gae_advantage_return, compute_grpo_outcome_advantage,
-                                       compute_rloo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
-                                       kl_penalty, agg_loss, compute_policy_loss_vanilla, compute_policy_loss_gspo,
-                                       compute_policy_loss, compute_value_loss)},
-}, caller="fastppo.integrations.verl.patch()", install_hint="pip install verl")
+_PATCH = Patch(
+    "verl",
+    {
+        **{
+            (_FUNCTIONAL, f.__name__): f
+            for f in (
+                logprobs_from_logits,
+                entropy_from_logits,
+                entropy_from_logits_with_chunking,
+                masked_sum,
+                masked_mean,
+                masked_whiten,
+            )
+        },
+        **{
+            (_CORE, f.__name__): f
+            for f in (
+                compute_gae_advantage_return,
+                compute_grpo_outcome_advantage,
+                compute_rloo_outcome_advantage,
+                compute_reinforce_plus_plus_outcome_advantage,
+                kl_penalty,
+                agg_loss,
+                compute_policy_loss_vanilla,
+                compute_policy_loss_gspo,
+                compute_policy_loss,
+                compute_value_loss,
+            )
+        },
+    },
+    caller="fastppo.integrations.verl.patch()",
+    install_hint="pip install verl",
+)
 
 
 def patch() -> Patch:

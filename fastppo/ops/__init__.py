@@ -1,6 +1,7 @@
 """fastppo's public ops: validation, backend dispatch, autograd, and the PyTorch twin of each kernel."""
 
 from .advantages import group_advantages, masked_whiten, token_rewards
+from .checks import IGNORE_INDEX
 from .gae import gae
 from .kl import kl_penalty
 from .ppo_loss import ppo_policy_loss
@@ -10,11 +11,23 @@ from .rollout_is_weights import rollout_is_weights
 from .sampling import sample_tokens
 from .sequence_ppo_loss import sequence_ppo_loss
 from .token_logprobs import token_logprobs
-from .token_logprobs_from_hidden import linear_token_logprobs, token_logprobs_from_hidden
+from .token_logprobs_from_hidden import token_logprobs_from_hidden
 from .value_loss import value_loss
 
 __all__ = [
-    "token_logprobs", "token_logprobs_from_hidden", "linear_token_logprobs",
-    "ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "sequence_ppo_loss", "value_loss", "kl_penalty",
-    "gae", "masked_whiten", "group_advantages", "token_rewards", "sample_tokens", "rollout_is_weights",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
+    "ppo_policy_loss",
+    "ppo_loss_from_logits",
+    "ppo_loss_from_hidden",
+    "sequence_ppo_loss",
+    "value_loss",
+    "kl_penalty",
+    "gae",
+    "masked_whiten",
+    "group_advantages",
+    "token_rewards",
+    "sample_tokens",
+    "rollout_is_weights",
+    "IGNORE_INDEX",
 ]

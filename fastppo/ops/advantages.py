@@ -15,8 +15,14 @@ from .kl import kl_penalty
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
-                  group: Optional["torch.distributed.ProcessGroup"] = None) -> Tensor:
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    group: Optional["torch.distributed.ProcessGroup"] = None,
+) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the valid entries; 0 at masked entries.
 
     The mean and the unbiased variance are taken over entries where ``mask`` is true; with a
@@ -64,8 +70,9 @@ def group_advantages(scores: Tensor, group_size: int, *, estimator: str = "grpo"
     """
     checks.check_tensor(scores, "scores")
     if scores.dim() != 1 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a 1-D floating tensor, got shape {tuple(scores.shape)} "
-                         f"and dtype {scores.dtype}")
+        raise ValueError(
+            f"scores must be a 1-D floating tensor, got shape {tuple(scores.shape)} and dtype {scores.dtype}"
+        )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if scores.numel() % group_size:
@@ -88,8 +95,9 @@ def group_advantages(scores: Tensor, group_size: int, *, estimator: str = "grpo"
     return adv.view(-1)
 
 
-def token_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, kl_coef: float,
-                  kl_estimator: str = "k1") -> Tensor:
+def token_rewards(
+    scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, kl_coef: float, kl_estimator: str = "k1"
+) -> Tensor:
     """Per-token PPO rewards with the KL penalty in the reward.
 
     ``-kl_coef * kl(logprobs, ref_logprobs)`` at every valid token (see :func:`kl_penalty`), plus

@@ -15,6 +15,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# The label of a position that does not count: PyTorch's cross-entropy default, which peers pass too.
+IGNORE_INDEX = -100
+
 
 def is_real(x) -> bool:
     """Whether ``x`` is one real number: Python's, or NumPy's (``np.float32(0.5)``), not a bool."""
@@ -79,8 +82,7 @@ def check_labels(labels, lead: torch.Size, lead_name: str) -> None:
     check_integer(labels, "labels")
     if labels.shape != lead:
         raise ValueError(
-            f"labels must have shape {tuple(lead)} (the leading dims of {lead_name}), "
-            f"got {tuple(labels.shape)}"
+            f"labels must have shape {tuple(lead)} (the leading dims of {lead_name}), got {tuple(labels.shape)}"
         )
 
 
@@ -112,8 +114,7 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
             shape = None
         if shape != lead:
             raise ValueError(
-                f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
-                f"token shape {tuple(lead)}"
+                f"temperature of shape {tuple(temperature.shape)} does not broadcast to the token shape {tuple(lead)}"
             )
         per_row = temperature.detach().to(torch.float32).expand(lead).reshape(-1)  # (N,)
         usable = (per_row > 0) & per_row.isfinite()
@@ -164,8 +165,9 @@ def check_mask(mask, like: torch.Tensor, like_name: str, name: str = "mask") -> 
     invalid = valid & (mask != 1)
     if value_checks_enabled() and bool(invalid.any()):
         example = mask[invalid].flatten()[0].item()
-        raise ValueError(f"{name} must hold only 0 and 1 (or be bool); it has {int(invalid.sum())} other "
-                         f"value(s), e.g. {example}")
+        raise ValueError(
+            f"{name} must hold only 0 and 1 (or be bool); it has {int(invalid.sum())} other value(s), e.g. {example}"
+        )
     return valid, invalid
 
 

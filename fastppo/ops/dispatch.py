@@ -5,10 +5,11 @@ the production path on CPU. ``"triton"`` forces the kernels: on CPU that works o
 ``TRITON_INTERPRET=1`` was set before triton was imported (the interpreter runs them on CPU
 tensors, which is how the tests check every kernel without a GPU). ``"torch"`` forces the twin.
 
-The two implementations of an op family expose the same launcher signatures, so an op picks one
-with :func:`implementation` and calls it without caring which it got. The table below is the one
-hop from a family to its code: the twins are imported with this module, the kernels on first use
-(importing triton is slow, and it is absent off Linux).
+The two implementations of a family define the launchers its contract declares, with one
+signature each (``launchers.py``), so an op picks one with :func:`implementation` and calls it
+without caring which it got. The two tables below pair them, the one hop from a family to its
+code: the twins are imported with this module, the kernels on first use (importing triton is
+slow, and it is absent off Linux).
 """
 
 import importlib.util

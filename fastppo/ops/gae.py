@@ -14,8 +14,9 @@ from .dispatch import implementation, resolve_backend
 
 
 @torch.library.custom_op("fastppo::gae", mutates_args=())
-def _gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
-         backend: str) -> tuple[Tensor, Tensor]:
+def _gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, backend: str
+) -> tuple[Tensor, Tensor]:
     # (B, T) inputs, any strides -> advantages, returns: (B, T) fp32 contiguous
     advantages = torch.empty(rewards.shape, dtype=torch.float32, device=rewards.device)
     returns = torch.empty_like(advantages)
@@ -35,8 +36,9 @@ def _check_unit_interval(x, name: str) -> float:
     return float(x)
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95,
-        backend: str = "auto") -> tuple[Tensor, Tensor]:
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """Advantages and returns by GAE, skipping masked positions as if they were absent.
 
     For each row the valid positions, in order, are the trajectory. For a valid ``t`` whose next

@@ -25,8 +25,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     checks.check_floating(logprobs, "logprobs")
     checks.check_floating(ref_logprobs, "ref_logprobs")
     if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)} but logprobs has "
-                         f"{tuple(logprobs.shape)}")
+        raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)} but logprobs has {tuple(logprobs.shape)}")
     d = logprobs.float() - ref_logprobs.float()
     if estimator == "k1":
         return d

@@ -52,15 +52,11 @@ def _label_masks(labels, V, ignore_index):
     return in_range, labels == ignore_index, torch.where(in_range, labels, 0).long()
 
 
-def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
-                     logp, entropy, lse, stats=None):
-    """Fill ``logp``, ``lse`` ``(N,)`` fp32 from ``logits`` ``(B, T, V)``, and ``entropy`` ``(N,)``
-    and ``stats`` ``(N, 3)`` when given (None: not computed): log sum p^2, mean z, and 1.0 where
-    the label is the first argmax.
-
-    Per chunk, with ``d = z - max z``: ``lse = max + log s`` for ``s = sum exp(d)``, and
-    ``entropy = log s - sum exp(d) d / s``, the kernel's cancellation-free form; without the
-    entropy, one ``logsumexp``. Few passes over each chunk are what make this fast on a CPU.
+def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index, logp, entropy, lse, stats=None):
+    """The launcher of ``launchers.py``. Per chunk, with ``d = z - max z``: ``lse = max + log s``
+    for ``s = sum exp(d)``, and ``entropy = log s - sum exp(d) d / s``, the kernel's
+    cancellation-free form; without the entropy, one ``logsumexp``. Few passes over each chunk are
+    what make this fast on a CPU.
     """
     B, T, V = logits.shape
     for box in _row_chunks(B, T, V):
@@ -80,17 +76,24 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
             row_ent = sum_e.log() - torch.linalg.vecdot(e, d, dim=1) / sum_e
             entropy[r0:r1] = row_ent.masked_fill(ignored, 0.0)
         if stats is not None:
-            row_stats = torch.stack([torch.logsumexp(2.0 * d, dim=1) - 2.0 * sum_e.log(), z.sum(dim=1) / V,
-                                     ((z.argmax(dim=1) == safe) & in_range).float()], dim=1)  # (n, 3)
+            row_stats = torch.stack(
+                [
+                    torch.logsumexp(2.0 * d, dim=1) - 2.0 * sum_e.log(),
+                    z.sum(dim=1) / V,
+                    ((z.argmax(dim=1) == safe) & in_range).float(),
+                ],
+                dim=1,
+            )  # (n, 3)
             stats[r0:r1] = row_stats.masked_fill(ignored.unsqueeze(1), 0.0)  # argmax: the first maximum
         row_logp = z.gather(1, safe.unsqueeze(1)).squeeze(1) - row_lse
         logp[r0:r1] = torch.where(in_range, row_logp, float("nan")).masked_fill(ignored, 0.0)
         lse[r0:r1] = row_lse.masked_fill(ignored, 0.0)  # as the kernel, which never reads those rows
 
 
-def logprobs_backward(logits, grad, labels, temperature, inv_temperature, ignore_index,
-                      lse, entropy, grad_logp, grad_entropy):
-    """Write d(loss)/d(logits) into ``grad`` ``(B, T, V)``; ``grad`` may be ``logits`` itself."""
+def logprobs_backward(
+    logits, grad, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
+):
+    """The launcher of ``launchers.py``, a box of rows at a time."""
     B, T, V = logits.shape
     for b0, b1, t0, t1 in _row_chunks(B, T, V):
         z, r0, r1, scale = _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1)

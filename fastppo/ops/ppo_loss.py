@@ -15,28 +15,55 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.layout import PARTIALS
 from . import checks
 from .aggregation import aggregation_weights
+from .custom_ops import gradients, input_names
 from .dispatch import implementation, resolve_backend
 from .kl import KL_ESTIMATORS
-from ..kernels.layout import PARTIALS
 
 # The statistics vector the op returns, in order.
 STATS = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl", "ratio_mean", "ratio_max", "dual_clipfrac")
 
 
 @torch.library.custom_op("fastppo::ppo_policy_loss", mutates_args=())
-def _ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, weights: Tensor, valid: Tensor,
-              ref_logprobs: Optional[Tensor], entropy: Optional[Tensor], clip_low: float, clip_high: float,
-              dual_clip: float, kl_coef: float, kl_estimator: int, entropy_coef: float,
-              backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _ppo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    weights: Tensor,
+    valid: Tensor,
+    ref_logprobs: Optional[Tensor],
+    entropy: Optional[Tensor],
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    kl_coef: float,
+    kl_estimator: int,
+    entropy_coef: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     # token tensors: (N,) contiguous -> loss (), stats (len(STATS),), d loss / d logprobs (N,) fp32
     impl = implementation(backend, "ppo_loss")
     N = logprobs.numel()
     grad = torch.empty(N, dtype=torch.float32, device=logprobs.device)
     partials = torch.zeros(impl.num_programs(N), len(PARTIALS), dtype=torch.float32, device=logprobs.device)
-    impl.ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
-                          clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials)
+    impl.ppo_loss_forward(
+        logprobs,
+        old_logprobs,
+        advantages,
+        weights,
+        valid,
+        ref_logprobs,
+        entropy,
+        clip_low,
+        clip_high,
+        dual_clip,
+        kl_coef,
+        kl_estimator,
+        grad,
+        partials,
+    )
     return (*summarize(partials, kl_coef, entropy_coef), grad)
 
 
@@ -45,22 +72,48 @@ def summarize(partials: Tensor, kl_coef: float, entropy_coef: float) -> tuple:
     p = dict(zip(PARTIALS, partials.sum(dim=0).unbind()))
     count = p["count"].clamp(min=1.0)
     loss = p["pg"] + kl_coef * p["kl"] - entropy_coef * p["entropy"]
-    stats = torch.stack([p["pg"], p["kl"], p["entropy"], p["clipped"] / count, p["half_lr_sq"] / count,
-                         p["ratio"] / count, partials[:, PARTIALS.index("ratio_max")].max(),
-                         p["dual_clipped"] / count])
+    stats = torch.stack(
+        [
+            p["pg"],
+            p["kl"],
+            p["entropy"],
+            p["clipped"] / count,
+            p["half_lr_sq"] / count,
+            p["ratio"] / count,
+            partials[:, PARTIALS.index("ratio_max")].max(),
+            p["dual_clipped"] / count,
+        ]
+    )
     return loss, stats
 
 
 @_ppo_loss.register_fake
-def _(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, clip_low, clip_high,
-      dual_clip, kl_coef, kl_estimator, entropy_coef, backend):
+def _(
+    logprobs,
+    old_logprobs,
+    advantages,
+    weights,
+    valid,
+    ref_logprobs,
+    entropy,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    kl_estimator,
+    entropy_coef,
+    backend,
+):
     f32 = dict(dtype=torch.float32)
-    return (logprobs.new_empty((), **f32), logprobs.new_empty(len(STATS), **f32),
-            logprobs.new_empty(logprobs.shape[0], **f32))
+    return (
+        logprobs.new_empty((), **f32),
+        logprobs.new_empty(len(STATS), **f32),
+        logprobs.new_empty(logprobs.shape[0], **f32),
+    )
 
 
 # _ppo_loss's input names in order (autograd hands the inputs over as a tuple), from its schema
-_INPUTS = tuple(argument.name for argument in torch.ops.fastppo.ppo_policy_loss.default._schema.arguments)
+_INPUTS = input_names(torch.ops.fastppo.ppo_policy_loss.default)
 
 
 def _setup_context(ctx, inputs, output):
@@ -80,8 +133,7 @@ def _backward(ctx, grad_loss, _grad_stats, _grad_grad):
     grad_entropy = None
     if needs["entropy"] and ctx.entropy_coef != 0:
         grad_entropy = -ctx.entropy_coef * grad_loss * weights
-    grads = {"logprobs": grad_logprobs, "entropy": grad_entropy}
-    return tuple(grads.get(name) for name in _INPUTS)
+    return gradients(_INPUTS, logprobs=grad_logprobs, entropy=grad_entropy)
 
 
 torch.library.register_autograd(_ppo_loss, _backward, setup_context=_setup_context)
@@ -109,10 +161,24 @@ class LossSpec:
         return {name: every[name] for name in self.stat_names}
 
 
-def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-              ref_logprobs: Optional[Tensor], has_entropy: bool, clip_eps: float, clip_eps_high: Optional[float],
-              dual_clip: Optional[float], kl_coef: float, kl_estimator: str, entropy_coef: float, agg: str,
-              num_tokens) -> LossSpec:
+def loss_spec(
+    like: Tensor,
+    like_name: str,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logprobs: Optional[Tensor],
+    has_entropy: bool,
+    clip_eps: float,
+    clip_eps_high: Optional[float],
+    dual_clip: Optional[float],
+    kl_coef: float,
+    kl_estimator: str,
+    entropy_coef: float,
+    agg: str,
+    num_tokens,
+) -> LossSpec:
     """Check the loss arguments against the token shape of ``like`` and flatten them."""
     checks.check_tensor(advantages, "advantages")
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("ref_logprobs", ref_logprobs)):
@@ -137,18 +203,37 @@ def loss_spec(like: Tensor, like_name: str, old_logprobs: Tensor, advantages: Te
     return LossSpec(
         old_logprobs=None if old_logprobs is None else checks.as_tokens(old_logprobs.detach()),
         advantages=checks.as_tokens(advantages.detach()),
-        weights=checks.as_tokens(weights), valid=checks.as_tokens(valid),
+        weights=checks.as_tokens(weights),
+        valid=checks.as_tokens(valid),
         ref_logprobs=None if ref_logprobs is None else checks.as_tokens(ref_logprobs.detach()),
-        clip_low=clip_low, clip_high=clip_high, dual_clip=dual, kl_coef=kl_coef,
-        kl_estimator=KL_ESTIMATORS.index(kl_estimator) + 1, entropy_coef=entropy_coef, stat_names=stat_names)
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual,
+        kl_coef=kl_coef,
+        kl_estimator=KL_ESTIMATORS.index(kl_estimator) + 1,
+        entropy_coef=entropy_coef,
+        stat_names=stat_names,
+    )
 
 
-def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                    ref_logprobs: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
-                    clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
-                    dual_clip: Optional[float] = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                    entropy_coef: float = 0.0, agg: str = "token-mean", num_tokens=None,
-                    backend: str = "auto") -> tuple[Tensor, dict]:
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logprobs: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    num_tokens=None,
+    backend: str = "auto",
+) -> tuple[Tensor, dict]:
     """The PPO clipped policy loss, with optional KL-to-reference and entropy terms.
 
     Per valid token (``mask`` true), in fp32::
@@ -177,13 +262,38 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     checks.check_tensor(old_logprobs, "old_logprobs")
     if entropy is not None:
         checks.check_token_tensor(entropy, "entropy", logprobs, "logprobs")
-    spec = loss_spec(logprobs, "logprobs", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                     has_entropy=entropy is not None, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                     dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-                     agg=agg, num_tokens=num_tokens)
+    spec = loss_spec(
+        logprobs,
+        "logprobs",
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        has_entropy=entropy is not None,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        agg=agg,
+        num_tokens=num_tokens,
+    )
     backend = resolve_backend(backend, logprobs.device)
-    loss, stats, _ = _ppo_loss(checks.as_tokens(logprobs), spec.old_logprobs, spec.advantages, spec.weights,
-                               spec.valid, spec.ref_logprobs, None if entropy is None else checks.as_tokens(entropy),
-                               spec.clip_low, spec.clip_high, spec.dual_clip, spec.kl_coef, spec.kl_estimator,
-                               spec.entropy_coef, backend)
+    loss, stats, _ = _ppo_loss(
+        checks.as_tokens(logprobs),
+        spec.old_logprobs,
+        spec.advantages,
+        spec.weights,
+        spec.valid,
+        spec.ref_logprobs,
+        None if entropy is None else checks.as_tokens(entropy),
+        spec.clip_low,
+        spec.clip_high,
+        spec.dual_clip,
+        spec.kl_coef,
+        spec.kl_estimator,
+        spec.entropy_coef,
+        backend,
+    )
     return loss, spec.named(stats)

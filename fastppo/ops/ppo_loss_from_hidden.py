@@ -22,25 +22,45 @@ from torch import Tensor
 
 from ..kernels.layout import PARTIALS
 from . import checks
+from .custom_ops import gradients, input_names
 from .dispatch import implementation
 from .ppo_loss import STATS, loss_spec, summarize
-from .ppo_loss_from_logits import MASKED_LABEL, masked_labels
-from .rollout_is_weights import truncated_weights
+from .ppo_loss_from_logits import masked_labels
+from .rollout_is_weights import rollout_is_weights_unchecked
 from .token_logprobs_from_hidden import HiddenArgs, InputGrads, chunk_logits, matmul_weight, row_slice
 
 
 @torch.library.custom_op("fastppo::ppo_loss_from_hidden", mutates_args=())
-def _op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                     temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
-                     old_logprobs: Optional[Tensor], advantages: Tensor, weights: Tensor, valid: Tensor,
-                     ref_logprobs: Optional[Tensor], clip_low: float, clip_high: float, dual_clip: float,
-                     kl_coef: float, kl_estimator: int, entropy_coef: float,
-                     sampler_logprobs: Optional[Tensor], is_cap: float, chunk_size: int, backend: str,
-                     need_hidden: bool, need_weight: bool,
-                     need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    temperature: Optional[Tensor],
+    inv_temperature: float,
+    ignore_index: int,
+    old_logprobs: Optional[Tensor],
+    advantages: Tensor,
+    weights: Tensor,
+    valid: Tensor,
+    ref_logprobs: Optional[Tensor],
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    kl_coef: float,
+    kl_estimator: int,
+    entropy_coef: float,
+    sampler_logprobs: Optional[Tensor],
+    rollout_is_cap: float,
+    chunk_size: int,
+    backend: str,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # hidden (N, H), weight (V, H), token tensors (N,) -> loss (), stats, logprobs (N,), grad_hidden,
     # grad_weight, grad_bias. old_logprobs None: on-policy, the old log-probs are each chunk's own;
-    # sampler_logprobs: the advantages are weighted by min(exp(old - sampler), is_cap).
+    # sampler_logprobs: the advantages are weighted by min(exp(old - sampler), rollout_is_cap).
     N = hidden.shape[0]
     logprob_kernels, loss_kernels = implementation(backend, "logprobs"), implementation(backend, "ppo_loss")
     w = matmul_weight(weight)
@@ -53,25 +73,52 @@ def _op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
         n = r1 - r0
         logits = chunk_logits(hidden[r0:r1], w, bias).unsqueeze(0)  # (1, n, V) fp32
         logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
-        logprob_kernels.logprobs_forward(logits, labels[r0:r1], row_slice(temperature, r0, r1), inv_temperature,
-                                         ignore_index, logp, entropy, lse)
+        logprob_kernels.logprobs_forward(
+            logits, labels[r0:r1], row_slice(temperature, r0, r1), inv_temperature, ignore_index, logp, entropy, lse
+        )
         all_logp[r0:r1] = logp
         old = logp if old_logprobs is None else old_logprobs[r0:r1]  # on-policy: every ratio is exactly 1
         advantage = advantages[r0:r1]
         if sampler_logprobs is not None:
-            advantage = advantage * truncated_weights(old, sampler_logprobs[r0:r1], valid[r0:r1], is_cap)
+            advantage = advantage * rollout_is_weights_unchecked(
+                old, sampler_logprobs[r0:r1], valid[r0:r1], rollout_is_cap
+            )
         grad_logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        chunk_partials = torch.zeros(loss_kernels.num_programs(n), len(PARTIALS), dtype=torch.float32,
-                                     device=hidden.device)
-        loss_kernels.ppo_loss_forward(logp, old, advantage, weights[r0:r1],
-                                      valid[r0:r1], row_slice(ref_logprobs, r0, r1), entropy, clip_low, clip_high,
-                                      dual_clip, kl_coef, kl_estimator, grad_logp, chunk_partials)
+        chunk_partials = torch.zeros(
+            loss_kernels.num_programs(n), len(PARTIALS), dtype=torch.float32, device=hidden.device
+        )
+        loss_kernels.ppo_loss_forward(
+            logp,
+            old,
+            advantage,
+            weights[r0:r1],
+            valid[r0:r1],
+            row_slice(ref_logprobs, r0, r1),
+            entropy,
+            clip_low,
+            clip_high,
+            dual_clip,
+            kl_coef,
+            kl_estimator,
+            grad_logp,
+            chunk_partials,
+        )
         partials.append(chunk_partials)
         if backward:
             grad_entropy = -entropy_coef * weights[r0:r1] if entropy_coef != 0 else None
             grad_logits = InputGrads.logit_grad_buffer(logits, w)
-            logprob_kernels.logprobs_backward(logits, grad_logits, labels[r0:r1], row_slice(temperature, r0, r1),
-                                              inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy)
+            logprob_kernels.logprobs_backward(
+                logits,
+                grad_logits,
+                labels[r0:r1],
+                row_slice(temperature, r0, r1),
+                inv_temperature,
+                ignore_index,
+                lse,
+                entropy,
+                grad_logp,
+                grad_entropy,
+            )
             grads.add(r0, r1, grad_logits[0], hidden[r0:r1], w, valid[r0:r1])
     if not partials:
         partials.append(torch.zeros(1, len(PARTIALS), dtype=torch.float32, device=hidden.device))
@@ -79,12 +126,40 @@ def _op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
 
 
 @_op.register_fake
-def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, old_logprobs, advantages,
-      weights, valid, ref_logprobs, clip_low, clip_high, dual_clip, kl_coef, kl_estimator, entropy_coef,
-      sampler_logprobs, is_cap, chunk_size, backend, need_hidden, need_weight, need_bias):
+def _(
+    hidden,
+    weight,
+    bias,
+    labels,
+    temperature,
+    inv_temperature,
+    ignore_index,
+    old_logprobs,
+    advantages,
+    weights,
+    valid,
+    ref_logprobs,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    kl_estimator,
+    entropy_coef,
+    sampler_logprobs,
+    rollout_is_cap,
+    chunk_size,
+    backend,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     f32 = dict(dtype=torch.float32)
-    return (hidden.new_empty((), **f32), hidden.new_empty(len(STATS), **f32), hidden.new_empty(hidden.shape[0], **f32),
-            *InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias))
+    return (
+        hidden.new_empty((), **f32),
+        hidden.new_empty(len(STATS), **f32),
+        hidden.new_empty(hidden.shape[0], **f32),
+        *InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -95,21 +170,44 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, *_unused):
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-    scaled = [(grad_loss * g).to(g.dtype) if needed else None
-              for g, needed in zip((grad_hidden, grad_weight, grad_bias), ctx.needs_input_grad[:3])]
-    return (*scaled, *([None] * 22))
+    scaled = {
+        name: (grad_loss * g).to(g.dtype) if needed else None
+        for name, g, needed in zip(
+            ("hidden", "weight", "bias"), (grad_hidden, grad_weight, grad_bias), ctx.needs_input_grad
+        )
+    }
+    return gradients(_INPUTS, **scaled)
 
 
+_INPUTS = input_names(torch.ops.fastppo.ppo_loss_from_hidden.default)
 torch.library.register_autograd(_op, _backward, setup_context=_setup_context)
 
 
-def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_logprobs: Optional[Tensor],
-                         advantages: Tensor, mask: Tensor, *, bias: Optional[Tensor] = None, temperature=1.0,
-                         chunk_size: Optional[int] = None, backend: str = "auto", ref_logprobs=None,
-                         clip_eps: float = 0.2, clip_eps_high=None, dual_clip=None, kl_coef: float = 0.0,
-                         kl_estimator: str = "k3", entropy_coef: float = 0.0, agg: str = "token-mean",
-                         num_tokens=None, sampler_logprobs: Optional[Tensor] = None,
-                         rollout_is_cap: Optional[float] = None, return_logprobs: bool = False) -> tuple:
+def ppo_loss_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    old_logprobs: Optional[Tensor],
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature=1.0,
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+    ref_logprobs=None,
+    clip_eps: float = 0.2,
+    clip_eps_high=None,
+    dual_clip=None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    num_tokens=None,
+    sampler_logprobs: Optional[Tensor] = None,
+    rollout_is_cap: Optional[float] = None,
+    return_logprobs: bool = False,
+) -> tuple:
     """:func:`fastppo.ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
 
     ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` and ``chunk_size`` as in
@@ -125,10 +223,24 @@ def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_log
     (detached fp32, 0 where masked): the old ones, when on-policy.
     """
     labels = masked_labels(labels, mask)
-    args = HiddenArgs.check(hidden, weight, labels, bias, temperature, MASKED_LABEL, chunk_size, backend)
-    spec = loss_spec(labels, "labels", old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, has_entropy=True,
-                     clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens)
+    args = HiddenArgs.check(hidden, weight, labels, bias, temperature, checks.IGNORE_INDEX, chunk_size, backend)
+    spec = loss_spec(
+        labels,
+        "labels",
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        has_entropy=True,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        agg=agg,
+        num_tokens=num_tokens,
+    )
     if (sampler_logprobs is None) != (rollout_is_cap is None):
         raise ValueError("sampler_logprobs and rollout_is_cap go together: give both or neither")
     if sampler_logprobs is not None:
@@ -137,11 +249,32 @@ def ppo_loss_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, old_log
         rollout_is_cap = checks.check_number(rollout_is_cap, "rollout_is_cap", above=1)
     grad = torch.is_grad_enabled()
     loss, stats, logprobs = _op(
-        args.hidden, weight, bias, args.labels, args.temperature, args.inv_temperature, MASKED_LABEL,
-        spec.old_logprobs, spec.advantages, spec.weights, spec.valid, spec.ref_logprobs, spec.clip_low,
-        spec.clip_high, spec.dual_clip, spec.kl_coef, spec.kl_estimator, spec.entropy_coef, sampler_logprobs,
-        rollout_is_cap or 0.0, args.chunk_size, args.backend, grad and hidden.requires_grad,
-        grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)[:3]
+        args.hidden,
+        weight,
+        bias,
+        args.labels,
+        args.temperature,
+        args.inv_temperature,
+        checks.IGNORE_INDEX,
+        spec.old_logprobs,
+        spec.advantages,
+        spec.weights,
+        spec.valid,
+        spec.ref_logprobs,
+        spec.clip_low,
+        spec.clip_high,
+        spec.dual_clip,
+        spec.kl_coef,
+        spec.kl_estimator,
+        spec.entropy_coef,
+        sampler_logprobs,
+        rollout_is_cap or 0.0,
+        args.chunk_size,
+        args.backend,
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )[:3]
     if return_logprobs:
         return loss, spec.named(stats), logprobs.view(labels.shape)
     return loss, spec.named(stats)

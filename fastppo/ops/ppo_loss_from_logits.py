@@ -25,20 +25,20 @@ from . import checks
 from .ppo_loss import ppo_policy_loss
 from .token_logprobs import token_logprobs
 
-MASKED_LABEL = -100  # the ignore_index masked positions get
-
 
 def masked_labels(labels: Tensor, mask: Tensor) -> Tensor:
-    """``labels`` with ``MASKED_LABEL`` where ``mask`` is off, and where it is on a label of
-    ``MASKED_LABEL`` made an out-of-range id like any other (the mask decides; see above)."""
+    """``labels`` with ``IGNORE_INDEX`` where ``mask`` is off, and where it is on a label of
+    ``IGNORE_INDEX`` made an out-of-range id like any other (the mask decides; see above)."""
     checks.check_integer(labels, "labels")  # before torch.where would promote bool labels to ids 0/1
     valid, _ = checks.check_mask(mask, labels, "labels")
-    claimed = labels == MASKED_LABEL
+    claimed = labels == checks.IGNORE_INDEX
     if checks.value_checks_enabled() and bool((claimed & valid).any()):
-        raise ValueError(f"labels holds {MASKED_LABEL} (ignore_index) at {int((claimed & valid).sum())} position(s) "
-                         "the mask says are valid; the mask decides which tokens count: mask them out or give "
-                         "their token ids")
-    return torch.where(valid, labels.masked_fill(claimed, -1), MASKED_LABEL)
+        raise ValueError(
+            f"labels holds {checks.IGNORE_INDEX} (ignore_index) at {int((claimed & valid).sum())} position(s) "
+            "the mask says are valid; the mask decides which tokens count: mask them out or give "
+            "their token ids"
+        )
+    return torch.where(valid, labels.masked_fill(claimed, -1), checks.IGNORE_INDEX)
 
 
 def _check_no_entropy(loss_options: dict, name: str) -> None:
@@ -46,9 +46,18 @@ def _check_no_entropy(loss_options: dict, name: str) -> None:
         raise TypeError(f"{name} computes the entropy itself; do not pass entropy=")
 
 
-def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                         mask: Tensor, *, temperature=1.0, inplace_backward: bool = False, backend: str = "auto",
-                         **loss_options) -> tuple[Tensor, dict]:
+def ppo_loss_from_logits(
+    logits: Tensor,
+    labels: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    temperature=1.0,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+    **loss_options,
+) -> tuple[Tensor, dict]:
     """:func:`fastppo.ppo_policy_loss` of the labels' log-probs under ``softmax(logits / temperature)``.
 
     ``logits`` ``(..., V)`` and ``labels`` ``(...)`` as in :func:`fastppo.token_logprobs`; the
@@ -58,7 +67,13 @@ def ppo_loss_from_logits(logits: Tensor, labels: Tensor, old_logprobs: Tensor, a
     except ``entropy``, which is computed here.
     """
     _check_no_entropy(loss_options, "ppo_loss_from_logits")
-    logp, entropy = token_logprobs(logits, masked_labels(labels, mask), temperature=temperature,
-                                   ignore_index=MASKED_LABEL, return_entropy=True, inplace_backward=inplace_backward,
-                                   backend=backend)
+    logp, entropy = token_logprobs(
+        logits,
+        masked_labels(labels, mask),
+        temperature=temperature,
+        ignore_index=checks.IGNORE_INDEX,
+        return_entropy=True,
+        inplace_backward=inplace_backward,
+        backend=backend,
+    )
     return ppo_policy_loss(logp, old_logprobs, advantages, mask, entropy=entropy, backend=backend, **loss_options)

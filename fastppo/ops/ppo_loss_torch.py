@@ -10,7 +10,6 @@ import torch
 from ..kernels.layout import PARTIALS
 from .kl import kl_penalty
 
-
 # Tokens per chunk: 512 KiB per fp32 temporary, cache-sized (2**16 to 2**18 measured best).
 CHUNK = 1 << 17
 
@@ -30,18 +29,56 @@ def _kl_slope(d: torch.Tensor, kl_estimator: int) -> torch.Tensor:
     return torch.where(in_range, 1.0 - torch.exp(-d.clamp(-20.0, 20.0)), 0.0)
 
 
-def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
-                     clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials):
-    """Write ``d loss / d logprobs`` into ``grad`` and one row of PARTIALS per chunk into ``partials``."""
+def ppo_loss_forward(
+    logprobs,
+    old_logprobs,
+    advantages,
+    weights,
+    valid,
+    ref_logprobs,
+    entropy,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    kl_estimator,
+    grad,
+    partials,
+):
+    """The launcher of ``launchers.py``: one row of PARTIALS per chunk of ``CHUNK`` tokens."""
     for row, start in enumerate(range(0, logprobs.numel(), CHUNK)):
         part = slice(start, start + CHUNK)
-        _chunk_forward(*(None if x is None else x[part] for x in (
-            logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy)),
-            clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad[part], partials[row])
+        _chunk_forward(
+            *(
+                None if x is None else x[part]
+                for x in (logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy)
+            ),
+            clip_low,
+            clip_high,
+            dual_clip,
+            kl_coef,
+            kl_estimator,
+            grad[part],
+            partials[row],
+        )
 
 
-def _chunk_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy,
-                   clip_low, clip_high, dual_clip, kl_coef, kl_estimator, grad, partials_row):
+def _chunk_forward(
+    logprobs,
+    old_logprobs,
+    advantages,
+    weights,
+    valid,
+    ref_logprobs,
+    entropy,
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    kl_estimator,
+    grad,
+    partials_row,
+):
     def safe(x):  # masked tokens may hold -inf or NaN: replace them before any arithmetic
         return torch.where(valid, x.float(), 0.0)
 
@@ -69,7 +106,15 @@ def _chunk_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logpr
 
     ent = safe(entropy) if entropy is not None else torch.zeros_like(pg)
     m = valid.float()
-    sums = {"pg": (weights * pg).sum(), "kl": (weights * kl).sum(), "entropy": (weights * ent).sum(),
-            "clipped": (valid & clipped).sum(), "half_lr_sq": (m * 0.5 * lr * lr).sum(), "ratio": (m * ratio).sum(),
-            "ratio_max": (m * ratio).max(), "dual_clipped": dual_on.sum(), "count": m.sum()}
+    sums = {
+        "pg": (weights * pg).sum(),
+        "kl": (weights * kl).sum(),
+        "entropy": (weights * ent).sum(),
+        "clipped": (valid & clipped).sum(),
+        "half_lr_sq": (m * 0.5 * lr * lr).sum(),
+        "ratio": (m * ratio).sum(),
+        "ratio_max": (m * ratio).max(),
+        "dual_clipped": dual_on.sum(),
+        "count": m.sum(),
+    }
     partials_row.copy_(torch.stack([sums[name].float() for name in PARTIALS]))

@@ -30,10 +30,10 @@ def rollout_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Ten
     checks.check_token_tensor(sampler_logprobs, "sampler_logprobs", old_logprobs, "old_logprobs")
     cap = checks.check_number(cap, "cap", above=1)
     valid, invalid = checks.check_mask(mask, old_logprobs, "old_logprobs")
-    return checks.poison(truncated_weights(old_logprobs, sampler_logprobs, valid, cap), invalid)
+    return checks.poison(rollout_is_weights_unchecked(old_logprobs, sampler_logprobs, valid, cap), invalid)
 
 
-def truncated_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, valid: Tensor, cap: float) -> Tensor:
+def rollout_is_weights_unchecked(old_logprobs: Tensor, sampler_logprobs: Tensor, valid: Tensor, cap: float) -> Tensor:
     """The weights of checked arguments (``valid`` bool); also used inside the fused loss."""
     log_ratio = (old_logprobs.detach().float() - sampler_logprobs.detach().float()).clamp(-20.0, 20.0)
     return torch.where(valid, log_ratio.exp().clamp(max=cap), 0.0)  # NaN survives clamp and exp

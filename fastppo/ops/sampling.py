@@ -13,16 +13,15 @@ import math
 import torch
 from torch import Tensor
 
-from . import checks
+from . import checks, sampling_torch
 from .dispatch import implementation, resolve_backend
 
-SEED_LIMIT = 2 ** 63
+SEED_LIMIT = 2**63
 
 
 def check_sampling_options(temperature, top_k, top_p) -> None:
     """Raise ``ValueError`` naming the first of ``temperature``, ``top_k``, ``top_p`` out of range."""
-    if not checks.is_real(temperature) or not (
-            math.isfinite(temperature) and temperature >= 0):
+    if not checks.is_real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
@@ -39,8 +38,15 @@ def _check_arguments(logits, temperature, top_k, top_p, seed) -> None:
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
 
 
-def sample_tokens(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, backend: str = "auto") -> tuple:
+def sample_tokens(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> tuple:
     """Draw one token per row of ``logits`` ``(B, V)`` from ``softmax(logits / temperature)``.
 
     Args:
@@ -69,8 +75,13 @@ def sample_tokens(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, t
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     inv_temperature = 1.0 if greedy else 1.0 / temperature
-    options = dict(top_k=top_k, top_p=top_p) if filtered else {}
     with torch.no_grad():
-        implementation(resolved, "sampling").sample_forward(
-            logits.detach(), inv_temperature, greedy, seed, tokens, logprobs, **options)
+        if filtered:  # a sort: the twin's alone
+            sampling_torch.sample_filtered(
+                logits.detach(), inv_temperature, greedy, seed, tokens, logprobs, top_k, top_p
+            )
+        else:
+            implementation(resolved, "sampling").sample_forward(
+                logits.detach(), inv_temperature, greedy, seed, tokens, logprobs
+            )
     return tokens, logprobs

@@ -29,13 +29,19 @@ def _top_p(z: Tensor, p: float) -> Tensor:
     return z.masked_fill(drop, float("-inf"))
 
 
-def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, top_k=0, top_p=1.0):
-    """Fill ``tokens`` (int64) and ``logprobs`` (fp32), both ``(B,)``, from ``logits`` ``(B, V)``."""
+def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs):
+    """The launcher of ``fastppo/ops/launchers.py``."""
+    sample_filtered(logits, inv_temperature, greedy, seed, tokens, logprobs, top_k=0, top_p=1.0)
+
+
+def sample_filtered(logits, inv_temperature, greedy, seed, tokens, logprobs, top_k, top_p):
+    """:func:`sample_forward` among the ``top_k`` most likely tokens (0: all) within the ``top_p``
+    nucleus (1: all); the kernel has no such filter, so this is the twin's alone."""
     B, V = logits.shape
     generator = None if greedy else torch.Generator(logits.device).manual_seed(seed)
     rows = max(1, ROW_CHUNK_ELEMENTS // max(V, 1))
     for r0 in range(0, B, rows):
-        z = logits[r0:r0 + rows].float() * inv_temperature  # (n, V)
+        z = logits[r0 : r0 + rows].float() * inv_temperature  # (n, V)
         if greedy:
             chosen = z.argmax(dim=1)
         else:
@@ -44,7 +50,7 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, t
                 candidates = _top_k(candidates, top_k)
             if top_p < 1.0:
                 candidates = _top_p(candidates, top_p)
-            u = torch.rand(z.shape, device=z.device, generator=generator).clamp_(min=2.0 ** -32)
+            u = torch.rand(z.shape, device=z.device, generator=generator).clamp_(min=2.0**-32)
             chosen = (candidates - u.log_().neg_().log_()).argmax(dim=1)
-        tokens[r0:r0 + rows] = chosen
-        logprobs[r0:r0 + rows] = z.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=1)
+        tokens[r0 : r0 + rows] = chosen
+        logprobs[r0 : r0 + rows] = z.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=1)

@@ -28,10 +28,20 @@ from .kl import kl_penalty
 LOG_RATIO_BOUND = 20.0  # the token loss's (ppo_loss_torch.py, kernels/ppo_loss.py)
 
 
-def sequence_ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                      clip_eps: float = 3e-4, clip_eps_high: Optional[float] = None,
-                      ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                      entropy: Optional[Tensor] = None, entropy_coef: float = 0.0) -> tuple:
+def sequence_ppo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: float = 3e-4,
+    clip_eps_high: Optional[float] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Optional[Tensor] = None,
+    entropy_coef: float = 0.0,
+) -> tuple:
     """GSPO's policy loss and its statistics.
 
     Args:
@@ -56,8 +66,10 @@ def sequence_ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
     valid, invalid = checks.check_mask(mask, logprobs, "logprobs")
     checks.check_tensor(advantages, "advantages")
     if advantages.shape != logprobs.shape[:1] or not advantages.is_floating_point():
-        raise ValueError(f"advantages must be a floating (B,) = {tuple(logprobs.shape[:1])} tensor, one per "
-                         f"sequence, got shape {tuple(advantages.shape)} and dtype {advantages.dtype}")
+        raise ValueError(
+            f"advantages must be a floating (B,) = {tuple(logprobs.shape[:1])} tensor, one per "
+            f"sequence, got shape {tuple(advantages.shape)} and dtype {advantages.dtype}"
+        )
     clip_low = checks.check_number(clip_eps, "clip_eps", above=0)
     clip_high = clip_low if clip_eps_high is None else checks.check_number(clip_eps_high, "clip_eps_high", above=0)
     kl_coef = checks.check_number(kl_coef, "kl_coef", minimum=0.0)
@@ -84,15 +96,18 @@ def sequence_ppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg = torch.where(rows, torch.maximum(unclipped, clipped), 0.0).sum() / sequences
     loss = pg
-    stats = {"pg_loss": pg.detach(),
-             "clipfrac": ((clipped > unclipped) & rows).sum() / sequences,
-             "approx_kl": 0.5 * torch.where(valid, log_ratio.detach() ** 2, 0.0).sum() / tokens.sum().clamp(min=1),
-             "ratio_mean": torch.where(rows, ratio.detach(), 0.0).sum() / sequences,
-             "ratio_max": torch.where(rows, ratio.detach(), 0.0).max() if ratio.numel() else ratio.new_zeros(())}
+    stats = {
+        "pg_loss": pg.detach(),
+        "clipfrac": ((clipped > unclipped) & rows).sum() / sequences,
+        "approx_kl": 0.5 * torch.where(valid, log_ratio.detach() ** 2, 0.0).sum() / tokens.sum().clamp(min=1),
+        "ratio_mean": torch.where(rows, ratio.detach(), 0.0).sum() / sequences,
+        "ratio_max": torch.where(rows, ratio.detach(), 0.0).max() if ratio.numel() else ratio.new_zeros(()),
+    }
     if ref_logprobs is not None:
         checks.check_token_tensor(ref_logprobs, "ref_logprobs", logprobs, "logprobs")
-        kl_tokens = kl_penalty(torch.where(valid, logp, 0.0), torch.where(valid, ref_logprobs.float(), 0.0),
-                               estimator=kl_estimator)
+        kl_tokens = kl_penalty(
+            torch.where(valid, logp, 0.0), torch.where(valid, ref_logprobs.float(), 0.0), estimator=kl_estimator
+        )
         kl = torch.where(rows, sequence_mean(kl_tokens), 0.0).sum() / sequences
         loss = loss + kl_coef * kl
         stats["kl"] = kl.detach()

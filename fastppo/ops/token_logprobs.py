@@ -19,54 +19,83 @@ import torch
 from torch import Tensor
 
 from . import checks
+from .custom_ops import gradients, input_names
 from .dispatch import implementation, resolve_backend
 
 
 @torch.library.custom_op("fastppo::token_logprobs", mutates_args=())
-def _forward(logits: Tensor, labels: Tensor, temperature: Optional[Tensor], inv_temperature: float,
-             ignore_index: int, backend: str, with_entropy: bool,
-             inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _forward(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: Optional[Tensor],
+    inv_temperature: float,
+    ignore_index: int,
+    backend: str,
+    with_entropy: bool,
+    inplace_backward: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     # logits: (B, T, V) any strides; labels, temperature: (N,) -> logp, entropy, lse: (N,) fp32,
     # entropy (0,) when not asked for (the PyTorch twin then skips its passes)
     N = labels.shape[0]
     logp, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(2))
     entropy = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=logits.device)
     implementation(backend, "logprobs").logprobs_forward(
-        logits, labels, temperature, inv_temperature, ignore_index, logp, entropy if with_entropy else None, lse)
+        logits, labels, temperature, inv_temperature, ignore_index, logp, entropy if with_entropy else None, lse
+    )
     return logp, entropy, lse
 
 
 @_forward.register_fake
 def _(logits, labels, temperature, inv_temperature, ignore_index, backend, with_entropy, inplace_backward):
     N = labels.shape[0]
-    return (labels.new_empty(N, dtype=torch.float32), labels.new_empty(N if with_entropy else 0, dtype=torch.float32),
-            labels.new_empty(N, dtype=torch.float32))
+    return (
+        labels.new_empty(N, dtype=torch.float32),
+        labels.new_empty(N if with_entropy else 0, dtype=torch.float32),
+        labels.new_empty(N, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("fastppo::token_logprobs_backward", mutates_args=())
-def _backward(logits: Tensor, labels: Tensor, temperature: Optional[Tensor], inv_temperature: float,
-              ignore_index: int, backend: str, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
-              grad_entropy: Optional[Tensor]) -> Tensor:
+def _backward(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: Optional[Tensor],
+    inv_temperature: float,
+    ignore_index: int,
+    backend: str,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Optional[Tensor],
+) -> Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (B, T, V)
     implementation(backend, "logprobs").logprobs_backward(
-        logits, grad, labels, temperature, inv_temperature, ignore_index,
-        lse, entropy, grad_logp, grad_entropy)
+        logits, grad, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
+    )
     return grad
 
 
 @_backward.register_fake
-def _(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, entropy,
-      grad_logp, grad_entropy):
+def _(logits, labels, temperature, inv_temperature, ignore_index, backend, lse, entropy, grad_logp, grad_entropy):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("fastppo::token_logprobs_backward_", mutates_args=("logits",))
-def _backward_in_place(logits: Tensor, labels: Tensor, temperature: Optional[Tensor], inv_temperature: float,
-                       ignore_index: int, backend: str, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
-                       grad_entropy: Optional[Tensor]) -> None:
+def _backward_in_place(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: Optional[Tensor],
+    inv_temperature: float,
+    ignore_index: int,
+    backend: str,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Optional[Tensor],
+) -> None:
     implementation(backend, "logprobs").logprobs_backward(
-        logits, logits, labels, temperature, inv_temperature, ignore_index,
-        lse, entropy, grad_logp, grad_entropy)
+        logits, logits, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -90,21 +119,38 @@ def upstream_grads(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
 def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     logits, labels, temperature, lse, entropy = ctx.saved_tensors
     inv_temperature, ignore_index, backend = ctx.args
-    args = (labels, temperature, inv_temperature, ignore_index, backend, lse, entropy,
-            *upstream_grads(grad_logp, grad_entropy, lse))
+    args = (
+        labels,
+        temperature,
+        inv_temperature,
+        ignore_index,
+        backend,
+        lse,
+        entropy,
+        *upstream_grads(grad_logp, grad_entropy, lse),
+    )
     if ctx.inplace_backward:
         _backward_in_place(logits, *args)
         grad = logits  # now holds its own gradient
     else:
         grad = _backward(logits, *args)
-    return grad, None, None, None, None, None, None, None
+    return gradients(_INPUTS, logits=grad)
 
 
+_INPUTS = input_names(torch.ops.fastppo.token_logprobs.default)
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
 
 
-def token_logprobs(logits: Tensor, labels: Tensor, *, temperature=1.0, ignore_index: int = -100,
-                   return_entropy: bool = False, inplace_backward: bool = False, backend: str = "auto"):
+def token_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature=1.0,
+    ignore_index: int = checks.IGNORE_INDEX,
+    return_entropy: bool = False,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+):
     """Log-prob of each label under ``softmax(logits / temperature)``, optionally with the entropy.
 
     Args:
@@ -138,8 +184,16 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature=1.0, ignore_in
 
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
-    logp, entropy, _ = _forward(checks.as_rows(logits), checks.as_tokens(labels), per_row_temperature,
-                                inv_temperature, ignore_index, backend, return_entropy, inplace_backward)
+    logp, entropy, _ = _forward(
+        checks.as_rows(logits),
+        checks.as_tokens(labels),
+        per_row_temperature,
+        inv_temperature,
+        ignore_index,
+        backend,
+        return_entropy,
+        inplace_backward,
+    )
     if return_entropy:
         return logp.view(lead), entropy.view(lead)
     return logp.view(lead)

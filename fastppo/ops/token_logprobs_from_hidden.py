@@ -16,7 +16,6 @@ weight gradient accumulates in fp32 as the output of its own matmul (no per-chun
 add), the bias gradient in fp32 too.
 """
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import checks
+from .custom_ops import gradients, input_names
 from .dispatch import implementation, resolve_backend
 from .token_logprobs import upstream_grads
 
@@ -117,15 +117,19 @@ class InputGrads:
 
     def results(self) -> tuple:
         # Three distinct empty tensors: custom-op outputs may not alias each other.
-        return (self.hidden_grad if self.hidden_grad is not None else self.hidden.new_empty(0),
-                self.weight_grad.to(self.weight.dtype) if self.weight_grad is not None else self.weight.new_empty(0),
-                self.bias_grad.to(self.weight.dtype) if self.bias_grad is not None else self.weight.new_empty(0))
+        return (
+            self.hidden_grad if self.hidden_grad is not None else self.hidden.new_empty(0),
+            self.weight_grad.to(self.weight.dtype) if self.weight_grad is not None else self.weight.new_empty(0),
+            self.bias_grad.to(self.weight.dtype) if self.bias_grad is not None else self.weight.new_empty(0),
+        )
 
     @staticmethod
     def fake(hidden, weight, need_hidden, need_weight, need_bias) -> tuple:
-        return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-                torch.empty_like(weight) if need_weight else weight.new_empty(0),
-                weight.new_empty(weight.shape[0]) if need_bias else weight.new_empty(0))
+        return (
+            torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0]) if need_bias else weight.new_empty(0),
+        )
 
 
 def row_slice(x: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
@@ -134,9 +138,18 @@ def row_slice(x: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
 
 
 @torch.library.custom_op("fastppo::token_logprobs_from_hidden", mutates_args=())
-def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-             temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
-             chunk_size: int, backend: str, with_stats: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    temperature: Optional[Tensor],
+    inv_temperature: float,
+    ignore_index: int,
+    chunk_size: int,
+    backend: str,
+    with_stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # hidden: (N, H); weight: (V, H); bias: (V,); labels, temperature: (N,)
     # -> logp, entropy, lse (N,) fp32, and the head statistics (N, 3) fp32, (0, 3) without them
     N = hidden.shape[0]
@@ -147,25 +160,48 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
     for r0 in range(0, N, chunk_size):
         r1 = min(N, r0 + chunk_size)
         logits = chunk_logits(hidden[r0:r1], w, bias)  # (n, V) fp32
-        kernels.logprobs_forward(logits.unsqueeze(0), labels[r0:r1], row_slice(temperature, r0, r1),
-                                 inv_temperature, ignore_index,
-                                 logp[r0:r1], entropy[r0:r1], lse[r0:r1], stats[r0:r1] if with_stats else None)
+        kernels.logprobs_forward(
+            logits.unsqueeze(0),
+            labels[r0:r1],
+            row_slice(temperature, r0, r1),
+            inv_temperature,
+            ignore_index,
+            logp[r0:r1],
+            entropy[r0:r1],
+            lse[r0:r1],
+            stats[r0:r1] if with_stats else None,
+        )
     return logp, entropy, lse, stats
 
 
 @_forward.register_fake
 def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend, with_stats):
     N = hidden.shape[0]
-    return (*(hidden.new_empty(N, dtype=torch.float32) for _ in range(3)),
-            hidden.new_empty(N if with_stats else 0, 3, dtype=torch.float32))
+    return (
+        *(hidden.new_empty(N, dtype=torch.float32) for _ in range(3)),
+        hidden.new_empty(N if with_stats else 0, 3, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("fastppo::token_logprobs_from_hidden_backward", mutates_args=())
-def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-              temperature: Optional[Tensor], inv_temperature: float, ignore_index: int,
-              chunk_size: int, backend: str, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
-              grad_entropy: Optional[Tensor], need_hidden: bool, need_weight: bool,
-              need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    temperature: Optional[Tensor],
+    inv_temperature: float,
+    ignore_index: int,
+    chunk_size: int,
+    backend: str,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Optional[Tensor],
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     # -> grad_hidden (N, H), grad_weight (V, H), grad_bias (V,); each (0,) when not needed
     kernels = implementation(backend, "logprobs")
     w = matmul_weight(weight)
@@ -174,22 +210,48 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
         r1 = min(hidden.shape[0], r0 + chunk_size)
         logits = chunk_logits(hidden[r0:r1], w, bias).unsqueeze(0)  # (1, n, V) fp32
         grad_logits = InputGrads.logit_grad_buffer(logits, w)
-        kernels.logprobs_backward(logits, grad_logits, labels[r0:r1], row_slice(temperature, r0, r1),
-                                  inv_temperature, ignore_index, lse[r0:r1], entropy[r0:r1],
-                                  grad_logp[r0:r1], row_slice(grad_entropy, r0, r1))
+        kernels.logprobs_backward(
+            logits,
+            grad_logits,
+            labels[r0:r1],
+            row_slice(temperature, r0, r1),
+            inv_temperature,
+            ignore_index,
+            lse[r0:r1],
+            entropy[r0:r1],
+            grad_logp[r0:r1],
+            row_slice(grad_entropy, r0, r1),
+        )
         grads.add(r0, r1, grad_logits[0], hidden[r0:r1], w, labels[r0:r1] != ignore_index)
     return grads.results()
 
 
 @_backward.register_fake
-def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend,
-      lse, entropy, grad_logp, grad_entropy, need_hidden, need_weight, need_bias):
+def _(
+    hidden,
+    weight,
+    bias,
+    labels,
+    temperature,
+    inv_temperature,
+    ignore_index,
+    chunk_size,
+    backend,
+    lse,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     return InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias)
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend,
-     _with_stats) = inputs
+    (hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend, _with_stats) = (
+        inputs
+    )
     _, entropy, lse, stats = output
     ctx.save_for_backward(hidden, weight, bias, labels, temperature, lse, entropy)
     ctx.args = (inv_temperature, ignore_index, chunk_size, backend)
@@ -201,18 +263,44 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_stats):
     hidden, weight, bias, labels, temperature, lse, entropy = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     grad_hidden, grad_weight, grad_bias = _backward(
-        hidden, weight, bias, labels, temperature, *ctx.args, lse, entropy,
-        *upstream_grads(grad_logp, grad_entropy, lse), need_hidden, need_weight, need_bias)
-    return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
-            grad_bias if need_bias else None, None, None, None, None, None, None, None)
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        *ctx.args,
+        lse,
+        entropy,
+        *upstream_grads(grad_logp, grad_entropy, lse),
+        need_hidden,
+        need_weight,
+        need_bias,
+    )
+    return gradients(
+        _INPUTS,
+        hidden=grad_hidden if need_hidden else None,
+        weight=grad_weight if need_weight else None,
+        bias=grad_bias if need_bias else None,
+    )
 
 
+_INPUTS = input_names(torch.ops.fastppo.token_logprobs_from_hidden.default)
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
 
 
-def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
-                          temperature=1.0, ignore_index: int = -100, return_entropy: bool = False,
-                          return_stats: bool = False, chunk_size: Optional[int] = None, backend: str = "auto"):
+def token_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature=1.0,
+    ignore_index: int = checks.IGNORE_INDEX,
+    return_entropy: bool = False,
+    return_stats: bool = False,
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+):
     """``token_logprobs(hidden @ weight.T + bias, labels, ...)`` without materialising the logits.
 
     Args:
@@ -236,22 +324,29 @@ def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, labels: Tensor, *
         accumulated in fp32).
     """
     args = HiddenArgs.check(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend)
-    logp, entropy, _, stats = _forward(args.hidden, weight, bias, args.labels, args.temperature,
-                                       args.inv_temperature, ignore_index, args.chunk_size, args.backend,
-                                       return_stats)
+    logp, entropy, _, stats = _forward(
+        args.hidden,
+        weight,
+        bias,
+        args.labels,
+        args.temperature,
+        args.inv_temperature,
+        ignore_index,
+        args.chunk_size,
+        args.backend,
+        return_stats,
+    )
     results = (logp.view(args.lead),) + (entropy.view(args.lead),) * return_entropy
     if return_stats:
         log_sum_sq, mean, top1 = stats.unbind(dim=1)  # (N,) each
-        results += ({"log_sum_sq_probs": log_sum_sq.view(args.lead), "mean_logits": mean.view(args.lead),
-                     "is_top1": (top1 != 0).view(args.lead)},)
+        results += (
+            {
+                "log_sum_sq_probs": log_sum_sq.view(args.lead),
+                "mean_logits": mean.view(args.lead),
+                "is_top1": (top1 != 0).view(args.lead),
+            },
+        )
     return results if len(results) > 1 else results[0]
-
-
-def linear_token_logprobs(*args, **kwargs):
-    """The former name of :func:`token_logprobs_from_hidden`; warns, then calls it."""
-    warnings.warn("fastppo.linear_token_logprobs is now fastppo.token_logprobs_from_hidden", DeprecationWarning,
-                  stacklevel=2)
-    return token_logprobs_from_hidden(*args, **kwargs)
 
 
 @dataclass
@@ -272,8 +367,10 @@ class HiddenArgs:
         checks.check_float(weight, "weight", min_dim=2)
         H = hidden.shape[-1]
         if weight.dim() != 2 or weight.shape[1] != H:
-            raise ValueError(f"weight must have shape (V, {H}) to match hidden of shape "
-                             f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")
+            raise ValueError(
+                f"weight must have shape (V, {H}) to match hidden of shape "
+                f"{tuple(hidden.shape)}, got {tuple(weight.shape)}"
+            )
         V = weight.shape[0]
         checks.check_vocabulary(V, "weight")
         if weight.dtype != hidden.dtype:
@@ -296,5 +393,12 @@ class HiddenArgs:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         backend = resolve_backend(backend, hidden.device)
         checks.check_label_values(labels, V, ignore_index)
-        return HiddenArgs(hidden.reshape(N, H), checks.as_tokens(labels), per_row_temperature, inv_temperature,
-                          chunk_size, backend, lead)
+        return HiddenArgs(
+            hidden.reshape(N, H),
+            checks.as_tokens(labels),
+            per_row_temperature,
+            inv_temperature,
+            chunk_size,
+            backend,
+            lead,
+        )

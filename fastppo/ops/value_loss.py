@@ -13,8 +13,16 @@ from . import checks
 from .aggregation import aggregation_weights
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
-               clip_eps: Optional[float] = 0.2, agg: str = "token-mean", num_tokens=None) -> tuple[Tensor, dict]:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: Optional[float] = 0.2,
+    agg: str = "token-mean",
+    num_tokens=None,
+) -> tuple[Tensor, dict]:
     """``agg(0.5 * max((v - R)**2, (v_clip - R)**2))`` with ``v_clip = old_v + clamp(v - old_v, ±clip_eps)``.
 
     ``clip_eps=None`` disables clipping (``0.5 * (v - R)**2``). Token tensors share one shape;
@@ -48,6 +56,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         per_token, clipped = 0.5 * torch.maximum(error, clipped_error), clipped_error > error
     loss = (weights * per_token).sum()
     count = valid.sum().clamp(min=1)
-    stats = {"vf_loss": loss.detach(), "vf_clipfrac": (clipped & valid).sum() / count,
-             "value_mean": v.detach().sum() / count}
+    stats = {
+        "vf_loss": loss.detach(),
+        "vf_clipfrac": (clipped & valid).sum() / count,
+        "value_mean": v.detach().sum() / count,
+    }
     return loss, stats

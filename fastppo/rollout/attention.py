@@ -22,8 +22,9 @@ class CacheAttention:
         self.cache = cache
         self.flash_decode = flash_decode  # flash_attn_with_kvcache, or None for SDPA
 
-    def prefill(self, layer: int, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                window: Optional[int]) -> Tensor:
+    def prefill(
+        self, layer: int, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]
+    ) -> Tensor:
         """Store a group of right-padded prompts' keys and values in ``slots`` and attend causally.
         q: (G, H, L, D); k, v: (G, KVH, L, D) -> (G, H, L, D)."""
         L = q.shape[2]
@@ -33,8 +34,9 @@ class CacheAttention:
         if window is not None and L > window:
             pos = torch.arange(L, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (L, L)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
     def decode_masks(self, positions: Tensor, span: int, windows: set) -> dict:
         """For one decode step, each window's (None: full attention) key mask ``(B, span)`` bool.
@@ -47,8 +49,18 @@ class CacheAttention:
         causal = keys[None, :] <= positions[:, None]  # (B, span)
         return {w: causal if w is None else causal & (keys[None, :] > positions[:, None] - w) for w in windows}
 
-    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int,
-               scale: float, window: Optional[int], masks: dict) -> Tensor:
+    def decode(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        span: int,
+        scale: float,
+        window: Optional[int],
+        masks: dict,
+    ) -> Tensor:
         """Store the new key and value of slots ``0 .. B-1`` at their positions and attend over each
         row's keys so far.
 
@@ -63,16 +75,28 @@ class CacheAttention:
         self.cache.v[layer][rows, positions] = v[:, :, 0]
         # The cache may be stored in another dtype than the model computes in; .to is then a cast.
         cached_k, cached_v = (c[layer][:B, :span].transpose(1, 2).to(q.dtype) for c in (self.cache.k, self.cache.v))
-        return F.scaled_dot_product_attention(q, cached_k, cached_v, attn_mask=masks[window][:, None, None, :],
-                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q,
+            cached_k,
+            cached_v,
+            attn_mask=masks[window][:, None, None, :],
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
 
     def _flash(self, layer, q, k, v, positions, span, scale, window) -> Tensor:
         B = q.shape[0]
         # A row's position is its number of cached tokens: the new key goes there, and the query
         # (the last of the row) sees keys [position - (window - 1), position], as HF's window does.
         out = self.flash_decode(
-            q.transpose(1, 2), self.cache.k[layer][:B, :span], self.cache.v[layer][:B, :span],
-            k=k.transpose(1, 2), v=v.transpose(1, 2), cache_seqlens=positions.to(torch.int32),
-            softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+            q.transpose(1, 2),
+            self.cache.k[layer][:B, :span],
+            self.cache.v[layer][:B, :span],
+            k=k.transpose(1, 2),
+            v=v.transpose(1, 2),
+            cache_seqlens=positions.to(torch.int32),
+            softmax_scale=scale,
+            causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
         )  # (B, 1, H, D)
         return out.transpose(1, 2)

@@ -40,9 +40,22 @@ class RolloutLoop:
     CUDA graphs of fixed sizes: slots past ``b`` are free and harmless to run).
     """
 
-    def __init__(self, decoder: Decoder, decode: Callable, slots: int, max_len: int, prompts: list, n: int,
-                 max_new: list, draw: Callable, stop: tuple, pad: int, compact_below: float,
-                 bucket: Optional[Callable] = None, on_rows_ended: Optional[Callable] = None):
+    def __init__(
+        self,
+        decoder: Decoder,
+        decode: Callable,
+        slots: int,
+        max_len: int,
+        prompts: list,
+        n: int,
+        max_new: list,
+        draw: Callable,
+        stop: tuple,
+        pad: int,
+        compact_below: float,
+        bucket: Optional[Callable] = None,
+        on_rows_ended: Optional[Callable] = None,
+    ):
         self.decoder, self.decode, self.draw, self.on_rows_ended = decoder, decode, draw, on_rows_ended
         self.capacity, self.max_len, self.prompts, self.n, self.max_new = slots, max_len, prompts, n, max_new
         self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
@@ -80,7 +93,7 @@ class RolloutLoop:
             rows = min(self.bucket(self.b), self.capacity)
             positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
             logits = self.decode(self.token[:rows], positions, self._span())
-            self._record(slice(0, self.b), logits[:self.b])
+            self._record(slice(0, self.b), logits[: self.b])
             self.steps_run += 1
             self.rows_decoded += rows
         return self._rollout()
@@ -106,10 +119,10 @@ class RolloutLoop:
 
     def _check(self) -> bool:
         """The host sync: free the slots of ended rows, refill, pack. False when all is done."""
-        live = self.active[:self.b].nonzero().flatten().tolist()
+        live = self.active[: self.b].nonzero().flatten().tolist()
         if len(live) == len(self.offset):
             return True  # no row has ended since the last look
-        ended = self.row[:self.b] != self.trash
+        ended = self.row[: self.b] != self.trash
         ended[live] = False
         if self.on_rows_ended is not None:
             self.on_rows_ended(int(ended.sum()))
@@ -130,19 +143,19 @@ class RolloutLoop:
         """Slots hold no row: their output goes to the trash row, and they feed pad at position 0.
         (Left as they were, a graph-sized batch would decode them at positions the span may no
         longer cover once the rows that set it have ended.)"""
-        self.row[:self.b][slots] = self.trash
-        self.prompt_len[:self.b][slots] = 1
-        self.drawn[:self.b][slots] = 0
-        self.token[:self.b][slots] = self.pad
-        self.active[:self.b][slots] = False
+        self.row[: self.b][slots] = self.trash
+        self.prompt_len[: self.b][slots] = 1
+        self.drawn[: self.b][slots] = 0
+        self.token[: self.b][slots] = self.pad
+        self.active[: self.b][slots] = False
 
     def _admit(self, free: list) -> None:
         """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together)
         and draw their first tokens."""
         chosen = []
         while self.pending and len(free) >= self.n:
-            chosen.append((self.pending.popleft(), free[:self.n]))
-            free = free[self.n:]
+            chosen.append((self.pending.popleft(), free[: self.n]))
+            free = free[self.n :]
         if not chosen:
             return
         logits = self.decoder.prefill([s for _, s in chosen], [self.prompts[j] for j, _ in chosen])  # (G, V)
@@ -181,8 +194,11 @@ class RolloutLoop:
         B = self.trash
         lens = self.mask_out[:B].sum(dim=1)
         R = int(lens.max())
-        return Rollout(prompt_ids=[self.prompts[r // self.n] for r in range(B)],
-                       response_ids=self.tokens_out[:B, :R].contiguous(),
-                       response_mask=self.mask_out[:B, :R].contiguous(), response_lens=lens,
-                       logprobs=self.logprobs_out[:B, :R].contiguous(),
-                       finish_reason=["stop" if s else "length" for s in self.stopped_out[:B].tolist()])
+        return Rollout(
+            prompt_ids=[self.prompts[r // self.n] for r in range(B)],
+            response_ids=self.tokens_out[:B, :R].contiguous(),
+            response_mask=self.mask_out[:B, :R].contiguous(),
+            response_lens=lens,
+            logprobs=self.logprobs_out[:B, :R].contiguous(),
+            finish_reason=["stop" if s else "length" for s in self.stopped_out[:B].tolist()],
+        )

@@ -24,23 +24,27 @@ def _load_flash() -> Callable:
     return flash_attn_with_kvcache
 
 
-def _why_not_flash(device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype,
-                   head_dim: int) -> Optional[str]:
+def _why_not_flash(
+    device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int
+) -> Optional[str]:
     """None when flash-attn's decode can serve this model, else the reason it cannot."""
     if importlib.util.find_spec("flash_attn") is None:
         return "the flash-attn package is not installed"
     if device.type != "cuda":
         return f"flash-attn runs on CUDA only, and the model is on {device}"
     if model_dtype not in FLASH_DTYPES or cache_dtype != model_dtype:
-        return (f"flash-attn needs a float16 or bfloat16 model and a KV cache of the same dtype, got "
-                f"a {model_dtype} model and a {cache_dtype} cache")
+        return (
+            f"flash-attn needs a float16 or bfloat16 model and a KV cache of the same dtype, got "
+            f"a {model_dtype} model and a {cache_dtype} cache"
+        )
     if head_dim > 256 or head_dim % 8:
         return f"flash-attn needs a head size up to 256 and a multiple of 8, got {head_dim}"
     return None
 
 
-def flash_decode(attention: str, device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype,
-                 head_dim: int) -> Optional[Callable]:
+def flash_decode(
+    attention: str, device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int
+) -> Optional[Callable]:
     """``flash_attn_with_kvcache`` if ``attention`` (one of ``ATTENTIONS``) picks it, else None (SDPA)."""
     if attention == "sdpa":
         return None

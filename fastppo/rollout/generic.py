@@ -39,8 +39,8 @@ class GenericDecoder(Decoder):
         ids = torch.zeros(len(rows), longest, dtype=torch.long, device=self.device)
         self.attention_mask = torch.zeros_like(ids)
         for row, prompt in enumerate(rows):
-            ids[row, longest - len(prompt):] = torch.tensor(prompt, device=self.device)
-            self.attention_mask[row, longest - len(prompt):] = 1
+            ids[row, longest - len(prompt) :] = torch.tensor(prompt, device=self.device)
+            self.attention_mask[row, longest - len(prompt) :] = 1
         positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=self.attention_mask, position_ids=positions, use_cache=True)
         self.cache = getattr(out, self.cache_name)
@@ -49,8 +49,13 @@ class GenericDecoder(Decoder):
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
         self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], dim=1)
-        out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.attention_mask,
-                         position_ids=positions.unsqueeze(1), use_cache=True, **{self.cache_name: self.cache})
+        out = self.model(
+            input_ids=tokens.unsqueeze(1),
+            attention_mask=self.attention_mask,
+            position_ids=positions.unsqueeze(1),
+            use_cache=True,
+            **{self.cache_name: self.cache},
+        )
         self.cache = getattr(out, self.cache_name)
         return out.logits[:, -1]
 

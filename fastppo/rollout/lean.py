@@ -135,8 +135,12 @@ class LlamaLikeDecoder(LeanDecoder):
         if not (hasattr(model, "model") and hasattr(model.model, "rotary_emb")):
             return None
         config = model.config
-        return (config.num_hidden_layers, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim,
-                _windows(config))
+        return (
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            model.model.layers[0].self_attn.head_dim,
+            _windows(config),
+        )
 
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
         body = self.model.model
@@ -181,7 +185,9 @@ class GPT2Decoder(LeanDecoder):
         for i, block in enumerate(body.h):
             qkv = block.attn.c_attn(block.ln_1(x))  # (B, L, 3 * hidden)
             q, k, v = (t.view(B, L, config.n_head, D).transpose(1, 2) for t in qkv.split(hidden, dim=2))
-            scale = (D**-0.5 if config.scale_attn_weights else 1.0) / (i + 1 if config.scale_attn_by_inverse_layer_idx else 1)
+            scale = (D**-0.5 if config.scale_attn_weights else 1.0) / (
+                i + 1 if config.scale_attn_by_inverse_layer_idx else 1
+            )
             o = attend(i, q, k, v, scale).transpose(1, 2).reshape(B, L, hidden)
             x = x + block.attn.c_proj(o)
             x = x + block.mlp(block.ln_2(x))
@@ -192,8 +198,13 @@ class GPT2Decoder(LeanDecoder):
 
 
 #: ``config.model_type`` -> its lean decoder: the families with a fast path.
-FAMILIES = {"llama": LlamaLikeDecoder, "mistral": LlamaLikeDecoder, "qwen2": LlamaLikeDecoder,
-            "qwen3": LlamaLikeDecoder, "gpt2": GPT2Decoder}
+FAMILIES = {
+    "llama": LlamaLikeDecoder,
+    "mistral": LlamaLikeDecoder,
+    "qwen2": LlamaLikeDecoder,
+    "qwen3": LlamaLikeDecoder,
+    "gpt2": GPT2Decoder,
+}
 
 
 def lean_decoder(model, slots: int, max_len: int, dtype: Optional[torch.dtype], attention: str):
@@ -207,5 +218,6 @@ def lean_decoder(model, slots: int, max_len: int, dtype: Optional[torch.dtype], 
     param = next(model.parameters())
     dtype = dtype or param.dtype
     cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device)
-    return family(model, CacheAttention(cache, flash_decode(attention, param.device, param.dtype, dtype, head_dim)),
-                  windows)
+    return family(
+        model, CacheAttention(cache, flash_decode(attention, param.device, param.dtype, dtype, head_dim)), windows
+    )

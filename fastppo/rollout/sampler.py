@@ -66,8 +66,17 @@ class Sampler:
             a row (free slots past the last live one still leave the batch).
     """
 
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None,
-                 cuda_graphs: bool = True, attention: str = "auto", compact_below: float = 1.0):
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        dtype: Optional[torch.dtype] = None,
+        cuda_graphs: bool = True,
+        attention: str = "auto",
+        compact_below: float = 1.0,
+    ):
         self.model = model
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
         self.max_seq_len = _positive_int(max_seq_len, "max_seq_len")
@@ -80,9 +89,11 @@ class Sampler:
         self.compact_below = float(compact_below)
         self.lean = lean_decoder(model, max_batch_size, max_seq_len, dtype, attention)
         if self.lean is None and attention != "auto":
-            raise ValueError(f"attention={attention!r} applies to the lean decoders ({', '.join(FAMILIES)}); a "
-                             f"{model.config.model_type!r} model runs its own attention, chosen with "
-                             "attn_implementation when it is loaded")
+            raise ValueError(
+                f"attention={attention!r} applies to the lean decoders ({', '.join(FAMILIES)}); a "
+                f"{model.config.model_type!r} model runs its own attention, chosen with "
+                "attn_implementation when it is loaded"
+            )
         use_graphs = cuda_graphs and self.lean is not None and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self.lean) if use_graphs else None
         #: Slots the last ``generate`` decoded, summed over its steps (free and ended ones included):
@@ -115,8 +126,9 @@ class Sampler:
             if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
             if len(prompt) + new > self.max_seq_len:
-                raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({new}) exceeds "
-                                 f"max_seq_len={self.max_seq_len}")
+                raise ValueError(
+                    f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({new}) exceeds max_seq_len={self.max_seq_len}"
+                )
         return list(max_new_tokens)
 
     def _default_stop_and_pad(self, stop_token_ids, pad_token_id):
@@ -134,11 +146,20 @@ class Sampler:
                 raise ValueError(f"stop and pad token ids must be in [0, {self.vocab_size}), got {t}")
         return stop, pad_token_id
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 stop_token_ids: Optional[Union[int, Sequence[int]]] = None, pad_token_id: Optional[int] = None,
-                 num_samples_per_prompt: int = 1, seed: Optional[int] = None,
-                 on_rows_ended: Optional[Callable[[int], None]] = None) -> Rollout:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: Union[int, Sequence[int]],
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Optional[Union[int, Sequence[int]]] = None,
+        pad_token_id: Optional[int] = None,
+        num_samples_per_prompt: int = 1,
+        seed: Optional[int] = None,
+        on_rows_ended: Optional[Callable[[int], None]] = None,
+    ) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per prompt.
 
         Args:
@@ -156,8 +177,10 @@ class Sampler:
         max_new = self._check_prompts(prompts, max_new_tokens)
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
         if n > self.max_batch_size:
-            raise ValueError(f"num_samples_per_prompt={n} exceeds max_batch_size={self.max_batch_size}: a prompt's "
-                             "samples are decoded together")
+            raise ValueError(
+                f"num_samples_per_prompt={n} exceeds max_batch_size={self.max_batch_size}: a prompt's "
+                "samples are decoded together"
+            )
         check_sampling_options(temperature, top_k, top_p)
         stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
         # One seed per draw, drawn on the CPU (no device sync): from a generator seeded with
@@ -173,9 +196,21 @@ class Sampler:
         else:
             decoder = GenericDecoder(self.model)
             decode = decoder.decode
-        loop = RolloutLoop(decoder, decode, self.max_batch_size, self.max_seq_len, [list(p) for p in prompts], n,
-                           max_new, draw, stop, pad, self.compact_below,
-                           graph_rows if self.graphs is not None else None, on_rows_ended)
+        loop = RolloutLoop(
+            decoder,
+            decode,
+            self.max_batch_size,
+            self.max_seq_len,
+            [list(p) for p in prompts],
+            n,
+            max_new,
+            draw,
+            stop,
+            pad,
+            self.compact_below,
+            graph_rows if self.graphs is not None else None,
+            on_rows_ended,
+        )
         with _sampling_mode(self.model):
             rollout = loop.run()
         self.rows_decoded = loop.rows_decoded

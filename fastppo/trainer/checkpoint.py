@@ -17,23 +17,22 @@ writes into RUN_DIR, wherever it was first created, reading the inputs the run s
 and drops a line a kill cut short.
 """
 
+import dataclasses
 import json
 import os
-import random
 import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Callable
 
-import numpy
 import torch
 
+from . import inputs
 from .config import RESUMABLE, TrainConfig
 from .distributed import rank, world_size
-from . import inputs
-from .inputs import sha256_of
 from .errors import UsageError
+from .inputs import sha256_of
 from .run_lock import LOCK_FILE, RunLock
 
 STATE_FILE = "trainer_state.pt"
@@ -50,6 +49,7 @@ class WorldSizeMismatch(UsageError):
 
 # atomic saves -----------------------------------------------------------------------------------
 
+
 class SaveFailed(UsageError):
     """The filesystem refused a save (full, read-only, a quota); nothing already saved changed."""
 
@@ -60,7 +60,8 @@ def _failed_write(error: BaseException) -> bool:
     from safetensors import SafetensorError
 
     return isinstance(error, (OSError, SafetensorError)) or (
-        isinstance(error, RuntimeError) and "PytorchStreamWriter failed" in str(error))
+        isinstance(error, RuntimeError) and "PytorchStreamWriter failed" in str(error)
+    )
 
 
 def _fsync(path: Path) -> None:
@@ -104,12 +105,17 @@ def verify_manifest(directory: Path, required: tuple = ()) -> None:
     if not manifest.is_file():
         raise ValueError(f"no {MANIFEST_FILE}")
     entries = _manifest_entries(manifest)
-    present = {p.relative_to(directory).as_posix() for p in Path(directory).rglob("*")
-               if p.is_file() and p.name != MANIFEST_FILE}
+    present = {
+        p.relative_to(directory).as_posix()
+        for p in Path(directory).rglob("*")
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
     unlisted = sorted(present.difference(entries)) + [name for name in required if name not in entries]
     if unlisted:
-        raise ValueError(f"{MANIFEST_FILE} does not list {', '.join(unlisted[:3])}"
-                         + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""))
+        raise ValueError(
+            f"{MANIFEST_FILE} does not list {', '.join(unlisted[:3])}"
+            + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else "")
+        )
     for name, expected in entries.items():
         path = Path(directory) / name
         if not path.is_file():
@@ -163,8 +169,10 @@ def save_atomically(target: Path, write: Callable[[Path], None], ranks=None) -> 
             shutil.rmtree(tmp, ignore_errors=True)
         cause = error.__cause__ if isinstance(error, SaveFailed) else error  # a save inside this one failed
         if _failed_write(cause):
-            raise SaveFailed(f"could not write {target} ({type(cause).__name__}: {cause}); what was saved before "
-                             "is intact: free some space (or fix the directory's permissions) and resume") from cause
+            raise SaveFailed(
+                f"could not write {target} ({type(cause).__name__}: {cause}); what was saved before "
+                "is intact: free some space (or fix the directory's permissions) and resume"
+            ) from cause
         raise
     if ranks is not None:
         ranks.barrier()  # no rank goes on before target is in place
@@ -196,8 +204,9 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 def numbered_checkpoints(run_dir: Path) -> list:
     """``[(N, path)]`` of the ``checkpoint-N`` directories, oldest first."""
-    found = [(int(m.group(1)), p) for p in Path(run_dir).iterdir()
-             if p.is_dir() and (m := _CHECKPOINT.fullmatch(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in Path(run_dir).iterdir() if p.is_dir() and (m := _CHECKPOINT.fullmatch(p.name))
+    ]
     return sorted(found)
 
 
@@ -211,6 +220,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 
 # the run directory ------------------------------------------------------------------------------
 
+
 def check_run_directory(out: Path, overwrite: bool) -> None:
     """Refuse ``out`` for a new run if it holds anything, unless ``overwrite`` and it is a fastppo
     run directory (has a config.json): :func:`clear_run_directory` then empties it when the run
@@ -221,11 +231,30 @@ def check_run_directory(out: Path, overwrite: bool) -> None:
     if not out.exists() or not any(p.name != LOCK_FILE for p in out.iterdir()):
         return
     if not overwrite:
-        raise UsageError(f"--out {out} is not empty; continue that run with --resume {out}, clear it with "
-                         "--overwrite, or choose another --out")
+        raise UsageError(
+            f"--out {out} is not empty; continue that run with --resume {out}, clear it with "
+            "--overwrite, or choose another --out"
+        )
     if not (out / "config.json").is_file():
-        raise UsageError(f"--out {out} is not empty and not a fastppo run directory (no config.json); "
-                         "--overwrite clears only run directories")
+        raise UsageError(
+            f"--out {out} is not empty and not a fastppo run directory (no config.json); "
+            "--overwrite clears only run directories"
+        )
+
+
+def claim_run_directory(run, resuming: bool) -> RunLock:
+    """Hold ``run.out`` for this run (``run_lock.py``), check that a new run may start there (see
+    :func:`check_run_directory`), and clear what interrupted saves left."""
+    out = Path(run.out)
+    lock = RunLock.acquire(out)
+    try:
+        if not resuming:
+            check_run_directory(out, run.overwrite)
+        clear_leftovers(out)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def clear_run_directory(out: Path) -> None:
@@ -261,123 +290,159 @@ def metrics_before(path: Path, start: int) -> list:
     return [line for line, row in read_metrics(path) if row["iteration"] < start]
 
 
-# trainer state ----------------------------------------------------------------------------------
+# what a checkpoint holds -------------------------------------------------------------------------
 
-def rng_state(trainer) -> dict:
-    """The global generators a reward function may draw from."""
-    cuda = trainer.device.type == "cuda"
-    return {"python_global": random.getstate(), "numpy": numpy.random.get_state(),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(trainer.device) if cuda else None}
+# The layout of STATE_FILE: 2 holds the trainer state as one table (state.py) and requires WORLD_FILE.
+CHECKPOINT_FORMAT = 2
 
 
-def _sharded_state(trainer) -> dict:
+class CheckpointFormat(UsageError):
+    """A checkpoint in another format than this fastppo writes: refused, not skipped."""
+
+
+def save_models(out: Path, models, ranks, dtype: torch.dtype, merge_lora: bool = False) -> None:
+    """The policy (and tokenizer) in Hugging Face format under ``out/policy`` in ``dtype``, the critic
+    beside it; each written atomically. With LoRA ``policy/`` is the adapter in PEFT format, and with
+    ``merge_lora`` ``policy-merged/`` the model with the adapter merged in. Every rank calls it: a
+    sharded model is gathered whole to rank 0, which alone writes."""
+    from .models import save_model
+    from .sharding import full_state_dict
+
+    gathered = {
+        name: full_state_dict(model) if models.sharded else None
+        for name, model in (("policy", models.policy), ("critic", models.critic))
+        if model is not None
+    }
+    if not ranks.main:
+        return
+
+    def with_tokenizer(save):
+        def write(directory):
+            save(directory)
+            models.tokenizer.save_pretrained(directory)
+
+        return write
+
+    policy, lora = gathered["policy"], models.lora
+    if lora is None:
+        save_atomically(out / "policy", with_tokenizer(lambda d: save_model(models.policy, d, dtype, policy)))
+    else:
+        save_atomically(out / "policy", with_tokenizer(lambda d: lora.save_adapter(d, policy)))
+        if merge_lora:
+            save_atomically(out / "policy-merged", with_tokenizer(lambda d: lora.save_merged(d, dtype, policy)))
+    if models.critic is not None:
+        save_atomically(out / "critic", lambda d: models.critic.save_pretrained(d, gathered["critic"]))
+
+
+def _sharded_state(models, optimizers) -> dict:
     """The sharded models' and optimizers' state dicts (each rank's shards), keyed for DCP."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     state = {}
-    for name, model, optimizer in (("policy", trainer.policy, trainer.optimizer),
-                                   ("critic", trainer.critic, trainer.critic_optimizer)):
+    for name, model, optimizer in (
+        ("policy", models.policy, optimizers.policy),
+        ("critic", models.critic, optimizers.critic),
+    ):
         if model is not None:
             state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
     return state
 
 
-def save_state(trainer, directory: Path, next_iteration: int, rng: list = None) -> None:
-    """Models plus everything the next iteration depends on, so a resumed run is the same run.
-    ``rng`` holds every rank's random states (default: this process's). A sharded run's models and
-    optimizers go to ``SHARDS``, each rank writing its own shards (every rank calls this)."""
-    sharded = trainer.sharded
-    if sharded:
+def save_state(directory: Path, next_iteration: int, models, optimizers, state, ranks, rng: list) -> None:
+    """The models (fp32 masters), the optimizers and ``state`` (:class:`~fastppo.trainer.state.TrainerState`)
+    into ``directory``, so a resumed run is the same run; ``rng`` holds every rank's random states. A
+    sharded run's models and optimizers go to ``SHARDS``, each rank writing its own (every rank calls this)."""
+    directory = Path(directory)
+    if models.sharded:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(_sharded_state(trainer), checkpoint_id=str(Path(directory) / SHARDS))
-        if not trainer.ranks.main:
+        dcp.save(_sharded_state(models, optimizers), checkpoint_id=str(directory / SHARDS))
+        if not ranks.main:
             return
     else:
-        trainer.save(directory, masters=True)
-    (Path(directory) / WORLD_FILE).write_text(json.dumps({"world_size": trainer.ranks.world}))
-    torch.save({
-        "iteration": next_iteration, "optimizer": None if sharded else trainer.optimizer.state_dict(),
-        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic_optimizer and not sharded else None,
-        "schedules": [s.state_dict() for s in trainer.schedules], "kl_coef": trainer.kl.coef,
-        "skipped_steps": trainer.skipped_steps, "steps": trainer.steps, "rng": rng or [rng_state(trainer)],
-        "prompts_drawn": trainer.prompts_drawn,
-    }, Path(directory) / STATE_FILE)
+        save_models(directory, models, ranks, torch.float32)
+    (directory / WORLD_FILE).write_text(json.dumps({"world_size": ranks.world}))
+    torch.save(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "iteration": next_iteration,
+            "trainer_state": dataclasses.asdict(state),
+            "optimizers": None if models.sharded else [opt.state_dict() for opt in optimizers.each()],
+            "schedules": [s.state_dict() for s in optimizers.schedules],
+            "rng": rng,
+        },
+        directory / STATE_FILE,
+    )
 
 
-def check_world_size(directory: Path, world: int, state: dict = None) -> None:
+def read_state(directory: Path) -> dict:
+    """The saved ``STATE_FILE`` of a checkpoint of this format, else :class:`CheckpointFormat`."""
+    saved = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+    written = saved.get("format", 1) if isinstance(saved, dict) else None
+    if written != CHECKPOINT_FORMAT:
+        raise CheckpointFormat(
+            f"{directory} is a checkpoint of format {written} (fastppo 0.1); this fastppo "
+            f"reads format {CHECKPOINT_FORMAT} only: finish that run with the fastppo that "
+            "started it, or start afresh from its saved policy (--model)"
+        )
+    return saved
+
+
+def check_world_size(directory: Path, world: int) -> None:
     """Refuse a checkpoint written by another number of ranks than ``world``: its random states
-    are per rank, and a sharded one's shards are cut for that many. A checkpoint from before
-    ``WORLD_FILE`` counts its ranks' random states in ``state`` (unchecked without it)."""
-    path = Path(directory) / WORLD_FILE
-    if path.is_file():
-        written = json.loads(path.read_text())["world_size"]
-    elif state is not None:
-        written = len(state["rng"])
-    else:
-        return
+    are per rank, and a sharded one's shards are cut for that many."""
+    written = json.loads((Path(directory) / WORLD_FILE).read_text())["world_size"]
     if written != world:
         raise WorldSizeMismatch(f"{directory} was written by {written} rank(s); resume with as many, not {world}")
 
 
-def load_state(trainer, directory: Path) -> int:
-    """Load what :func:`save_state` wrote into ``trainer``; return the iteration to continue at."""
+def load_state(directory: Path, models, optimizers, ranks) -> tuple:
+    """Load what :func:`save_state` wrote into the models and optimizers, in place (the optimizer
+    and the sampler keep their tensors); put back this rank's random states; return ``(trainer
+    state, the iteration to continue at)``."""
     from transformers import AutoModelForCausalLM
 
     from .models import Critic
+    from .state import TrainerState, restore_random_states
 
-    state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
-    check_world_size(directory, trainer.ranks.world, state)
-    # in place: the optimizer and sampler keep their tensors
-    if trainer.sharded:
-        _load_sharded(trainer, Path(directory) / SHARDS)
+    directory = Path(directory)
+    saved = read_state(directory)
+    check_world_size(directory, ranks.world)
+    if models.sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        shards = _sharded_state(models, optimizers)
+        dcp.load(shards, checkpoint_id=str(directory / SHARDS))
+        for name, model, optimizer in (
+            ("policy", models.policy, optimizers.policy),
+            ("critic", models.critic, optimizers.critic),
+        ):
+            if model is not None:
+                set_state_dict(
+                    model, optimizer, model_state_dict=shards[name], optim_state_dict=shards[f"{name}_optimizer"]
+                )
     else:
-        if trainer.lora is not None:
-            trainer.lora.load_adapter(Path(directory) / "policy")
+        if models.lora is not None:
+            models.lora.load_adapter(directory / "policy")
         else:
-            trainer.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(Path(directory) / "policy").state_dict())
-        if trainer.critic is not None:
-            trainer.critic.load_state_dict(Critic.from_pretrained(Path(directory) / "critic").state_dict())
-            trainer.critic_optimizer.load_state_dict(state["critic_optimizer"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
-    for schedule, schedule_state in zip(trainer.schedules, state["schedules"]):
-        schedule.load_state_dict(schedule_state)
-        # the saved rate is the old schedule's; a longer run stretches it, so this step's is recomputed
-        for group, base, factor in zip(schedule.optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
-            group["lr"] = base * factor(schedule.last_epoch)
-    trainer.kl.coef, trainer.skipped_steps = state["kl_coef"], state["skipped_steps"]
-    trainer.steps = state.get("steps", 0)
-    # A checkpoint from before the epoch order drew its prompts at random: continue an epoch order.
-    trainer.prompts_drawn = state.get("prompts_drawn", state["iteration"] * trainer.config.rollout.prompts_per_iteration
-                                      * trainer.ranks.world)
-    rng = state["rng"][trainer.ranks.rank]
-    random.setstate(rng["python_global"])
-    numpy.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], trainer.device)
-    return state["iteration"]
+            models.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(directory / "policy").state_dict())
+        if models.critic is not None:
+            models.critic.load_state_dict(Critic.from_pretrained(directory / "critic").state_dict())
+        for optimizer, optimizer_state in zip(optimizers.each(), saved["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+    optimizers.restore_schedules(saved["schedules"])
+    restore_random_states(saved["rng"][ranks.rank], models.device)
+    return TrainerState(**saved["trainer_state"]), saved["iteration"]
 
 
-def _load_sharded(trainer, shards: Path) -> None:
-    """Each rank's shards of the models and optimizers, from what :func:`save_state` wrote."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _sharded_state(trainer)
-    dcp.load(state, checkpoint_id=str(shards))
-    for name, model, optimizer in (("policy", trainer.policy, trainer.optimizer),
-                                   ("critic", trainer.critic, trainer.critic_optimizer)):
-        if model is not None:
-            set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optimizer"])
-
-
-def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
-    """``(trainer, next iteration)`` from the newest complete, verified checkpoint of ``run_dir``.
+def resumable(run_dir, overrides: dict = None) -> tuple:
+    """``(config, [(N, checkpoint-N)] newest first)`` of the run in ``run_dir`` to resume, checked
+    before any model loads, with its lock held while it reads.
 
     The saved config is used, with ``out`` set to ``run_dir`` (a copied or moved run resumes
-    where it now is); ``overrides`` may change only :data:`RESUMABLE` fields. A checkpoint that
-    fails its manifest or does not load is skipped with a warning, for the one before it.
+    where it now is); ``overrides`` may change only :data:`RESUMABLE` fields. The newest
+    checkpoint verifies and is of this format, from as many ranks as this run has.
     """
     run_dir = Path(run_dir)
     config_path = run_dir / "config.json"
@@ -386,21 +451,26 @@ def resume(trainer_class, run_dir, overrides: dict = None) -> tuple:
     # rank 0 holds the directory before reading it: a live run there is refused, not read mid-save
     lock = RunLock.acquire(run_dir) if rank() == 0 else None
     try:
-        config, checkpoints = _resumable(run_dir, config_path, dict(overrides or {}))
-        trainer = trainer_class(config, resuming=True)
+        return _resumable(run_dir, config_path, dict(overrides or {}))
     finally:
         if lock is not None:
-            lock.release()  # the trainer holds its own
+            lock.release()  # the trainer takes its own
+
+
+def load_newest(checkpoints: list, load: Callable[[Path], int]) -> int:
+    """``load`` of the newest of ``checkpoints`` that loads (the first was verified by :func:`resumable`);
+    a checkpoint that fails its manifest or does not load is skipped with a warning, for the one
+    before it. Returns what ``load`` returned: the iteration to continue at."""
     for number, path in checkpoints:
         try:
-            if number != checkpoints[0][0]:  # the newest was verified before the trainer was built
+            if number != checkpoints[0][0]:
                 _verified(path)
-            return trainer, load_state(trainer, path)
-        except WorldSizeMismatch:
+            return load(path)
+        except (WorldSizeMismatch, CheckpointFormat):
             raise
         except Exception as error:  # never load a damaged checkpoint: fall back to an older one
             warnings.warn(f"skipping {path}: it does not load ({type(error).__name__}: {error})")
-    raise UsageError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    raise UsageError(f"--resume {checkpoints[0][1].parent}: no complete checkpoint to resume from")
 
 
 def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
@@ -421,11 +491,14 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
     overrides = inputs.resolved(overrides)  # as the saved paths are: the same file given again is no change
     changed = sorted(k for k, v in overrides.items() if saved.get(k) != v and k not in RESUMABLE)
     if changed:
-        raise UsageError(f"cannot resume {run_dir} with changed {', '.join(changed)}; "
-                         f"only {', '.join(sorted(RESUMABLE))} may change")
+        raise UsageError(
+            f"cannot resume {run_dir} with changed {', '.join(changed)}; only {', '.join(sorted(RESUMABLE))} may change"
+        )
     if "rollout_batch_size" in overrides and overrides["rollout_batch_size"] != saved.get("rollout_batch_size"):
-        warnings.warn("a changed rollout_batch_size decodes the rows in other slots, so the resumed run samples "
-                      "other tokens than the uninterrupted run would: it continues the run, not exactly")
+        warnings.warn(
+            "a changed rollout_batch_size decodes the rows in other slots, so the resumed run samples "
+            "other tokens than the uninterrupted run would: it continues the run, not exactly"
+        )
     config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
     inputs.check(run_dir)
     metrics = run_dir / "metrics.jsonl"
@@ -443,22 +516,23 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
             warnings.warn(f"skipping {checkpoints.pop(0)[1]}: it does not load ({error})")
     if not checkpoints:
         raise UsageError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    read_state(checkpoints[0][1])  # its format
     check_world_size(checkpoints[0][1], world_size())  # every checkpoint of a run has its world size
     if config.run.iterations <= checkpoints[0][0]:
-        raise UsageError(f"--resume {run_dir}: the run has trained {checkpoints[0][0]} iterations "
-                         f"({checkpoints[0][1].name}); give --iterations above {checkpoints[0][0]} to train on, "
-                         f"not {config.run.iterations}")
+        raise UsageError(
+            f"--resume {run_dir}: the run has trained {checkpoints[0][0]} iterations "
+            f"({checkpoints[0][1].name}); give --iterations above {checkpoints[0][0]} to train on, "
+            f"not {config.run.iterations}"
+        )
     return config, checkpoints
 
 
 def _verified(checkpoint: Path) -> None:
     """Raise ``ValueError`` unless ``checkpoint`` matches its manifest and its world file parses."""
-    verify_manifest(checkpoint, required=(STATE_FILE,))
-    world = checkpoint / WORLD_FILE
-    if world.is_file():
-        try:
-            written = json.loads(world.read_text())["world_size"]
-        except (ValueError, TypeError, KeyError) as error:
-            raise ValueError(f"{WORLD_FILE} does not parse ({type(error).__name__}: {error})") from None
-        if not isinstance(written, int) or isinstance(written, bool) or written < 1:
-            raise ValueError(f"{WORLD_FILE} holds no world size")
+    verify_manifest(checkpoint, required=(STATE_FILE, WORLD_FILE))
+    try:
+        written = json.loads((checkpoint / WORLD_FILE).read_text())["world_size"]
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"{WORLD_FILE} does not parse ({type(error).__name__}: {error})") from None
+    if not isinstance(written, int) or isinstance(written, bool) or written < 1:
+        raise ValueError(f"{WORLD_FILE} holds no world size")

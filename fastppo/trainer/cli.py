@@ -12,23 +12,40 @@ import sys
 from pathlib import Path
 
 from .config import TrainConfig, add_arguments, from_arguments, given_fields
-from .errors import UsageError
-from .ppo import PPOTrainer, StoppedAtOnce, TrainingFailed
+from .errors import TrainingFailed, UsageError
+from .ppo import PPOTrainer
+from .signals import StoppedAtOnce
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastppo train", description=__doc__.splitlines()[0].replace("``", ""))
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint; "
-                        "--config and options may change only how long it runs and how it saves")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest checkpoint; "
+        "--config and options may change only how long it runs and how it saves",
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error")
     plan = parser.add_argument_group("memory plan")
-    plan.add_argument("--plan", action="store_true", help="print the memory this run needs on one device, from "
-                      "the model's config alone (no weights read), and exit without training")
-    plan.add_argument("--plan-prompt-tokens", type=int, metavar="N", help="the longest prompt, in tokens "
-                      "(default: measured from the prompts with the model's tokenizer)")
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory this run needs on one device, from "
+        "the model's config alone (no weights read), and exit without training",
+    )
+    plan.add_argument(
+        "--plan-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="the longest prompt, in tokens (default: measured from the prompts with the model's tokenizer)",
+    )
     plan.add_argument("--plan-world-size", type=int, metavar="N", help="ranks of the run (default: $WORLD_SIZE or 1)")
-    plan.add_argument("--plan-device-memory", type=float, metavar="GIB",
-                      help="memory of the device to compare with (default: this machine's GPU, else its RAM)")
+    plan.add_argument(
+        "--plan-device-memory",
+        type=float,
+        metavar="GIB",
+        help="memory of the device to compare with (default: this machine's GPU, else its RAM)",
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -69,8 +86,11 @@ def _train(args) -> int:
     if args.resume:
         trainer, start = PPOTrainer.resume(args.resume, given_fields(args))
         if trainer.ranks.main:
-            print(f"resuming {args.resume} from checkpoint-{start}: iterations {start} to "
-                  f"{trainer.config.run.iterations - 1}", flush=True)
+            print(
+                f"resuming {args.resume} from checkpoint-{start}: iterations {start} to "
+                f"{trainer.config.run.iterations - 1}",
+                flush=True,
+            )
     else:
         trainer, start = PPOTrainer(from_arguments(args)), 0
     try:
@@ -78,10 +98,11 @@ def _train(args) -> int:
     finally:
         trainer.ranks.close()
     if trainer.ranks.main and history:
-        for line in summary(Path(trainer.config.run.out), len(trainer.eval_prompts or ()),
-                            trainer.config.eval.eval_samples):
+        for line in summary(
+            Path(trainer.config.run.out), len(trainer.eval_prompts or ()), trainer.config.eval.eval_samples
+        ):
             print(line)
-    if trainer.sharded:
+    if trainer.models.sharded:
         exit_after_sharding(0)
     return 0
 
@@ -109,20 +130,24 @@ def summary(out: Path, held_out: int, k: int) -> list:
     lines = []
     if trained:
         first, last = trained[:5], trained[-5:]
-        lines.append(f"mean reward: first 5 iterations {sum(r['reward_mean'] for r in first) / len(first):.3f}, "
-                     f"last 5 {sum(r['reward_mean'] for r in last) / len(last):.3f} ({len(trained)} iterations); "
-                     f"metrics in {out}/metrics.jsonl")
+        lines.append(
+            f"mean reward: first 5 iterations {sum(r['reward_mean'] for r in first) / len(first):.3f}, "
+            f"last 5 {sum(r['reward_mean'] for r in last) / len(last):.3f} ({len(trained)} iterations); "
+            f"metrics in {out}/metrics.jsonl"
+        )
     evaluated = [row for row in rows if "eval/greedy" in row]
     if len(evaluated) >= 2:
         before, after = evaluated[0], evaluated[-1]
-        prefixes = sorted({key[:-len("greedy")] for key in after if key.endswith("/greedy")})
+        prefixes = sorted({key[: -len("greedy")] for key in after if key.endswith("/greedy")})
         for prefix in prefixes:  # "eval/" first, then each reward's
-            name = "" if prefix == "eval/" else f"{prefix[len('eval/'):-1]}: "
+            name = "" if prefix == "eval/" else f"{prefix[len('eval/') : -1]}: "
             passed = f"{prefix}pass@{k}"  # missing before a resume that changed eval_samples
             best = f", pass@{k} {before[passed]:.3f} -> {after[passed]:.3f}" if passed in before else ""
-            lines.append(f"held-out ({held_out} prompts): {name}greedy {before[prefix + 'greedy']:.3f} -> "
-                         f"{after[prefix + 'greedy']:.3f}{best} (iteration {before['iteration']} -> "
-                         f"{after['iteration']})")
+            lines.append(
+                f"held-out ({held_out} prompts): {name}greedy {before[prefix + 'greedy']:.3f} -> "
+                f"{after[prefix + 'greedy']:.3f}{best} (iteration {before['iteration']} -> "
+                f"{after['iteration']})"
+            )
     return lines
 
 
@@ -151,8 +176,7 @@ def _plan(args) -> int:
         except (OSError, ValueError):
             tokenizer = None
         if tokenizer is None or len(tokenizer) < 2:
-            raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give "
-                             "--plan-prompt-tokens")
+            raise UsageError(f"--model {path} has no tokenizer to measure the prompts with; give --plan-prompt-tokens")
         d = config.data
         rows, origins = data.read_rows(d.prompts) if d.prompts else tasks.task_rows(d.task, config.run.seed)
         source = f"--prompts {d.prompts}" if d.prompts else f"task {d.task}"
@@ -162,8 +186,10 @@ def _plan(args) -> int:
             raise UsageError(f"{error} (with the tokenizer of --model {path}; or give --plan-prompt-tokens)") from None
     context = getattr(model_config, "max_position_embeddings", None)
     if context is not None and tokens + config.rollout.max_new_tokens > context:
-        raise UsageError(f"--plan-prompt-tokens {tokens} with --max-new-tokens {config.rollout.max_new_tokens} "
-                         f"exceeds the context of --model {path} ({context} positions)")
+        raise UsageError(
+            f"--plan-prompt-tokens {tokens} with --max-new-tokens {config.rollout.max_new_tokens} "
+            f"exceeds the context of --model {path} ({context} positions)"
+        )
     device_type = torch.device(config.device).type
     world = args.plan_world_size or world_size()
     reward_config = AutoConfig.from_pretrained(config.reward.reward_model) if config.reward.reward_model else None
@@ -171,18 +197,31 @@ def _plan(args) -> int:
 
     def plan(**changes) -> list:  # the run's lines, or those of the run with ``changes``
         changed = TrainConfig.from_flat({**config.flat(), **changes}).validate()
-        return memory_plan(changed, model_config, prompt_tokens=tokens, device_type=device_type, world_size=world,
-                           reward_model_config=reward_config, runtime=runtime)
+        return memory_plan(
+            changed,
+            model_config,
+            prompt_tokens=tokens,
+            device_type=device_type,
+            world_size=world,
+            reward_model_config=reward_config,
+            runtime=runtime,
+        )
 
     def total(**changes) -> int:
         return sum(line.bytes for line in plan(**changes))
 
     lines = plan()
     available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
-    print(render(lines, available, f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
-                                   f"tokens, {world} rank(s), "
-                                   + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies")),
-          end="")
+    print(
+        render(
+            lines,
+            available,
+            f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
+            f"tokens, {world} rank(s), "
+            + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies"),
+        ),
+        end="",
+    )
     if sum(line.bytes for line in lines) > available:
         print(_what_would_fit(config, total, available))
     return 0
@@ -200,13 +239,17 @@ def _what_would_fit(config, total, available: int) -> str:
     rows = r.prompts_per_iteration * r.samples_per_prompt
     if config.algo.minibatches < rows and rows % (4 * config.algo.minibatches) == 0:
         more = config.algo.minibatches * 4
-        candidates.append((f"--minibatches {more} --grad-accumulation {more}",
-                           {"minibatches": more, "grad_accumulation": more}))
-    candidates.append((" ".join(option for option, _ in candidates),
-                       {k: v for _, change in candidates for k, v in change.items()}))
+        candidates.append(
+            (f"--minibatches {more} --grad-accumulation {more}", {"minibatches": more, "grad_accumulation": more})
+        )
+    candidates.append(
+        (" ".join(option for option, _ in candidates), {k: v for _, change in candidates for k, v in change.items()})
+    )
     fitting = [(option, total(**change)) for option, change in candidates]
     fitting = [f"{option} ({size / GiB:.2f} GiB)" for option, size in fitting if size <= available]
     if not fitting:
-        return ("  none of --gradient-checkpointing, LoRA and smaller minibatches fits it on one device: shard it "
-                "over more (--fsdp with torchrun) or a larger device")
+        return (
+            "  none of --gradient-checkpointing, LoRA and smaller minibatches fits it on one device: shard it "
+            "over more (--fsdp with torchrun) or a larger device"
+        )
     return "  it would fit with: " + "; or ".join(fitting)

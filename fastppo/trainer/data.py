@@ -1,12 +1,12 @@
 """Prompt datasets: rows read from a local file, their columns mapped, chat prompts rendered with
 the tokenizer's template, lengths checked once, and an epoch order to visit them in.
 
-A file is read by its suffix: ``.jsonl`` (one JSON object per line), ``.json`` (a list of
-objects, or one per line as ``datasets``' ``to_json`` writes), ``.parquet`` (through pyarrow, the library ``datasets`` stores its files with) or
-``.csv`` (a header row; every value a string). Each row keeps where it came from (``file:line``
-or ``file, row N``) so every error about it names the place. The prompt column is
-``--prompt-field``; ``--field-map column=name`` renames the other columns for the reward
-functions (GSM8K's ``answer`` is already the verifiers' name; MATH's ``solution`` is not).
+A file is read by its suffix: ``.jsonl`` (one JSON object per line), ``.json`` (a list of objects,
+or one per line as ``datasets``' ``to_json`` writes), ``.parquet`` (through pyarrow, the library
+``datasets`` stores its files with) or ``.csv`` (a header row; every value a string). Each row keeps
+where it came from (``file:line`` or ``file, row N``) so every error about it names the place. The
+prompt column is ``--prompt-field``; ``--field-map column=name`` renames the other columns for the
+reward functions (GSM8K's ``answer`` is already the verifiers' name; MATH's ``solution`` is not).
 
 A prompt is a string, used as is, or a list of chat messages (``{"role", "content"}``), which
 the chat template renders with the generation prompt, as TRL's conversational format does.
@@ -57,8 +57,9 @@ def read_rows(path: str, option: str = "--prompts") -> tuple:
     unknown suffix or a row that is not an object is an error naming the option and the place."""
     suffix = Path(path).suffix.lower()
     if suffix not in SUFFIXES:
-        raise UsageError(f"{option} {path}: unknown format {suffix or '(no suffix)'!r}; expected one of "
-                         f"{', '.join(SUFFIXES)}")
+        raise UsageError(
+            f"{option} {path}: unknown format {suffix or '(no suffix)'!r}; expected one of {', '.join(SUFFIXES)}"
+        )
     if not Path(path).is_file():
         raise UsageError(f"{option} {path}: no such file")
     read = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet, ".csv": _csv}[suffix]
@@ -77,7 +78,7 @@ def _text(path: str, option: str) -> str:
     except OSError as error:
         raise UsageError(f"{option} {path}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:
-        line = Path(path).read_bytes()[:error.start].count(b"\n") + 1
+        line = Path(path).read_bytes()[: error.start].count(b"\n") + 1
         raise UsageError(f"{path}:{line}: not UTF-8 text") from None
 
 
@@ -102,8 +103,10 @@ def _json(path: str, option: str) -> tuple:
             return _jsonl(path, option)
         raise UsageError(f"{path}:{error.lineno}: not JSON ({error.msg})") from None
     if not isinstance(rows, list):
-        raise UsageError(f"{option} {path}: a .json file must hold a list of rows, got {type(rows).__name__} "
-                         "(one object per line is .jsonl)")
+        raise UsageError(
+            f"{option} {path}: a .json file must hold a list of rows, got {type(rows).__name__} "
+            "(one object per line is .jsonl)"
+        )
     return rows, [f"{path}, row {i + 1}" for i in range(len(rows))]
 
 
@@ -152,13 +155,16 @@ def map_columns(rows: list, origins: list, prompt_field: str, field_map: dict, s
     columns = list(dict.fromkeys(k for row in rows for k in row))
     for flag, name in [("--prompt-field", prompt_field)] + [("--field-map", c) for c in field_map]:
         if name not in columns:
-            raise UsageError(f"{flag} {name}: {source} has no column {name!r} (its columns: "
-                             f"{', '.join(map(str, columns))})")
+            raise UsageError(
+                f"{flag} {name}: {source} has no column {name!r} (its columns: {', '.join(map(str, columns))})"
+            )
     for column in columns:
         name = field_map.get(column, column)
         if column != prompt_field and name in REWARD_ARGUMENTS:
-            raise UsageError(f"{source}: column {column!r} would reach the reward functions as {name!r}, the name "
-                             f"of their own argument; rename it with --field-map {column}=another_name")
+            raise UsageError(
+                f"{source}: column {column!r} would reach the reward functions as {name!r}, the name "
+                f"of their own argument; rename it with --field-map {column}=another_name"
+            )
     prompts, fields = [], []
     for row, origin in zip(rows, origins):
         if prompt_field not in row:
@@ -179,24 +185,29 @@ class ChatRenderer:
             try:
                 self.template = Path(chat_template).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as error:
-                raise UsageError(f"--chat-template {chat_template}: {getattr(error, 'strerror', None) or error}") \
-                    from None
+                raise UsageError(
+                    f"--chat-template {chat_template}: {getattr(error, 'strerror', None) or error}"
+                ) from None
 
     def __call__(self, prompt, origin: str) -> str:
         if isinstance(prompt, str) and not self.chat:
             if not prompt:
                 raise UsageError(f"{origin}: the prompt is empty")
             if self.system_prompt is not None:
-                raise UsageError(f"{origin}: a string prompt cannot take --system-prompt; add --chat to render it "
-                                 "as a user message with the chat template")
+                raise UsageError(
+                    f"{origin}: a string prompt cannot take --system-prompt; add --chat to render it "
+                    "as a user message with the chat template"
+                )
             return prompt
         messages = self.messages(prompt, origin)
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise UsageError(f"{origin}: a chat prompt, and the tokenizer has no chat template (give one with "
-                             "--chat-template FILE)")
+            raise UsageError(
+                f"{origin}: a chat prompt, and the tokenizer has no chat template (give one with --chat-template FILE)"
+            )
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      chat_template=self.template)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=self.template
+            )
         except Exception as error:  # a Jinja template's own errors
             raise UsageError(f"{origin}: the chat template failed ({type(error).__name__}: {error})") from None
 
@@ -204,11 +215,16 @@ class ChatRenderer:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, list) or not prompt:
-            raise UsageError(f"{origin}: a prompt must be a non-empty string or a non-empty list of chat messages, "
-                             f"got {type(prompt).__name__}")
+            raise UsageError(
+                f"{origin}: a prompt must be a non-empty string or a non-empty list of chat messages, "
+                f"got {type(prompt).__name__}"
+            )
         for i, message in enumerate(prompt):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
                 raise UsageError(f"{origin}: message {i} must be an object with string 'role' and 'content'")
         if self.system_prompt is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": self.system_prompt}] + prompt
@@ -241,21 +257,26 @@ def fitting(prompts: Prompts, context, max_new_tokens: int, max_prompt_tokens, d
             continue
         if context is not None and n + max_new_tokens > context:
             if not drop_too_long:
-                raise UsageError(f"{origin}: the prompt is {n} tokens, and with max_new_tokens={max_new_tokens} that "
-                                 f"exceeds the model's context of {context} positions (--drop-long-prompts drops "
-                                 "such prompts)")
+                raise UsageError(
+                    f"{origin}: the prompt is {n} tokens, and with max_new_tokens={max_new_tokens} that "
+                    f"exceeds the model's context of {context} positions (--drop-long-prompts drops "
+                    "such prompts)"
+                )
             continue
         keep.append(i)
     dropped_for_context = len(prompts) - len(keep) - too_long
     if too_long:
-        warnings.warn(f"dropped {too_long} of {len(prompts)} prompts longer than max_prompt_tokens="
-                      f"{max_prompt_tokens}")
+        warnings.warn(f"dropped {too_long} of {len(prompts)} prompts longer than max_prompt_tokens={max_prompt_tokens}")
     if dropped_for_context:
-        warnings.warn(f"dropped {dropped_for_context} of {len(prompts)} prompts longer than the model's context of "
-                      f"{context} positions less max_new_tokens={max_new_tokens}")
+        warnings.warn(
+            f"dropped {dropped_for_context} of {len(prompts)} prompts longer than the model's context of "
+            f"{context} positions less max_new_tokens={max_new_tokens}"
+        )
     if not keep:
-        raise UsageError(f"no prompt fits: each is longer than max_prompt_tokens={max_prompt_tokens} or than the "
-                         f"model's context of {context} positions less max_new_tokens={max_new_tokens}")
+        raise UsageError(
+            f"no prompt fits: each is longer than max_prompt_tokens={max_prompt_tokens} or than the "
+            f"model's context of {context} positions less max_new_tokens={max_new_tokens}"
+        )
     return prompts.select(keep)
 
 
@@ -289,8 +310,13 @@ def configured(config, tokenizer, context, read: tuple) -> tuple:
     training, held_out = read
 
     def prepared(rows, origins, source):
-        return fitting(load(rows, origins, tokenizer, d, source), context, config.rollout.max_new_tokens,
-                       d.max_prompt_tokens, d.drop_long_prompts)
+        return fitting(
+            load(rows, origins, tokenizer, d, source),
+            context,
+            config.rollout.max_new_tokens,
+            d.max_prompt_tokens,
+            d.drop_long_prompts,
+        )
 
     return prepared(*training), held_out and prepared(*held_out)
 

@@ -8,6 +8,7 @@ and the logged metrics. Rank 0 alone writes logs and checkpoints. A single proce
 world-size-1 case of the same code.
 """
 
+import importlib
 import os
 from typing import Callable
 
@@ -43,7 +44,7 @@ class Ranks:
             # imports it while loading a model), keeps a reference to the group that
             # destroy_process_group cannot drop (see ``group`` for what that costs). Imported
             # first, it holds nothing.
-            import torch._dynamo  # noqa: F401
+            importlib.import_module("torch._dynamo")
 
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
 
@@ -88,7 +89,7 @@ class Ranks:
             dist.all_reduce(flat, group=self.group)
             offset = 0
             for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
     def gather(self, obj) -> list:

@@ -5,3 +5,7 @@ other exception is a bug and keeps its traceback."""
 
 class UsageError(ValueError):
     """Something the user gave is wrong; the message says what, naming the field, file or line."""
+
+
+class TrainingFailed(RuntimeError):
+    """The run ended without training: every optimizer step had a non-finite gradient."""

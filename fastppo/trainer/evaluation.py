@@ -18,24 +18,35 @@ size's batching nor moves any generator the training draws from.
 import torch
 from tqdm import tqdm
 
-from . import rollouts
+
+def due(options, iteration: int, prompts) -> bool:
+    """Whether held-out ``prompts`` are evaluated before ``iteration``: at the start, and every
+    ``eval_every`` iterations of ``options`` (the end is the trainer's own row)."""
+    every = options.eval_every
+    return prompts is not None and (iteration == 0 or bool(every and iteration % every == 0))
 
 
-def evaluate(trainer, prompts, samples: int, iteration: int) -> dict:
+def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     """The three metrics of the current policy over ``prompts`` (:class:`~fastppo.trainer.data.Prompts`),
-    of the rewards' weighted sum and, with several rewards, of each (``eval/<name>/greedy``...)."""
-    ranks, r = trainer.ranks, trainer.config.rollout
+    of the rewards' weighted sum and, with several rewards, of each (``eval/<name>/greedy``...),
+    sampled and scored by ``rollouts`` (:class:`~fastppo.trainer.rollouts.Rollouts`)."""
+    ranks, config = rollouts.ranks, rollouts.config
     mine = list(range(ranks.rank, len(prompts), ranks.world))
-    seed = (trainer.config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
-    names = [name for name, _ in trainer.rewards.named]
+    seed = (config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
+    names = [name for name, _ in rollouts.rewards.named]
     totals = torch.zeros(1 + len(names), 3, dtype=torch.float64)  # (sum, each reward) x (greedy, mean@K, best of K)
-    trainer.rollout_weights.refresh()
-    with tqdm(total=len(mine) * (1 + samples), desc=f"held-out before iteration {iteration}", unit="row",
-              leave=False, disable=not ranks.main) as bar:
-        for temperature, n in ((0.0, 1), (r.temperature, samples)):
+    rollouts.weights.refresh()
+    with tqdm(
+        total=len(mine) * (1 + samples),
+        desc=f"held-out before iteration {iteration}",
+        unit="row",
+        leave=False,
+        disable=not ranks.main,
+    ) as bar:
+        for temperature, n in ((0.0, 1), (config.rollout.temperature, samples)):
             if mine:  # the sampler takes all of them, through as many of its slots as it has
-                rollout = trainer.sample([prompts.ids[i] for i in mine], temperature, n, seed + n, bar.update)
-                scores, each = rollouts.score(trainer, prompts, mine, rollout, n)
+                rollout = rollouts.sample([prompts.ids[i] for i in mine], temperature, n, seed + n, bar.update)
+                scores, each = rollouts.score(prompts, mine, rollout, n)
                 per_prompt = torch.tensor([scores] + [each[name] for name in names], dtype=torch.float64)
                 per_prompt = per_prompt.view(1 + len(names), len(mine), n)
                 if temperature == 0:
@@ -43,12 +54,17 @@ def evaluate(trainer, prompts, samples: int, iteration: int) -> dict:
                 else:
                     totals[:, 1] += per_prompt.mean(dim=2).sum(dim=1)
                     totals[:, 2] += per_prompt.max(dim=2).values.sum(dim=1)
-    trainer.rollout_weights.release()
+    rollouts.weights.release()
     totals = ranks.sum(totals.to(ranks.device())).cpu() / len(prompts)
     metrics = {}
     for prefix, row in zip(["eval/"] + [f"eval/{name}/" for name in names], totals):
-        metrics.update({f"{prefix}greedy": float(row[0]), f"{prefix}mean@{samples}": float(row[1]),
-                        f"{prefix}pass@{samples}": float(row[2])})
+        metrics.update(
+            {
+                f"{prefix}greedy": float(row[0]),
+                f"{prefix}mean@{samples}": float(row[1]),
+                f"{prefix}pass@{samples}": float(row[2]),
+            }
+        )
         if len(names) == 1:  # the sum is that reward's
             break
     return metrics

@@ -25,8 +25,14 @@ PINNED_FILES = ("prompts", "chat_template")  # their contents decide what the re
 
 def resolved(flat: dict) -> dict:
     """``flat`` config fields with each path field that names something here made absolute."""
-    return {**flat, **{name: str(Path(flat[name]).resolve()) for name in PATH_FIELDS
-                       if flat.get(name) and Path(flat[name]).exists()}}
+    return {
+        **flat,
+        **{
+            name: str(Path(flat[name]).resolve())
+            for name in PATH_FIELDS
+            if flat.get(name) and Path(flat[name]).exists()
+        },
+    }
 
 
 def sha256_of(path: Path) -> str:
@@ -78,13 +84,17 @@ def check(run_dir: Path) -> None:
     for name, was in files.items():
         file = Path(was["path"])
         if not file.is_file():
-            raise UsageError(f"--resume {run_dir}: --{name.replace('_', '-')} {file} is gone; the run started "
-                             "with it and resumes only with it")
+            raise UsageError(
+                f"--resume {run_dir}: --{name.replace('_', '-')} {file} is gone; the run started "
+                "with it and resumes only with it"
+            )
         now = _fingerprint(file)
         if (now["size"], now["sha256"]) != (was["size"], was["sha256"]):
-            raise UsageError(f"--resume {run_dir}: --{name.replace('_', '-')} {file} changed since the run started "
-                             f"({was['size']} bytes, sha256 {was['sha256'][:12]}...; now {now['size']} bytes, "
-                             f"{now['sha256'][:12]}...); it resumes only with the file it started with")
+            raise UsageError(
+                f"--resume {run_dir}: --{name.replace('_', '-')} {file} changed since the run started "
+                f"({was['size']} bytes, sha256 {was['sha256'][:12]}...; now {now['size']} bytes, "
+                f"{now['sha256'][:12]}...); it resumes only with the file it started with"
+            )
     for name, was in modules.items():
         file = Path(was["path"])
         if not file.is_file():
@@ -92,5 +102,6 @@ def check(run_dir: Path) -> None:
         if was["root"] not in sys.path:
             sys.path.insert(0, was["root"])
         if _fingerprint(file)["sha256"] != was["sha256"]:
-            warnings.warn(f"reward module {name} ({file}) changed since the run started: the resumed run scores "
-                          "with its new code")
+            warnings.warn(
+                f"reward module {name} ({file}) changed since the run started: the resumed run scores with its new code"
+            )

@@ -16,7 +16,6 @@ adapters are trained, in fp32 with fp32 AdamW state.
   base + adapter, without touching the training model.
 """
 
-import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -62,13 +61,17 @@ def lora_targets(model, target_modules: Optional[str]):
     head = model.get_output_embeddings()
     head_names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is head}
     if head_names & set(names):
-        raise UsageError(f"config field lora_target_modules: LoRA on the LM head ({', '.join(head_names & set(names))}) "
-                         "is not supported: the fused loss reads the head's weight directly")
+        raise UsageError(
+            f"config field lora_target_modules: LoRA on the LM head ({', '.join(head_names & set(names))}) "
+            "is not supported: the fused loss reads the head's weight directly"
+        )
     known = projection_names(model)
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise UsageError(f"config field lora_target_modules: {', '.join(unknown) or 'nothing'} is not a linear layer "
-                         f"of this model; it has {', '.join(known)}")
+        raise UsageError(
+            f"config field lora_target_modules: {', '.join(unknown) or 'nothing'} is not a linear layer "
+            f"of this model; it has {', '.join(known)}"
+        )
     return names
 
 
@@ -76,15 +79,21 @@ class LoRA:
     """The PEFT wrapping of a policy. ``model`` is the Hugging Face model with the wrapped layers
     (what the trainer and the sampler run); the adapters are its only trainable parameters."""
 
-    def __init__(self, policy, rank: int, alpha: Optional[float], target_modules: Optional[str],
-                 base_dtype: torch.dtype):
+    def __init__(
+        self, policy, rank: int, alpha: Optional[float], target_modules: Optional[str], base_dtype: torch.dtype
+    ):
         peft = _require_peft()
         targets = lora_targets(policy, target_modules)
         policy.requires_grad_(False)
         for p in policy.parameters():
             p.data = p.data.to(base_dtype)
-        config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
-                                 target_modules=targets, bias="none")
+        config = peft.LoraConfig(
+            r=rank,
+            lora_alpha=alpha if alpha is not None else 2 * rank,
+            lora_dropout=0.0,
+            target_modules=targets,
+            bias="none",
+        )
         self.peft_model = peft.get_peft_model(policy, config, autocast_adapter_dtype=False)
         self.model = self.peft_model.get_base_model()
         for p in self.model.parameters():
@@ -108,7 +117,9 @@ class LoRA:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        result = set_peft_model_state_dict(self.peft_model, load_file(str(Path(directory) / "adapter_model.safetensors")))
+        result = set_peft_model_state_dict(
+            self.peft_model, load_file(str(Path(directory) / "adapter_model.safetensors"))
+        )
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"{directory}: adapter weights this model has no place for: {result.unexpected_keys[:3]}")
 
@@ -139,4 +150,3 @@ class LoRA:
         """A plain Hugging Face model of base + adapter in ``dtype``, loadable without PEFT (from
         ``state_dict``, as :meth:`merged_state_dict`)."""
         save_model(self.model, directory, dtype, self.merged_state_dict(dtype, state_dict))
-

@@ -32,10 +32,19 @@ def tiny_policy(tokenizer, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -64,9 +73,11 @@ def load_complete(auto_class, path, option: str, kind: str):
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         kinds = ", ".join(getattr(model.config, "architectures", None) or ["?"])
-        raise UsageError(f"{option} {path} has no weights for {', '.join(missing[:3])}"
-                         f"{' and more' if len(missing) > 3 else ''}, which would start random: it holds a "
-                         f"{kinds} checkpoint, not {kind}")
+        raise UsageError(
+            f"{option} {path} has no weights for {', '.join(missing[:3])}"
+            f"{' and more' if len(missing) > 3 else ''}, which would start random: it holds a "
+            f"{kinds} checkpoint, not {kind}"
+        )
     return model
 
 
@@ -84,8 +95,10 @@ def check_causal(model, name) -> None:
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, 0].float()  # (2, V)
     model.train(was_training)
     if not torch.allclose(logits[0], logits[1], rtol=1e-3, atol=1e-4):
-        raise UsageError(f"--model {name} ({type(model).__name__}) is not causal: its first position sees the "
-                         "tokens after it, so it cannot generate (an encoder such as BERT?)")
+        raise UsageError(
+            f"--model {name} ({type(model).__name__}) is not causal: its first position sees the "
+            "tokens after it, so it cannot generate (an encoder such as BERT?)"
+        )
 
 
 def context_length(model):
@@ -123,8 +136,9 @@ def copy_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple:
     each its own), frozen, made without a full-precision intermediate; ``pairs`` lists ``(copy's,
     original)`` parameters. Tied weights stay tied (both names map to one new tensor); buffers keep
     their dtype."""
-    new = {id(p): nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
-           for p in model.parameters()}
+    new = {
+        id(p): nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False) for p in model.parameters()
+    }
     duplicate = copy.deepcopy(model, memo=dict(new)).eval()
     return duplicate, [(new[id(p)], p) for p in model.parameters()]
 
@@ -184,11 +198,15 @@ class Critic(nn.Module):
 
         model = load_complete(AutoModelForSequenceClassification, path, "--reward-model", "a sequence classifier")
         if model.config.vocab_size != policy.config.vocab_size:
-            raise UsageError(f"critic_init=reward_model needs the policy's vocabulary: the reward model has "
-                             f"{model.config.vocab_size} tokens, the policy {policy.config.vocab_size}")
+            raise UsageError(
+                f"critic_init=reward_model needs the policy's vocabulary: the reward model has "
+                f"{model.config.vocab_size} tokens, the policy {policy.config.vocab_size}"
+            )
         score = getattr(model, "score", None)  # the scoring layer of HF's *ForSequenceClassification
         if not isinstance(score, nn.Linear):
-            raise UsageError(f"critic_init=reward_model: {path} has no linear 'score' layer to start the value head from")
+            raise UsageError(
+                f"critic_init=reward_model: {path} has no linear 'score' layer to start the value head from"
+            )
         head = nn.Linear(model.config.hidden_size, 1)
         with torch.no_grad():
             head.weight.copy_(score.weight[:1])
@@ -208,8 +226,10 @@ class Critic(nn.Module):
         from safetensors.torch import save_file
 
         state_dict = self.state_dict() if state_dict is None else state_dict
-        part = {name: {k.removeprefix(f"{name}."): v for k, v in state_dict.items() if k.startswith(f"{name}.")}
-                for name in ("backbone", "head")}
+        part = {
+            name: {k.removeprefix(f"{name}."): v for k, v in state_dict.items() if k.startswith(f"{name}.")}
+            for name in ("backbone", "head")
+        }
         self.backbone.save_pretrained(path, state_dict=part["backbone"])
         save_file({k: v.contiguous() for k, v in part["head"].items()}, str(Path(path) / self.HEAD_FILE))
 
@@ -233,8 +253,11 @@ class RewardModel:
 
         if not (Path(path) / "config.json").is_file():
             raise UsageError(f"--reward-model {path!r} is not a Hugging Face model directory (no config.json)")
-        self.model = load_complete(AutoModelForSequenceClassification, path, "--reward-model",
-                                   "a sequence classifier").to(device).eval()
+        self.model = (
+            load_complete(AutoModelForSequenceClassification, path, "--reward-model", "a sequence classifier")
+            .to(device)
+            .eval()
+        )
         cast_parameters(self.model, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
@@ -247,7 +270,8 @@ class RewardModel:
         scores = []
         texts = [p + c for p, c in zip(prompts, completions)]
         for start in range(0, len(texts), self.batch_size):
-            inputs = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                    add_special_tokens=False).to(self.device)
+            inputs = self.tokenizer(
+                texts[start : start + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self.device)
             scores += self.model(**inputs).logits[:, 0].float().tolist()
         return scores

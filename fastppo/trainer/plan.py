@@ -69,7 +69,7 @@ def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> Model
     backbone = list(model.base_model.parameters())
     c = model_config
     hidden = c.hidden_size
-    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
@@ -80,27 +80,44 @@ def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> Model
         for _, module in adaptable_layers(model, lora_targets(model, lora_target_modules)):
             lora_params += lora_rank * sum(module.weight.shape)  # A (r, in) and B (out, r)
             lora_tensors += 2
-    return ModelShape(params=sum(p.numel() for p in params), tensors=len(params),
-                      backbone_params=sum(p.numel() for p in backbone), backbone_tensors=len(backbone),
-                      vocab=model.get_output_embeddings().weight.shape[0], hidden=hidden, intermediate=intermediate,
-                      layers=c.num_hidden_layers, kv_dim=kv_heads * head_dim, lora_params=lora_params,
-                      lora_tensors=lora_tensors)
+    return ModelShape(
+        params=sum(p.numel() for p in params),
+        tensors=len(params),
+        backbone_params=sum(p.numel() for p in backbone),
+        backbone_tensors=len(backbone),
+        vocab=model.get_output_embeddings().weight.shape[0],
+        hidden=hidden,
+        intermediate=intermediate,
+        layers=c.num_hidden_layers,
+        kv_dim=kv_heads * head_dim,
+        lora_params=lora_params,
+        lora_tensors=lora_tensors,
+    )
 
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, world_size: int = 1,
-                reward_model_config=None, runtime: int = 0) -> list:
+def memory_plan(
+    config,
+    model_config,
+    *,
+    prompt_tokens: int,
+    device_type: str,
+    world_size: int = 1,
+    reward_model_config=None,
+    runtime: int = 0,
+) -> list:
     """The lines of one device's memory for a run of ``config`` (a validated ``TrainConfig``) on the
     model ``model_config``, prompts of up to ``prompt_tokens`` tokens; ``runtime``: bytes the
     process holds besides tensors (on the CPU, :func:`runtime_bytes`)."""
     from ..ops.token_logprobs_from_hidden import default_chunk_size
 
     r, a, lora = config.rollout, config.algo, config.lora
-    precision = Precision.of(config.optim.autocast, r.rollout_dtype, config.run.save_dtype, device_type,
-                             stored_dtype(model_config))
+    precision = Precision.of(
+        config.optim.autocast, r.rollout_dtype, config.run.save_dtype, device_type, stored_dtype(model_config)
+    )
     m = model_shape(model_config, lora.lora_rank, lora.lora_target_modules)
     compute = _size(precision.compute or torch.float32)
     rollout, frozen = _size(precision.rollout), _size(precision.frozen)
@@ -113,37 +130,62 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
         lines.append(Line("policy weights", 4 * m.params // shards, f"{m.params:,} fp32 master weights{per_rank}"))
     else:
         trainable, tensors = m.lora_params, m.lora_tensors
-        lines.append(Line("policy weights", (rollout * m.params + 4 * m.lora_params) // shards,
-                          f"{m.params:,} frozen in {str(precision.rollout)[6:]} + {m.lora_params:,} fp32 adapter"
-                          f"{per_rank}"))
-    lines += [Line("gradients", 4 * trainable // shards, f"{trainable:,} fp32{per_rank}"),
-              Line("AdamW state", 8 * trainable // shards + 4 * tensors,
-                   f"2 fp32 moments{per_rank} + a step per tensor ({tensors})")]
+        lines.append(
+            Line(
+                "policy weights",
+                (rollout * m.params + 4 * m.lora_params) // shards,
+                f"{m.params:,} frozen in {str(precision.rollout)[6:]} + {m.lora_params:,} fp32 adapter{per_rank}",
+            )
+        )
+    lines += [
+        Line("gradients", 4 * trainable // shards, f"{trainable:,} fp32{per_rank}"),
+        Line(
+            "AdamW state",
+            8 * trainable // shards + 4 * tensors,
+            f"2 fp32 moments{per_rank} + a step per tensor ({tensors})",
+        ),
+    ]
     if fsdp or (lora.lora_rank is None and precision.rollout != torch.float32):
         when = ", during the rollout only" if fsdp else ""
         lines.append(Line("rollout copy", rollout * m.params, f"{m.params:,} in {str(precision.rollout)[6:]}{when}"))
     if a.kl_coef > 0 and lora.lora_rank is None:
-        lines.append(Line("reference", frozen * m.params // shards,
-                          f"{m.params:,} in {str(precision.frozen)[6:]}{per_rank}"))
+        lines.append(
+            Line("reference", frozen * m.params // shards, f"{m.params:,} in {str(precision.frozen)[6:]}{per_rank}")
+        )
     if config.uses_critic:
         n = m.backbone_params + m.hidden + 1
-        lines.append(Line("critic + its gradients and AdamW state", 16 * n // shards + 4 * (m.backbone_tensors + 2),
-                          f"{n:,} fp32, trained in full{per_rank}"))
+        lines.append(
+            Line(
+                "critic + its gradients and AdamW state",
+                16 * n // shards + 4 * (m.backbone_tensors + 2),
+                f"{n:,} fp32, trained in full{per_rank}",
+            )
+        )
     if fsdp:
         block = (m.backbone_params - m.vocab * m.hidden) // m.layers  # the embedding table is not a block's
         gathered = 1 if config.sharding.fsdp_reshard_after_forward else m.layers
         root = m.params - m.layers * block
         own = rollout if lora.lora_rank is not None else 4  # LoRA's frozen base is in the rollout dtype
-        lines.append(Line("gathered weights", compute * gathered * block + own * root,
-                          f"{gathered} block(s) of {block:,} in the compute dtype + the root's {root:,} "
-                          f"(embeddings, norm, LM head) in its own"))
+        lines.append(
+            Line(
+                "gathered weights",
+                compute * gathered * block + own * root,
+                f"{gathered} block(s) of {block:,} in the compute dtype + the root's {root:,} "
+                f"(embeddings, norm, LM head) in its own",
+            )
+        )
     if reward_model_config is not None:
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
     rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots
     length = prompt_tokens + r.max_new_tokens
-    lines.append(Line("KV cache", 2 * m.layers * slots * length * m.kv_dim * rollout,
-                      f"{m.layers} layers x K,V x {slots} slots x {length} positions x {m.kv_dim}"))
+    lines.append(
+        Line(
+            "KV cache",
+            2 * m.layers * slots * length * m.kv_dim * rollout,
+            f"{m.layers} layers x K,V x {slots} slots x {length} positions x {m.kv_dim}",
+        )
+    )
     lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
     tokens, responses = mb_rows * length, mb_rows * r.max_new_tokens
@@ -159,9 +201,14 @@ def memory_plan(config, model_config, *, prompt_tokens: int, device_type: str, w
     lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
     chunk = default_chunk_size(responses, m.vocab, device_type)
     half_grad = 2 * chunk * m.vocab if device_type == "cuda" else 0  # the chunk's logit gradient, bf16
-    lines.append(Line("loss head", 4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden) + half_grad,
-                      f"fp32 logits chunk {chunk} x {m.vocab:,}{' and its bf16 gradient' if half_grad else ''}, "
-                      "head gradient, hidden gradient"))
+    lines.append(
+        Line(
+            "loss head",
+            4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden) + half_grad,
+            f"fp32 logits chunk {chunk} x {m.vocab:,}{' and its bf16 gradient' if half_grad else ''}, "
+            "head gradient, hidden gradient",
+        )
+    )
     if world_size > 1 and not fsdp:
         lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients"))
     if runtime:
@@ -194,4 +241,3 @@ def render(lines: list, available: int, header: str) -> str:
     verdict = "fits" if total <= available else "does NOT fit"
     out += ["", f"  {'total':<{width}}  {total / GiB:9.2f} GiB  of {available / GiB:.1f} GiB: {verdict}"]
     return "\n".join(out) + "\n"
-

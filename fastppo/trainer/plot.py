@@ -42,8 +42,12 @@ def plot_run(run_dir: Path, out: Path = None) -> Path:
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for axis, (keys, title) in zip(axes, panels):
         for key in keys:
-            axis.plot([r["iteration"] for r in rows if key in r], [r[key] for r in rows if key in r],
-                      marker="o" if len(keys) > 1 else None, label=key.removeprefix("eval/"))
+            axis.plot(
+                [r["iteration"] for r in rows if key in r],
+                [r[key] for r in rows if key in r],
+                marker="o" if len(keys) > 1 else None,
+                label=key.removeprefix("eval/"),
+            )
         if len(keys) > 1:
             axis.legend()
         axis.set_title(title)

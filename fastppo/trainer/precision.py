@@ -15,8 +15,14 @@ from typing import Optional
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 SAVE_DTYPES = ("auto", *DTYPES)
 ROLLOUT_DTYPES = SAVE_DTYPES
 
@@ -41,16 +47,18 @@ class Precision:
     save: torch.dtype  # the final policy's saved weights
 
     @classmethod
-    def of(cls, autocast: Optional[bool], rollout: str, save: str, device_type: str,
-           stored: torch.dtype) -> "Precision":
+    def of(
+        cls, autocast: Optional[bool], rollout: str, save: str, device_type: str, stored: torch.dtype
+    ) -> "Precision":
         """From the config's ``autocast`` (None: on CUDA only), ``rollout_dtype`` (``"auto"``: bf16 on
         CUDA, fp32 elsewhere) and ``save_dtype`` (``"auto"``: ``stored``, the checkpoint's own), on
         ``device_type``."""
         cuda = device_type == "cuda"
         compute = torch.bfloat16 if (cuda if autocast is None else autocast) else None
         rollout_dtype = (torch.bfloat16 if cuda else torch.float32) if rollout == "auto" else DTYPES[rollout]
-        return cls(device_type, compute, compute or torch.float32, rollout_dtype,
-                   stored if save == "auto" else DTYPES[save])
+        return cls(
+            device_type, compute, compute or torch.float32, rollout_dtype, stored if save == "auto" else DTYPES[save]
+        )
 
     def autocast(self):
         """The autocast context of the trainer's forward passes (a no-op when computing in fp32)."""

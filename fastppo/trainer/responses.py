@@ -16,8 +16,10 @@ import torch
 def completions(rollout, tokenizer, rows=None) -> list:
     """Each row's response (or those of ``rows``) as text, special tokens left out."""
     rows = range(len(rollout.response_lens)) if rows is None else rows
-    return [tokenizer.decode(rollout.response_ids[i, :int(rollout.response_lens[i])].tolist(),
-                             skip_special_tokens=True) for i in rows]
+    return [
+        tokenizer.decode(rollout.response_ids[i, : int(rollout.response_lens[i])].tolist(), skip_special_tokens=True)
+        for i in rows
+    ]
 
 
 def _holds_stop(tokenizer, ids: list, stops: list) -> bool:
@@ -46,9 +48,14 @@ def cut_at_stop_strings(rollout, tokenizer, stops: list):
         lens[i], reasons[i] = low, "stop"
     R = rollout.response_ids.shape[1]
     mask = torch.arange(R, device=lens.device) < lens[:, None].to(rollout.response_mask.device)  # (B, R)
-    return dataclasses.replace(rollout, response_mask=mask, response_lens=lens, logprobs=rollout.logprobs * mask,
-                               response_ids=rollout.response_ids.masked_fill(~mask, _pad(rollout)),
-                               finish_reason=reasons)
+    return dataclasses.replace(
+        rollout,
+        response_mask=mask,
+        response_lens=lens,
+        logprobs=rollout.logprobs * mask,
+        response_ids=rollout.response_ids.masked_fill(~mask, _pad(rollout)),
+        finish_reason=reasons,
+    )
 
 
 def gather_rows(picks: list):
@@ -62,12 +69,14 @@ def gather_rows(picks: list):
         return torch.cat([x[row], x.new_full((R - x.shape[1],), fill)])
 
     pad = _pad(picks[0][0])
-    return Rollout([rollout.prompt_ids[row] for rollout, row in picks],
-                   torch.stack([widen(ro.response_ids, row, pad) for ro, row in picks]),
-                   torch.stack([widen(ro.response_mask, row, False) for ro, row in picks]),
-                   torch.stack([ro.response_lens[row] for ro, row in picks]),
-                   torch.stack([widen(ro.logprobs, row, 0.0) for ro, row in picks]),
-                   [ro.finish_reason[row] for ro, row in picks])
+    return Rollout(
+        [rollout.prompt_ids[row] for rollout, row in picks],
+        torch.stack([widen(ro.response_ids, row, pad) for ro, row in picks]),
+        torch.stack([widen(ro.response_mask, row, False) for ro, row in picks]),
+        torch.stack([ro.response_lens[row] for ro, row in picks]),
+        torch.stack([widen(ro.logprobs, row, 0.0) for ro, row in picks]),
+        [ro.finish_reason[row] for ro, row in picks],
+    )
 
 
 def _pad(rollout) -> int:

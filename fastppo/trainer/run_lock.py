@@ -108,8 +108,10 @@ class RunLock:
             if not _try_lock(fd):
                 holder = _read(fd)
                 os.close(fd)
-                raise RunDirectoryBusy(f"{directory} is in use by a live run, {_describe(holder)}; wait for it to "
-                                       f"end or stop it, or choose another --out")
+                raise RunDirectoryBusy(
+                    f"{directory} is in use by a live run, {_describe(holder)}; wait for it to "
+                    f"end or stop it, or choose another --out"
+                )
             try:  # a holder releasing between our open and our lock unlinked the file we locked
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     break
@@ -118,8 +120,9 @@ class RunLock:
             os.close(fd)
         previous = _read(fd)
         if previous:
-            warnings.warn(f"{path}: taking over the lock of a run that ended without releasing it, "
-                          f"{_describe(previous)}")
+            warnings.warn(
+                f"{path}: taking over the lock of a run that ended without releasing it, {_describe(previous)}"
+            )
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)

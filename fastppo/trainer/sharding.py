@@ -19,13 +19,13 @@ last hidden states come from :func:`last_hidden_state`, which for a sharded mode
 forward of the root, and the root is wrapped not to reshard after its forward: its parameters stay
 gathered through the backward, whose end reduce-scatters the head's gradient like any other. That
 gathers the head once per minibatch (V x H in fp32: 0.93 GB for a 152k x 1536 head, cast to the
-compute dtype for the loss as on one device) and keeps it while the loss runs. Leaving the head unsharded instead would keep it whole on
-every rank with its fp32 gradient and AdamW moments (16 bytes a parameter: 8.7 GB for Qwen2.5-7B's
-152k x 3584 head). A vocabulary-parallel head (each rank scoring every rank's tokens against its
-slice of the vocabulary, the log-sum-exp combined by an all-reduce) would hold 1/N of the head and
-move the hidden states instead (N x tokens x H: 0.13 GB for 2 ranks of 8192 bf16 tokens at H 4096,
-against the head's 2.5 GB there), but it needs the loss kernels to reduce across ranks inside a
-chunk; it is not built.
+compute dtype for the loss as on one device) and keeps it while the loss runs. Leaving the head
+unsharded instead would keep it whole on every rank with its fp32 gradient and AdamW moments (16
+bytes a parameter: 8.7 GB for Qwen2.5-7B's 152k x 3584 head). A vocabulary-parallel head (each rank
+scoring every rank's tokens against its slice of the vocabulary, the log-sum-exp combined by an
+all-reduce) would hold 1/N of the head and move the hidden states instead (N x tokens x H: 0.13 GB
+for 2 ranks of 8192 bf16 tokens at H 4096, against the head's 2.5 GB there), but it needs the loss
+kernels to reduce across ranks inside a chunk; it is not built.
 
 Gradients are summed over ranks, not averaged: every rank's loss is already a token mean over all
 ranks' tokens (``distributed.py``), as in the unsharded path. FSDP's sum is asked for explicitly
@@ -77,15 +77,27 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard(model: nn.Module, *, mesh, compute_dtype: torch.dtype, reshard_after_forward: bool, offload: bool,
-          hidden_states: bool) -> nn.Module:
+def shard(
+    model: nn.Module,
+    *,
+    mesh,
+    compute_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    offload: bool,
+    hidden_states: bool,
+) -> nn.Module:
     """``model`` sharded in place over ``mesh``: its blocks, then its root. ``compute_dtype``: the
     dtype the blocks' linear weights are gathered in (FSDP's mixed precision; None: their own);
     gradients are reduced in fp32.
     ``hidden_states``: register :func:`last_hidden_state` as a forward (for models whose LM head the
     fused loss reads)."""
-    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard,
-                                        register_fsdp_forward_method)
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):  # torch 2.8 added it
         raise UsageError(f"--fsdp needs torch >= 2.8 (FSDP's summed reductions); this is torch {torch.__version__}")

@@ -81,8 +81,10 @@ class Task:
     eval_prompts: Callable  # (seed=) -> rows held out from the training ones
 
 
-TASKS = {"arithmetic": Task(arithmetic_prompts, arithmetic_reward, arithmetic_eval_prompts),
-         "vowels": Task(vowels_prompts, vowels_reward, vowels_eval_prompts)}
+TASKS = {
+    "arithmetic": Task(arithmetic_prompts, arithmetic_reward, arithmetic_eval_prompts),
+    "vowels": Task(vowels_prompts, vowels_reward, vowels_eval_prompts),
+}
 
 
 def task_rows(task: str, seed: int, held_out: bool = False) -> tuple:
@@ -157,8 +159,10 @@ class Rewards:
 
     def __init__(self, named: list, weights=None):
         if weights is not None and len(weights) != len(named):
-            raise UsageError(f"--reward-weights has {len(weights)} weight(s) for {len(named)} reward(s) "
-                             f"({', '.join(name for name, _ in named)}): give one per reward")
+            raise UsageError(
+                f"--reward-weights has {len(weights)} weight(s) for {len(named)} reward(s) "
+                f"({', '.join(name for name, _ in named)}): give one per reward"
+            )
         self.named = named
         self.weights = list(weights) if weights is not None else [1.0] * len(named)
 
@@ -168,8 +172,10 @@ class Rewards:
             for needed in getattr(fn, "needs", ()):
                 for row, origin in zip(fields, origins):
                     if row.get(needed) is None:
-                        raise UsageError(f"reward {name} needs an {needed!r} field in every row, and {origin} has "
-                                         f"none (map a column to it with --field-map column={needed})")
+                        raise UsageError(
+                            f"reward {name} needs an {needed!r} field in every row, and {origin} has "
+                            f"none (map a column to it with --field-map column={needed})"
+                        )
 
     def __call__(self, prompts: list, completions: list, fields: dict) -> tuple:
         """``(scores, each)``: the weighted sum per completion, and ``{name: scores}`` of each function."""
@@ -199,11 +205,16 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
         returned = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
     except Exception as error:
         raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
-    if isinstance(returned, (Mapping, str, bytes, set)) or not isinstance(returned, Iterable) or (
-            isinstance(returned, torch.Tensor) and returned.dim() != 1):
+    if (
+        isinstance(returned, (Mapping, str, bytes, set))
+        or not isinstance(returned, Iterable)
+        or (isinstance(returned, torch.Tensor) and returned.dim() != 1)
+    ):
         kind = f"a {returned.dim()}-dim tensor" if isinstance(returned, torch.Tensor) else type(returned).__name__
-        raise UsageError(f"reward function {name} returned {kind}; it must return one real number per "
-                         "completion, in order (a list, tuple, NumPy array or 1-dim tensor)")
+        raise UsageError(
+            f"reward function {name} returned {kind}; it must return one real number per "
+            "completion, in order (a list, tuple, NumPy array or 1-dim tensor)"
+        )
     scores = list(returned)
     if len(scores) != len(completions):
         raise UsageError(f"reward function {name} returned {len(scores)} scores for {len(completions)} completions")
@@ -211,10 +222,14 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
     for i, value in enumerate(scores):
         real = _real(value)
         if real is None:
-            raise UsageError(f"reward function {name} returned {type(value).__name__} {value!r} for completion "
-                             f"{i}: scores must be real numbers")
+            raise UsageError(
+                f"reward function {name} returned {type(value).__name__} {value!r} for completion "
+                f"{i}: scores must be real numbers"
+            )
         if not (math.isfinite(real) and abs(real) <= FLOAT32_MAX):
-            raise UsageError(f"reward function {name} returned {real!r} for completion {i}: scores must be finite "
-                             f"and within float32's range (|score| <= {FLOAT32_MAX:.3g})")
+            raise UsageError(
+                f"reward function {name} returned {real!r} for completion {i}: scores must be finite "
+                f"and within float32's range (|score| <= {FLOAT32_MAX:.3g})"
+            )
         values.append(real)
     return values

@@ -53,8 +53,11 @@ def test_compute_approx_kl_takes_log_probs_old_third_from_0_11_1():
     new, old, _, _, _ = inputs()
     base = old + 0.5
     with PEER.pinned("0.11.0"):
-        assert list(inspect.signature(openrlhf.compute_approx_kl).parameters) == \
-            ["log_probs", "log_probs_base", "kl_estimator"]
+        assert list(inspect.signature(openrlhf.compute_approx_kl).parameters) == [
+            "log_probs",
+            "log_probs_base",
+            "kl_estimator",
+        ]
         k3 = openrlhf.compute_approx_kl(new, base, "k3")
         with pytest.raises(TypeError, match="unbiased_gradient"):
             openrlhf.compute_approx_kl(new, base, kl_estimator="k3", unbiased_gradient=True)
@@ -84,8 +87,9 @@ def test_policy_loss_constructor_follows_each_release():
             openrlhf.PolicyLoss(is_correction_level="seq", is_correction_mode="clip")
 
 
-@pytest.mark.parametrize("release,returned", [("0.8.2", 1), ("0.8.3", 2), ("0.8.8", 3), ("0.8.9", 4), ("0.11.1", 4),
-                                              ("0.11.2", 5)])
+@pytest.mark.parametrize(
+    "release,returned", [("0.8.2", 1), ("0.8.3", 2), ("0.8.8", 3), ("0.8.9", 4), ("0.11.1", 4), ("0.11.2", 5)]
+)
 def test_policy_loss_returns_what_the_release_unpacks(release, returned):
     new, old, rollout, adv, mask = inputs()
     with PEER.pinned(release):
@@ -149,7 +153,7 @@ def test_deviation_masked_positions_are_ignored():
         clean = openrlhf.PolicyLoss(token_level_loss=level)(new, old, adv, mask)
         out = openrlhf.PolicyLoss(token_level_loss=level)(dirty, old, adv, mask)
         torch.testing.assert_close(out[0], clean[0])
-        grad, = torch.autograd.grad(out[0], dirty)
+        (grad,) = torch.autograd.grad(out[0], dirty)
         assert torch.isfinite(grad).all() and (grad[mask == 0] == 0).all()
 
 
@@ -189,9 +193,17 @@ def test_gae_runs_through_holes_as_zero_steps():
 
 
 def test_patch_swaps_the_loss_classes_and_unpatch_restores(monkeypatch):
-    modules = {name: types.ModuleType(name) for name in
-               ("openrlhf", "openrlhf.models", "openrlhf.models.loss", "openrlhf.models.utils",
-                "openrlhf.trainer.ppo_trainer", "openrlhf.trainer.ppo_utils.experience_maker")}
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "openrlhf",
+            "openrlhf.models",
+            "openrlhf.models.loss",
+            "openrlhf.models.utils",
+            "openrlhf.trainer.ppo_trainer",
+            "openrlhf.trainer.ppo_utils.experience_maker",
+        )
+    }
     theirs = type("PolicyLoss", (), {"__init__": lambda self, **options: None})
 
     class RemoteExperienceMaker:  # its GAE is a method
@@ -228,8 +240,11 @@ def test_patch_names_the_import_that_failed(monkeypatch, tmp_path):
     (package / "trainer" / "__init__.py").write_text("from openrlhf.models import *\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        with pytest.raises(ImportError, match=r"importing openrlhf\.models\.\w+ failed: No module named "
-                                              r"'flash_attn_missing_for_this_test'; nothing was patched"):
+        with pytest.raises(
+            ImportError,
+            match=r"importing openrlhf\.models\.\w+ failed: No module named "
+            r"'flash_attn_missing_for_this_test'; nothing was patched",
+        ):
             openrlhf.patch()
     finally:
         for name in [name for name in sys.modules if name.split(".")[0] == "openrlhf"]:

@@ -30,8 +30,12 @@ def package(monkeypatch):
 
 
 def make_patch():
-    return Patch("peerpkg", {("peerpkg.core", "loss"): drop_in_loss, ("peerpkg.absent", "x"): drop_in_loss},
-                 caller="peerpkg_patch()", install_hint="pip install peerpkg")
+    return Patch(
+        "peerpkg",
+        {("peerpkg.core", "loss"): drop_in_loss, ("peerpkg.absent", "x"): drop_in_loss},
+        caller="peerpkg_patch()",
+        install_hint="pip install peerpkg",
+    )
 
 
 PEER = Peer("peerpkg", {"1.0": (), "2.0": ()})
@@ -80,18 +84,37 @@ def on_disk(tmp_path, monkeypatch):
 
 def test_a_package_that_fails_to_import_is_named_with_its_error(on_disk):
     on_disk({"peerpkg/__init__.py": "import a_dependency_that_is_not_installed\n"})
-    with pytest.raises(ImportError, match="peerpkg is installed but importing it failed: No module named "
-                                          "'a_dependency_that_is_not_installed'; nothing was patched"):
+    with pytest.raises(
+        ImportError,
+        match="peerpkg is installed but importing it failed: No module named "
+        "'a_dependency_that_is_not_installed'; nothing was patched",
+    ):
         make_patch().install(PEER)
 
 
 def test_a_module_that_fails_to_import_is_a_warning_naming_it(on_disk):
-    on_disk({"peerpkg/__init__.py": "", "peerpkg/core.py": "def loss():\n    return 'peer'\n",
-             "peerpkg/heavy.py": "import flash_attn_not_here\n"})
-    patch = Patch("peerpkg", {("peerpkg.core", "loss"): drop_in_loss, ("peerpkg.heavy", "x"): drop_in_loss,
-                              ("peerpkg.absent", "y"): drop_in_loss}, caller="peerpkg_patch()", install_hint="")
-    with pytest.warns(UserWarning, match=r"importing peerpkg.heavy failed: No module named 'flash_attn_not_here'; "
-                                         r"its x stay peerpkg's") as caught:
+    on_disk(
+        {
+            "peerpkg/__init__.py": "",
+            "peerpkg/core.py": "def loss():\n    return 'peer'\n",
+            "peerpkg/heavy.py": "import flash_attn_not_here\n",
+        }
+    )
+    patch = Patch(
+        "peerpkg",
+        {
+            ("peerpkg.core", "loss"): drop_in_loss,
+            ("peerpkg.heavy", "x"): drop_in_loss,
+            ("peerpkg.absent", "y"): drop_in_loss,
+        },
+        caller="peerpkg_patch()",
+        install_hint="",
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"importing peerpkg.heavy failed: No module named 'flash_attn_not_here'; "
+        r"its x stay peerpkg's",
+    ) as caught:
         patch.install(PEER)
     try:
         assert sys.modules["peerpkg.core"].loss is drop_in_loss
@@ -116,8 +139,11 @@ def test_releases_are_declared_once_with_their_changes(monkeypatch):
     with pytest.raises(ValueError, match=r"0.7.1 is older than fastppo's drop-ins support \(0.8.0 to 0.11.0\)"):
         with peer.pinned("0.7.1"):
             pass
-    for installed, followed, says in (("0.12.0", "0.11.0", "newer than"), ("0.10.0", "0.9.3", "not one of"),
-                                      ("0.9.3rc1", "0.8.0.post1", "not one of")):
+    for installed, followed, says in (
+        ("0.12.0", "0.11.0", "newer than"),
+        ("0.10.0", "0.9.3", "not one of"),
+        ("0.9.3rc1", "0.8.0.post1", "not one of"),
+    ):
         monkeypatch.setattr(peer, "installed", lambda installed=installed: parse_version(installed))
         with pytest.warns(UserWarning, match=f"{installed} is {says} the releases .* they follow {followed}"):
             assert str(peer.check_supported()) == followed
@@ -141,12 +167,8 @@ def test_a_drop_in_takes_each_releases_parameters():
             f(1, 2, old=3)
 
 
-def test_the_readme_table_is_generated_from_the_declared_releases():
-    from pathlib import Path
+def test_ci_runs_the_differential_suite():
+    from fastppo import generated
 
-    from fastppo.integrations.table import table
-
-    root = Path(__file__).resolve().parents[2]
-    assert table() in (root / "README.md").read_text(), "run: python -m fastppo.integrations.table README.md"
-    ci = (root / ".ci" / "run").read_text()
+    ci = (generated.ROOT / ".ci" / "run").read_text()
     assert "pytest -q -p no:cacheprovider -m peers" in ci  # CI runs the differential suite

@@ -62,8 +62,8 @@ def check_same(ours, theirs, leaf, dtype):
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=rtol, atol=atol)
     weights = torch.randn(ours.shape)
-    g_ours, = torch.autograd.grad((ours.float() * weights).sum(), leaf, retain_graph=True)
-    g_theirs, = torch.autograd.grad((theirs.float() * weights).sum(), leaf, retain_graph=True)
+    (g_ours,) = torch.autograd.grad((ours.float() * weights).sum(), leaf, retain_graph=True)
+    (g_theirs,) = torch.autograd.grad((theirs.float() * weights).sum(), leaf, retain_graph=True)
     assert relative_error(g_ours, g_theirs) <= (1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -74,8 +74,12 @@ def test_selective_log_softmax(dtype, temperature):
     for mask in (None, row_mask):
         ours = integration.selective_log_softmax(logits, index, temperature=temperature, row_mask=mask)
         check_same(ours, trl_selective_log_softmax(logits, index, temperature, mask), logits, dtype)
-    check_same(integration.selective_log_softmax(logits, index),  # the two-argument call of every version
-               trl_utils.selective_log_softmax(logits, index), logits, dtype)
+    check_same(
+        integration.selective_log_softmax(logits, index),  # the two-argument call of every version
+        trl_utils.selective_log_softmax(logits, index),
+        logits,
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -84,8 +88,9 @@ def test_entropy_from_logits(dtype):
     check_same(integration.entropy_from_logits(logits), trl_utils.entropy_from_logits(logits), logits, dtype)
 
 
-@pytest.mark.skipif(not TRL.has("temperature-and-row-mask"),
-                    reason="selective_log_softmax_and_entropy is new in TRL 1.14")
+@pytest.mark.skipif(
+    not TRL.has("temperature-and-row-mask"), reason="selective_log_softmax_and_entropy is new in TRL 1.14"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_selective_log_softmax_and_entropy(dtype):
     logits, index, row_mask = inputs(dtype)
@@ -102,8 +107,10 @@ def test_uncovered_cases_go_to_trl(temperature, row_mask):
     logits = torch.randn(2, 3, 11, dtype=torch.float64)
     index = torch.randint(0, 11, (2, 3, 2))  # two indices per row
     mask = torch.tensor([[1, 0, 1], [1, 1, 0]]).unsqueeze(-1) if row_mask else None
-    torch.testing.assert_close(integration.selective_log_softmax(logits, index, temperature, mask),
-                               trl_selective_log_softmax(logits, index, temperature, mask))
+    torch.testing.assert_close(
+        integration.selective_log_softmax(logits, index, temperature, mask),
+        trl_selective_log_softmax(logits, index, temperature, mask),
+    )
     with pytest.raises(ValueError, match="temperature must be positive"):
         integration.selective_log_softmax(logits, index[..., 0], temperature=0.0)
 
@@ -116,8 +123,9 @@ def test_fused_linear_log_prob_matches_trl_chunked_function(monkeypatch):
     args = head_arguments(hidden, weight, targets, 0.9, 16, ("log_probs", "entropy"))
     asked = []
     real = integration.token_logprobs_from_hidden
-    monkeypatch.setattr(integration, "token_logprobs_from_hidden", lambda *a, **k: asked.append(k["return_stats"])
-                        or real(*a, **k))
+    monkeypatch.setattr(
+        integration, "token_logprobs_from_hidden", lambda *a, **k: asked.append(k["return_stats"]) or real(*a, **k)
+    )
     ours = integration.FusedLinearLogProb.apply(*args)
     assert asked == [False]  # GRPO's outputs: no statistics computed
     theirs = trl_head().apply(*args)
@@ -127,14 +135,20 @@ def test_fused_linear_log_prob_matches_trl_chunked_function(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     w = torch.randn(N)
     for leaf in (hidden, weight):
-        g_ours, = torch.autograd.grad(((ours[0] + ours[1]) * w).sum(), leaf, retain_graph=True)
-        g_theirs, = torch.autograd.grad(((theirs[0] + theirs[1]) * w).sum(), leaf, retain_graph=True)
+        (g_ours,) = torch.autograd.grad(((ours[0] + ours[1]) * w).sum(), leaf, retain_graph=True)
+        (g_theirs,) = torch.autograd.grad(((theirs[0] + theirs[1]) * w).sum(), leaf, retain_graph=True)
         assert relative_error(g_ours, g_theirs) <= 1e-5
 
 
 @pytest.mark.skipif(not TRL.has("head-outputs"), reason="the LM head's extra outputs are new in TRL 1.15")
-@pytest.mark.parametrize("outputs", [("entropy", "is_top1", "mean_logits"), ("log_sum_sq_probs",),
-                                     ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")])
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        ("entropy", "is_top1", "mean_logits"),
+        ("log_sum_sq_probs",),
+        ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+    ],
+)
 def test_extra_head_outputs_from_fastppo(monkeypatch, outputs):
     """SFT, DPO and KTO ask the head for these; fastppo computes them in its own pass."""
     monkeypatch.setattr(integration, "_trl", lambda name: pytest.fail(f"fell back to TRL's {name}"))
@@ -155,8 +169,9 @@ def test_extra_head_outputs_from_fastppo(monkeypatch, outputs):
 
 def names_patched():
     """The helpers the installed TRL has, as fastppo patches them."""
-    return {name: drop_in for (module, name), drop_in in integration._PATCH.replacements.items()
-            if hasattr(trl_utils, name)}
+    return {
+        name: drop_in for (module, name), drop_in in integration._PATCH.replacements.items() if hasattr(trl_utils, name)
+    }
 
 
 def test_patch_routes_trl_through_fastppo_and_unpatch_restores(monkeypatch):
@@ -224,9 +239,19 @@ def tiny_model_and_tokenizer():
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+        )
+    )
     return model, tokenizer
 
 
@@ -234,11 +259,16 @@ def spy_on_fastppo(monkeypatch) -> list:
     """Record each call into fastppo: ``"head"`` (the LM head, with its outputs) or ``"logits"``."""
     calls = []
     real_head, real_logprobs = integration.FusedLinearLogProb.apply, integration.token_logprobs
-    monkeypatch.setattr(integration.FusedLinearLogProb, "apply",
-                        staticmethod(lambda *a, **k: calls.append(("head", a[-1] if TRL.has("head-outputs") else ()))
-                                     or real_head(*a, **k)))
-    monkeypatch.setattr(integration, "token_logprobs", lambda *a, **k: calls.append(("logits", ()))
-                        or real_logprobs(*a, **k))
+    monkeypatch.setattr(
+        integration.FusedLinearLogProb,
+        "apply",
+        staticmethod(
+            lambda *a, **k: calls.append(("head", a[-1] if TRL.has("head-outputs") else ())) or real_head(*a, **k)
+        ),
+    )
+    monkeypatch.setattr(
+        integration, "token_logprobs", lambda *a, **k: calls.append(("logits", ())) or real_logprobs(*a, **k)
+    )
     return calls
 
 
@@ -249,12 +279,26 @@ def test_tiny_grpo_run_goes_through_fastppo(tmp_path, monkeypatch):
     model, tokenizer = tiny_model_and_tokenizer()
     prompts = datasets.Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j"] * 2})
     calls = spy_on_fastppo(monkeypatch)  # GRPO scores through the fused head from TRL 1.15, the logits before
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
-                      save_strategy="no", learning_rate=1e-3)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+    )
     with integration.patch():
-        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(c.count("a")) for c in completions],
-                              args=args, train_dataset=prompts, processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **_: [float(c.count("a")) for c in completions],
+            args=args,
+            train_dataset=prompts,
+            processing_class=tokenizer,
+        )
         trainer.train()
     kinds = {kind for kind, _ in calls}
     assert ("head" if TRL.has("head-outputs") else "logits") in kinds, "GRPO did not score completions through fastppo"
@@ -270,8 +314,17 @@ def test_tiny_sft_run_goes_through_fastppo(tmp_path, monkeypatch):
     model, tokenizer = tiny_model_and_tokenizer()
     texts = datasets.Dataset.from_dict({"text": ["a b c d", "e f g", "h i j k l", "m n"] * 2})
     calls = spy_on_fastppo(monkeypatch)
-    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
-                     report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, max_length=8)
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        max_length=8,
+    )
     with integration.patch():
         trainer = SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tokenizer)
         trainer.train()

@@ -80,11 +80,13 @@ def test_global_batch_arguments_arrive_in_0_7_0():
         verl.agg_loss(loss, mask, "token-mean", dp_size=2)
     with verl.VERL.pinned("0.7.0"):
         total = (loss * mask).sum()
-        torch.testing.assert_close(verl.agg_loss(loss, mask, "token-mean", dp_size=4, batch_num_tokens=50),
-                                   total / 50 * 4)
+        torch.testing.assert_close(
+            verl.agg_loss(loss, mask, "token-mean", dp_size=4, batch_num_tokens=50), total / 50 * 4
+        )
         sums = (loss * mask).sum(-1).sum()
-        torch.testing.assert_close(verl.agg_loss(loss, mask, "seq-mean-token-sum", dp_size=2, global_batch_size=8),
-                                   sums / 8 * 2)
+        torch.testing.assert_close(
+            verl.agg_loss(loss, mask, "seq-mean-token-sum", dp_size=2, global_batch_size=8), sums / 8 * 2
+        )
 
 
 def test_sum_norm_divides_the_global_sequence_mean_from_0_7_1():
@@ -97,8 +99,9 @@ def test_sum_norm_divides_the_global_sequence_mean_from_0_7_1():
             norm = verl.agg_loss(loss, mask, "seq-mean-token-sum-norm", **info)
             torch.testing.assert_close(norm, verl.agg_loss(loss, mask, "seq-mean-token-sum", **info) / 16)
     with verl.VERL.pinned("0.7.0"):
-        torch.testing.assert_close(verl.agg_loss(loss, mask, "seq-mean-token-sum-norm", **info),
-                                   (loss * mask).sum() / 16)
+        torch.testing.assert_close(
+            verl.agg_loss(loss, mask, "seq-mean-token-sum-norm", **info), (loss * mask).sum() / 16
+        )
 
 
 def test_data_parallel_without_global_counts_is_refused_from_0_7_1():
@@ -141,8 +144,9 @@ def test_token_sum_and_the_critics_global_batch_from_0_9_0():
     with verl.VERL.pinned("0.9.0"):
         torch.testing.assert_close(verl.agg_loss(loss, mask, "token-sum", dp_size=2), (loss * mask).sum() * 2)
         plain, _ = verl.compute_value_loss(vpreds, returns, values, mask, 0.2)
-        scaled, _ = verl.compute_value_loss(vpreds, returns, values, mask, 0.2, dp_size=2,
-                                            batch_num_tokens=int(mask.sum()) * 2)
+        scaled, _ = verl.compute_value_loss(
+            vpreds, returns, values, mask, 0.2, dp_size=2, batch_num_tokens=int(mask.sum()) * 2
+        )
         torch.testing.assert_close(scaled, plain)
 
 
@@ -151,8 +155,10 @@ def test_gspo_follows_loss_agg_mode_from_0_9_1():
     results = {}
     for release in ("0.9.0", "0.9.1"):
         with verl.VERL.pinned(release):
-            results[release] = [verl.compute_policy_loss_gspo(old, new, adv, mask, mode, CONFIG)[0]
-                                for mode in ("token-mean", "seq-mean-token-mean")]
+            results[release] = [
+                verl.compute_policy_loss_gspo(old, new, adv, mask, mode, CONFIG)[0]
+                for mode in ("token-mean", "seq-mean-token-mean")
+            ]
     assert results["0.9.0"][0] == results["0.9.0"][1]  # always seq-mean-token-mean
     assert results["0.9.1"][0] != results["0.9.1"][1]
     torch.testing.assert_close(results["0.9.1"][1], results["0.9.0"][1])
@@ -199,7 +205,7 @@ def test_deviation_masked_positions_are_ignored():
     for mode in MODES:
         out = verl.agg_loss(dirty, mask, mode)
         torch.testing.assert_close(out, verl.agg_loss(loss, mask, mode))
-        grad, = torch.autograd.grad(out, dirty)
+        (grad,) = torch.autograd.grad(out, dirty)
         assert torch.isfinite(grad).all() and (grad[mask == 0] == 0).all()
 
 
@@ -236,12 +242,22 @@ def test_logprobs_come_out_fp32_and_closer_to_float64_than_bf16():
 @pytest.fixture
 def fake_verl(monkeypatch):
     """The installed-verl layout patch() walks: two modules and the policy-loss registry."""
+
     def original_vanilla(*args, **kwargs):
         return "verl"
 
-    modules = {name: types.ModuleType(name) for name in
-               ("verl", "verl.trainer", "verl.trainer.ppo", "verl.trainer.ppo.core_algos", "verl.utils",
-                "verl.utils.torch_functional", "verl.workers.actor.dp_actor")}
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "verl",
+            "verl.trainer",
+            "verl.trainer.ppo",
+            "verl.trainer.ppo.core_algos",
+            "verl.utils",
+            "verl.utils.torch_functional",
+            "verl.workers.actor.dp_actor",
+        )
+    }
     core = modules["verl.trainer.ppo.core_algos"]
     core.compute_policy_loss_vanilla = original_vanilla
     core.POLICY_LOSS_REGISTRY = {"vanilla": original_vanilla}

@@ -32,8 +32,9 @@ def reads_within_arguments():
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = original_init(self, args_dev, kwargs)
-        extents[:] = [extent(a) for a in [*args_hst, *kwargs_hst.values()]
-                      if isinstance(a, torch.Tensor) and a.numel() > 0]
+        extents[:] = [
+            extent(a) for a in [*args_hst, *kwargs_hst.values()] if isinstance(a, torch.Tensor) and a.numel() > 0
+        ]
         return args_hst, kwargs_hst
 
     def load(ptrs, mask, other, cache_policy, is_volatile):
@@ -44,8 +45,9 @@ def reads_within_arguments():
             outside = addresses[(addresses < lo) | (addresses > hi)]
             if outside.size:
                 before = int(lo - outside.min()) if outside.min() < lo else 0
-                violations.append(f"{outside.size} address(es) outside [{lo:#x}, {hi:#x}], "
-                                  f"down to {before} bytes before its start")
+                violations.append(
+                    f"{outside.size} address(es) outside [{lo:#x}, {hi:#x}], down to {before} bytes before its start"
+                )
         return original_load(ptrs, mask, other, cache_policy, is_volatile)
 
     builder.create_masked_load = load

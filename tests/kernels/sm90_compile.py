@@ -31,25 +31,39 @@ def logprob_kernels():
         BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
         tiles = {"stride_v": 1, "HAS_TEMP": has_temp, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
         for has_stats in (False, True) if dtype == "fp32" else (False,):  # fp32 chunks from hidden states
-            ptx = build(logprobs._logprobs_fwd_kernel, signatures.logprob_fwd_types(dtype),
-                        {**tiles, "HAS_STATS": has_stats}, warps, aligned=signatures.LOGPROB_ALIGNED)
+            ptx = build(
+                logprobs._logprobs_fwd_kernel,
+                signatures.logprob_fwd_types(dtype),
+                {**tiles, "HAS_STATS": has_stats},
+                warps,
+                aligned=signatures.LOGPROB_ALIGNED,
+            )
             if V >= 1000:
                 # 16-byte loads of the logits when rows are 16-element aligned (every real vocabulary)
                 assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "forward logits loads are not vectorised"
         for has_g_ent in (False, True):
-            build(logprobs._logprobs_bwd_kernel, signatures.logprob_bwd_types(dtype),
-                  {**tiles, "gstride_v": 1, "HAS_G_ENT": has_g_ent}, warps,
-                  aligned=signatures.LOGPROB_BWD_ALIGNED)
+            build(
+                logprobs._logprobs_bwd_kernel,
+                signatures.logprob_bwd_types(dtype),
+                {**tiles, "gstride_v": 1, "HAS_G_ENT": has_g_ent},
+                warps,
+                aligned=signatures.LOGPROB_BWD_ALIGNED,
+            )
 
 
 def gae_kernels():
-    for (B, T), values, contiguous in itertools.product(((512, 8192), (3, 5), (100, 37)), ("bf16", "fp32"),
-                                                        (False, True)):
+    for (B, T), values, contiguous in itertools.product(
+        ((512, 8192), (3, 5), (100, 37)), ("bf16", "fp32"), (False, True)
+    ):
         BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
         unit_strides = {"srt": 1, "svt": 1, "smt": 1} if contiguous else {}
-        ptx = build(gae._gae_kernel, signatures.gae_types(values), {**unit_strides, "BLOCK_B": BLOCK_B,
-                                                                   "BLOCK_T": BLOCK_T}, warps,
-                    aligned=signatures.GAE_ALIGNED if contiguous else ())
+        ptx = build(
+            gae._gae_kernel,
+            signatures.gae_types(values),
+            {**unit_strides, "BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T},
+            warps,
+            aligned=signatures.GAE_ALIGNED if contiguous else (),
+        )
         if contiguous and T >= 1024:
             # forward-ordered blocks of contiguous rows: 16-byte loads and stores
             assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "GAE loads are not vectorised"
@@ -60,19 +74,30 @@ def ppo_loss_kernels():
     for ref, ent, dual, estimator in itertools.product((False, True), (False, True), (False, True), (1, 2, 3)):
         if not ref and estimator != 1:
             continue  # without a reference the estimator is never read
-        build(ppo_loss._ppo_loss_fwd_kernel, signatures.PPO_LOSS_TYPES, {"HAS_REF": ref, "HAS_ENTROPY": ent,
-                                                                   "DUAL_CLIP": dual, "KL_ESTIMATOR": estimator,
-                                                                   "BLOCK": ppo_loss._BLOCK}, 4)
+        build(
+            ppo_loss._ppo_loss_fwd_kernel,
+            signatures.PPO_LOSS_TYPES,
+            {
+                "HAS_REF": ref,
+                "HAS_ENTROPY": ent,
+                "DUAL_CLIP": dual,
+                "KL_ESTIMATOR": estimator,
+                "BLOCK": ppo_loss._BLOCK,
+            },
+            4,
+        )
 
 
 def sampling_kernels():
-    for (B, V), dtype, greedy in itertools.product(((64, 1), (64, 1000), (256, 151936), (1024, 151936)),
-                                                   ("bf16", "fp32"), (False, True)):
+    for (B, V), dtype, greedy in itertools.product(
+        ((64, 1), (64, 1000), (256, 151936), (1024, 151936)), ("bf16", "fp32"), (False, True)
+    ):
         BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
         splits = sampling._splits(B, V, BLOCK_N, BLOCK_V)
         tiles = {"stride_v": 1, "GREEDY": greedy, "SPLITS": splits, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-        ptx = build(sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps,
-                    aligned=signatures.SAMPLE_ALIGNED)
+        ptx = build(
+            sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps, aligned=signatures.SAMPLE_ALIGNED
+        )
         if V >= 1000:
             assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "sampling logits loads are not vectorised"
         if splits > 1:

@@ -16,8 +16,8 @@ def padded(x: torch.Tensor, before: int = 64, after: int = 64) -> torch.Tensor:
     """``x`` as a view into a larger buffer of NaN (-1 for integers): memory on both sides is poison."""
     fill = float("nan") if x.is_floating_point() else -1
     buffer = torch.full((before + x.numel() + after,), fill, dtype=x.dtype)
-    buffer[before:before + x.numel()] = x.reshape(-1)
-    return buffer[before:before + x.numel()].view(x.shape)
+    buffer[before : before + x.numel()] = x.reshape(-1)
+    return buffer[before : before + x.numel()].view(x.shape)
 
 
 @triton.jit
@@ -52,8 +52,17 @@ def test_loss_head_kernels_read_only_their_tensors():
     logits = padded(torch.randn(N, V)).requires_grad_()
     hidden, weight = padded(torch.randn(N, H)).requires_grad_(), padded(torch.randn(V, H)).requires_grad_()
     with reads_within_arguments() as violations:
-        loss, _ = fastppo.ppo_loss_from_logits(logits, labels, old, adv, mask, ref_logprobs=old, kl_coef=0.1,
-                                               temperature=padded(torch.rand(N) + 0.5), backend="triton")
+        loss, _ = fastppo.ppo_loss_from_logits(
+            logits,
+            labels,
+            old,
+            adv,
+            mask,
+            ref_logprobs=old,
+            kl_coef=0.1,
+            temperature=padded(torch.rand(N) + 0.5),
+            backend="triton",
+        )
         loss.backward()
         loss, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, chunk_size=16, backend="triton")
         loss.backward()

@@ -14,8 +14,13 @@ from hypothesis import strategies as st
 
 from fastppo.ops import logprobs_torch
 from fastppo.ops.dispatch import TRITON_INSTALLED
-from tests.oracles import (LOGIT_SCALE_ATOL, assert_grad_close, assert_values_close, logprobs_grad_oracle,
-                           logprobs_oracle)
+from tests.oracles import (
+    LOGIT_SCALE_ATOL,
+    assert_grad_close,
+    assert_values_close,
+    logprobs_grad_oracle,
+    logprobs_oracle,
+)
 
 pytestmark = pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 
@@ -32,14 +37,21 @@ def run_kernels(logits, labels, inv_temperature, block_v, *, in_place=False):
     kernels.logprobs_forward(rows, labels, None, inv_temperature, -100, *out, block_v=block_v)
     g_logp, g_entropy = torch.randn(N), torch.randn(N)
     grad = rows if in_place else torch.empty_like(rows)
-    kernels.logprobs_backward(rows, grad, labels, None, inv_temperature, -100, out[2], out[1],
-                              g_logp, g_entropy, block_v=block_v)
+    kernels.logprobs_backward(
+        rows, grad, labels, None, inv_temperature, -100, out[2], out[1], g_logp, g_entropy, block_v=block_v
+    )
     return out[0], out[1], grad.view(N, -1), g_logp, g_entropy
 
 
 @settings(max_examples=int(EXPLORE or 25), deadline=None, derandomize=EXPLORE is None)
-@given(N=st.integers(1, 70), V=st.integers(1, 300), block_v=st.sampled_from([16, 32, 128]),
-       temperature=st.floats(0.25, 4.0), scale=st.floats(0.1, 30.0), data=st.data())
+@given(
+    N=st.integers(1, 70),
+    V=st.integers(1, 300),
+    block_v=st.sampled_from([16, 32, 128]),
+    temperature=st.floats(0.25, 4.0),
+    scale=st.floats(0.1, 30.0),
+    data=st.data(),
+)
 def test_kernels_match_oracle(N, V, block_v, temperature, scale, data):
     torch.manual_seed(data.draw(st.integers(0, 2**31 - 1)))  # the example fixes the tensors too
     logits = torch.randn(N, V) * scale
@@ -99,8 +111,9 @@ def test_kernels_and_twin_agree():
         out = [torch.empty(21) for _ in range(3)]
         impl.logprobs_forward(logits, labels, temperature, 1.0, -100, *out)
         grad = torch.empty_like(logits)
-        impl.logprobs_backward(logits, grad, labels, temperature, 1.0, -100, out[2], out[1],
-                               torch.ones(21), torch.ones(21))
+        impl.logprobs_backward(
+            logits, grad, labels, temperature, 1.0, -100, out[2], out[1], torch.ones(21), torch.ones(21)
+        )
         results[name] = (out, grad.float())
     for a, b in zip(results["triton"][0], results["torch"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

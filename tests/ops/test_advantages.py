@@ -86,7 +86,7 @@ def group_oracle(scores, G, estimator, eps=1e-6):
                 std = group.std() if G > 1 else torch.tensor(0.0, dtype=torch.float64)
                 out.append((s - mean) / (std + eps))
             elif estimator == "rloo":
-                others = torch.cat([group[:i], group[i + 1:]])
+                others = torch.cat([group[:i], group[i + 1 :]])
                 out.append(s - others.mean())
             else:
                 out.append(s - mean)
@@ -111,11 +111,14 @@ def test_group_advantages_identical_scores_are_zero():
     assert (out == 0).all()
 
 
-@pytest.mark.parametrize("args,match", [
-    ((torch.randn(7), 2), "not a multiple of group_size=2"),
-    ((torch.randn(4), 0), "group_size must be a positive int"),
-    ((torch.randn(2, 2), 2), "scores must be a 1-D floating tensor"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.randn(7), 2), "not a multiple of group_size=2"),
+        ((torch.randn(4), 0), "group_size must be a positive int"),
+        ((torch.randn(2, 2), 2), "scores must be a 1-D floating tensor"),
+    ],
+)
 def test_group_advantages_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         fastppo.group_advantages(*args)

@@ -21,32 +21,45 @@ def from_hidden_call(**overrides):
     return fastppo.token_logprobs_from_hidden(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
 
 
-@pytest.mark.parametrize("call,overrides,error,match", [
-    (logits_call, dict(labels=torch.randint(0, V, (2, 4))), ValueError, r"labels must have shape \(2, 3\).*\(2, 4\)"),
-    (logits_call, dict(labels=torch.randint(0, V, (3,))), ValueError, "labels must have shape"),
-    (logits_call, dict(labels=torch.zeros(2, 3)), TypeError, "labels must be an integer tensor"),
-    (logits_call, dict(labels=torch.zeros(2, 3, dtype=torch.bool)), TypeError, "labels must be an integer"),
-    (logits_call, dict(logits=torch.randn(2, 3, V).double()), TypeError, "logits must be float32"),
-    (logits_call, dict(logits=torch.randint(0, 5, (2, 3, V))), TypeError, "logits must be float32"),
-    (logits_call, dict(logits=torch.tensor(1.0)), ValueError, "logits must have at least 1"),
-    (logits_call, dict(logits=[1.0, 2.0]), TypeError, "logits must be a torch.Tensor"),
-    (logits_call, dict(temperature=0.0), ValueError, "temperature must be positive"),
-    (logits_call, dict(temperature=float("nan")), ValueError, "temperature must be positive"),
-    (logits_call, dict(temperature="hot"), TypeError, "temperature must be"),
-    (logits_call, dict(temperature=torch.ones(3, 3)), ValueError, "temperature of shape"),
-    (logits_call, dict(temperature=torch.ones(2, 3, 1)), ValueError, "does not broadcast to the token shape"),
-    (logits_call, dict(temperature=torch.ones(2, 1, dtype=torch.long)), TypeError, "temperature must be a floating"),
-    (logits_call, dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
-    (logits_call, dict(backend="cuda"), ValueError, "backend must be one of"),
-    (from_hidden_call, dict(weight=torch.randn(V, H + 1)), ValueError, r"weight must have shape \(V, 6\)"),
-    (from_hidden_call, dict(weight=torch.randn(V)), ValueError, "weight must have at least 2"),
-    (from_hidden_call, dict(weight=torch.randn(V, H).half()), TypeError, "weight has dtype torch.float16"),
-    (from_hidden_call, dict(bias=torch.randn(V + 1)), ValueError, r"bias must have shape \(11,\)"),
-    (from_hidden_call, dict(bias=torch.randn(V).half()), TypeError, "bias has dtype"),
-    (from_hidden_call, dict(labels=torch.randint(0, V, (3, 2))), ValueError, "leading dims of hidden"),
-    (from_hidden_call, dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
-    (from_hidden_call, dict(chunk_size=2.0), ValueError, "chunk_size must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "call,overrides,error,match",
+    [
+        (
+            logits_call,
+            dict(labels=torch.randint(0, V, (2, 4))),
+            ValueError,
+            r"labels must have shape \(2, 3\).*\(2, 4\)",
+        ),
+        (logits_call, dict(labels=torch.randint(0, V, (3,))), ValueError, "labels must have shape"),
+        (logits_call, dict(labels=torch.zeros(2, 3)), TypeError, "labels must be an integer tensor"),
+        (logits_call, dict(labels=torch.zeros(2, 3, dtype=torch.bool)), TypeError, "labels must be an integer"),
+        (logits_call, dict(logits=torch.randn(2, 3, V).double()), TypeError, "logits must be float32"),
+        (logits_call, dict(logits=torch.randint(0, 5, (2, 3, V))), TypeError, "logits must be float32"),
+        (logits_call, dict(logits=torch.tensor(1.0)), ValueError, "logits must have at least 1"),
+        (logits_call, dict(logits=[1.0, 2.0]), TypeError, "logits must be a torch.Tensor"),
+        (logits_call, dict(temperature=0.0), ValueError, "temperature must be positive"),
+        (logits_call, dict(temperature=float("nan")), ValueError, "temperature must be positive"),
+        (logits_call, dict(temperature="hot"), TypeError, "temperature must be"),
+        (logits_call, dict(temperature=torch.ones(3, 3)), ValueError, "temperature of shape"),
+        (logits_call, dict(temperature=torch.ones(2, 3, 1)), ValueError, "does not broadcast to the token shape"),
+        (
+            logits_call,
+            dict(temperature=torch.ones(2, 1, dtype=torch.long)),
+            TypeError,
+            "temperature must be a floating",
+        ),
+        (logits_call, dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+        (logits_call, dict(backend="cuda"), ValueError, "backend must be one of"),
+        (from_hidden_call, dict(weight=torch.randn(V, H + 1)), ValueError, r"weight must have shape \(V, 6\)"),
+        (from_hidden_call, dict(weight=torch.randn(V)), ValueError, "weight must have at least 2"),
+        (from_hidden_call, dict(weight=torch.randn(V, H).half()), TypeError, "weight has dtype torch.float16"),
+        (from_hidden_call, dict(bias=torch.randn(V + 1)), ValueError, r"bias must have shape \(11,\)"),
+        (from_hidden_call, dict(bias=torch.randn(V).half()), TypeError, "bias has dtype"),
+        (from_hidden_call, dict(labels=torch.randint(0, V, (3, 2))), ValueError, "leading dims of hidden"),
+        (from_hidden_call, dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+        (from_hidden_call, dict(chunk_size=2.0), ValueError, "chunk_size must be a positive int"),
+    ],
+)
 def test_bad_input(call, overrides, error, match):
     with pytest.raises(error, match=match):
         call(**overrides)
@@ -108,11 +121,14 @@ def test_missing_or_wrong_kind_of_tensors_in_the_advantage_ops():
         fastppo.gae(x, x, torch.ones(2, 3, dtype=torch.complex64))
 
 
-@pytest.mark.parametrize("call", [
-    lambda: fastppo.masked_whiten(torch.randn(4), torch.ones(4, dtype=torch.bool), eps=float("nan")),
-    lambda: fastppo.group_advantages(torch.randn(4), 2, eps=-1.0),
-    lambda: fastppo.group_advantages(torch.randn(4), 2, eps=True),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: fastppo.masked_whiten(torch.randn(4), torch.ones(4, dtype=torch.bool), eps=float("nan")),
+        lambda: fastppo.group_advantages(torch.randn(4), 2, eps=-1.0),
+        lambda: fastppo.group_advantages(torch.randn(4), 2, eps=True),
+    ],
+)
 def test_advantage_epsilons_are_finite_and_not_negative(call):
     with pytest.raises(ValueError, match="eps must be"):
         call()
@@ -124,13 +140,21 @@ def test_numpy_numbers_are_numbers():
 
     torch.manual_seed(0)
     logits, labels = torch.randn(4, 7), torch.randint(0, 7, (4,))
-    assert torch.equal(fastppo.token_logprobs(logits, labels, temperature=numpy.float32(0.5)),
-                       fastppo.token_logprobs(logits, labels, temperature=0.5))
-    drawn = [fastppo.sample_tokens(logits, temperature=t, top_p=p, seed=3)[0]
-             for t, p in ((numpy.float32(0.5), numpy.float64(0.9)), (0.5, 0.9))]
+    assert torch.equal(
+        fastppo.token_logprobs(logits, labels, temperature=numpy.float32(0.5)),
+        fastppo.token_logprobs(logits, labels, temperature=0.5),
+    )
+    drawn = [
+        fastppo.sample_tokens(logits, temperature=t, top_p=p, seed=3)[0]
+        for t, p in ((numpy.float32(0.5), numpy.float64(0.9)), (0.5, 0.9))
+    ]
     assert torch.equal(*drawn)
     logp, old, adv, mask = -torch.rand(2, 3), -torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3)
-    assert torch.equal(fastppo.ppo_policy_loss(logp, old, adv, mask, clip_eps=numpy.float32(0.25))[0],
-                       fastppo.ppo_policy_loss(logp, old, adv, mask, clip_eps=0.25)[0])
-    assert torch.equal(fastppo.gae(adv, old, mask, gamma=numpy.float32(0.5), lam=numpy.int64(1))[0],
-                       fastppo.gae(adv, old, mask, gamma=0.5, lam=1)[0])
+    assert torch.equal(
+        fastppo.ppo_policy_loss(logp, old, adv, mask, clip_eps=numpy.float32(0.25))[0],
+        fastppo.ppo_policy_loss(logp, old, adv, mask, clip_eps=0.25)[0],
+    )
+    assert torch.equal(
+        fastppo.gae(adv, old, mask, gamma=numpy.float32(0.5), lam=numpy.int64(1))[0],
+        fastppo.gae(adv, old, mask, gamma=0.5, lam=1)[0],
+    )

@@ -10,11 +10,13 @@ def loss_fn(logits, labels, hidden, weight):
     hlogp, hentropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, return_entropy=True, chunk_size=4)
     mask = labels != -100
     old = logp.detach() - 0.1
-    ppo, _ = fastppo.ppo_loss_from_logits(logits, labels, old, torch.ones_like(old), mask, kl_coef=0.1,
-                                          ref_logprobs=old, entropy_coef=0.01)
+    ppo, _ = fastppo.ppo_loss_from_logits(
+        logits, labels, old, torch.ones_like(old), mask, kl_coef=0.1, ref_logprobs=old, entropy_coef=0.01
+    )
     vf, _ = fastppo.value_loss(hlogp, old, logp.detach(), mask)
-    hppo, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, torch.ones_like(old), mask, chunk_size=4,
-                                           entropy_coef=0.01)
+    hppo, _ = fastppo.ppo_loss_from_hidden(
+        hidden, weight, labels, old, torch.ones_like(old), mask, chunk_size=4, entropy_coef=0.01
+    )
     return (logp * 0.5 + entropy * 0.1 + hlogp - hentropy * 0.2).sum() + ppo + vf + hppo
 
 

@@ -4,22 +4,8 @@ import pytest
 import torch
 
 import fastppo
+from tests.ops.inputs import OPTIONS, make_inputs
 from tests.oracles import logprobs_oracle, ppo_loss_oracle, relative_error
-
-OPTIONS = dict(clip_eps=0.2, clip_eps_high=0.3, dual_clip=3.0, kl_coef=0.05, kl_estimator="k3",
-               entropy_coef=0.01, agg="seq-mean-token-mean")
-
-
-def make_inputs(B=3, T=7, H=16, V=53, dtype=torch.float32):
-    hidden = torch.randn(B, T, H).to(dtype)
-    weight = (torch.randn(V, H) / H**0.5 * 2).to(dtype)
-    mask = torch.rand(B, T) > 0.3
-    mask[0, 0] = True
-    labels = torch.randint(0, V, (B, T)).masked_fill(~mask, -1)  # padding ids outside [0, V)
-    old = -torch.rand(B, T) * 4
-    adv = torch.randn(B, T)
-    ref = -torch.rand(B, T) * 4
-    return hidden, weight, labels, old, adv, ref, mask
 
 
 def oracle(logits, labels, old, adv, ref, mask, temperature=1.0):
@@ -33,27 +19,50 @@ def test_three_entry_points_agree_with_the_oracle(backend, temperature):
     logits = (hidden @ weight.T).requires_grad_()
 
     safe_labels = torch.where(mask, labels, -100)
-    logp, entropy = fastppo.token_logprobs(logits, safe_labels, temperature=temperature, return_entropy=True,
-                                           backend=backend)
-    loss_a, stats_a = fastppo.ppo_policy_loss(logp, old, adv, mask, ref_logprobs=ref, entropy=entropy,
-                                              backend=backend, **OPTIONS)
-    grad_a, = torch.autograd.grad(loss_a, logits)
+    logp, entropy = fastppo.token_logprobs(
+        logits, safe_labels, temperature=temperature, return_entropy=True, backend=backend
+    )
+    loss_a, stats_a = fastppo.ppo_policy_loss(
+        logp, old, adv, mask, ref_logprobs=ref, entropy=entropy, backend=backend, **OPTIONS
+    )
+    (grad_a,) = torch.autograd.grad(loss_a, logits)
 
-    loss_b, stats_b = fastppo.ppo_loss_from_logits(logits, labels, old, adv, mask, ref_logprobs=ref,
-                                                   temperature=temperature, backend=backend, **OPTIONS)
-    grad_b, = torch.autograd.grad(loss_b, logits)
+    loss_b, stats_b = fastppo.ppo_loss_from_logits(
+        logits, labels, old, adv, mask, ref_logprobs=ref, temperature=temperature, backend=backend, **OPTIONS
+    )
+    (grad_b,) = torch.autograd.grad(loss_b, logits)
 
     overwritten = logits.detach().clone().requires_grad_()
-    loss_d, _ = fastppo.ppo_loss_from_logits(overwritten * 1, labels, old, adv, mask, ref_logprobs=ref,
-                                             temperature=temperature, inplace_backward=True, backend=backend,
-                                             **OPTIONS)
-    grad_d, = torch.autograd.grad(loss_d, overwritten)
+    loss_d, _ = fastppo.ppo_loss_from_logits(
+        overwritten * 1,
+        labels,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        temperature=temperature,
+        inplace_backward=True,
+        backend=backend,
+        **OPTIONS,
+    )
+    (grad_d,) = torch.autograd.grad(loss_d, overwritten)
     torch.testing.assert_close(loss_d, loss_b, rtol=0, atol=0)
     torch.testing.assert_close(grad_d, grad_b, rtol=0, atol=0)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss_c, stats_c = fastppo.ppo_loss_from_hidden(h, w, labels, old, adv, mask, ref_logprobs=ref, chunk_size=4,
-                                                   temperature=temperature, backend=backend, **OPTIONS)
+    loss_c, stats_c = fastppo.ppo_loss_from_hidden(
+        h,
+        w,
+        labels,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        chunk_size=4,
+        temperature=temperature,
+        backend=backend,
+        **OPTIONS,
+    )
     loss_c.backward()
 
     ref_logits = logits.detach().double().requires_grad_()
@@ -78,8 +87,7 @@ def test_three_entry_points_agree_with_the_oracle(backend, temperature):
 def test_bf16_logits(backend):
     hidden, weight, labels, old, adv, ref, mask = make_inputs()
     logits = (hidden @ weight.T).bfloat16().requires_grad_()
-    loss, _ = fastppo.ppo_loss_from_logits(logits, labels, old, adv, mask, ref_logprobs=ref, backend=backend,
-                                           **OPTIONS)
+    loss, _ = fastppo.ppo_loss_from_logits(logits, labels, old, adv, mask, ref_logprobs=ref, backend=backend, **OPTIONS)
     loss.backward()
     assert logits.grad.dtype == torch.bfloat16
     ref_logits = logits.detach().double().requires_grad_()
@@ -106,8 +114,9 @@ def test_entropy_is_computed_not_passed():
 
 
 def hidden_loss(hidden, weight, labels, old, adv, ref, mask, bias=None, **extra):
-    return fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, bias=bias, ref_logprobs=ref,
-                                        **{**OPTIONS, **extra})
+    return fastppo.ppo_loss_from_hidden(
+        hidden, weight, labels, old, adv, mask, bias=bias, ref_logprobs=ref, **{**OPTIONS, **extra}
+    )
 
 
 def test_from_hidden_bf16_bias_and_upstream_scale(backend):
@@ -144,7 +153,16 @@ def test_from_hidden_memory_is_bounded_by_the_chunk(backend, device):
     hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
     labels, old, adv = torch.randint(0, V, (N,)), -torch.rand(N) * 5, torch.randn(N)
     with LiveBytes() as mode:
-        loss, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, torch.ones(N, dtype=torch.bool),
-                                               chunk_size=chunk, entropy_coef=0.01, backend=backend)
+        loss, _ = fastppo.ppo_loss_from_hidden(
+            hidden,
+            weight,
+            labels,
+            old,
+            adv,
+            torch.ones(N, dtype=torch.bool),
+            chunk_size=chunk,
+            entropy_coef=0.01,
+            backend=backend,
+        )
         loss.backward()
     assert mode.largest == chunk * V * 4 and mode.largest * 10 < N * V * 4

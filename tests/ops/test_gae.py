@@ -34,7 +34,7 @@ def random_mask(B, T, *, p_hole=0.2):
     mask = torch.rand(B, T) > p_hole
     if B >= 3:
         mask[0, : T // 3] = False  # a leading masked run (left-padded prompt)
-        mask[1, -(T // 3 + 1):] = False  # a trailing masked run (right padding)
+        mask[1, -(T // 3 + 1) :] = False  # a trailing masked run (right padding)
         mask[2] = False  # an empty row
     return mask
 
@@ -125,15 +125,18 @@ def test_compiles_without_graph_breaks():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(values=torch.randn(3, 5)), ValueError, r"values has shape \(3, 5\) but rewards has \(2, 5\)"),
-    (dict(mask=torch.ones(2, 4)), ValueError, "mask has shape"),
-    (dict(rewards=torch.randn(10)), ValueError, r"rewards must have shape \(B, T\)"),
-    (dict(rewards=torch.ones(2, 5, dtype=torch.long)), TypeError, "rewards must be a floating tensor"),
-    (dict(gamma=1.5), ValueError, r"gamma must be a number in \[0, 1\]"),
-    (dict(lam=-0.1), ValueError, r"lam must be a number in \[0, 1\]"),
-    (dict(mask=torch.ones(2, 5, device="meta")), ValueError, "mask is on meta but rewards is on "),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(values=torch.randn(3, 5)), ValueError, r"values has shape \(3, 5\) but rewards has \(2, 5\)"),
+        (dict(mask=torch.ones(2, 4)), ValueError, "mask has shape"),
+        (dict(rewards=torch.randn(10)), ValueError, r"rewards must have shape \(B, T\)"),
+        (dict(rewards=torch.ones(2, 5, dtype=torch.long)), TypeError, "rewards must be a floating tensor"),
+        (dict(gamma=1.5), ValueError, r"gamma must be a number in \[0, 1\]"),
+        (dict(lam=-0.1), ValueError, r"lam must be a number in \[0, 1\]"),
+        (dict(mask=torch.ones(2, 5, device="meta")), ValueError, "mask is on meta but rewards is on "),
+    ],
+)
 def test_bad_input(kwargs, error, match):
     args = dict(rewards=torch.randn(2, 5), values=torch.randn(2, 5), mask=torch.ones(2, 5))
     args.update(kwargs)

@@ -21,11 +21,22 @@ def batch():
     mask[0, :2] = True
     mask[2] = False  # a fully masked row
     logp = -torch.rand(B, T) * 3
-    return dict(mask=mask, logp=logp, old=logp + torch.randn(B, T) * 0.3, adv=torch.randn(B, T),
-                ref=logp + torch.randn(B, T) * 0.5, entropy=torch.rand(B, T) * 2, values=torch.randn(B, T),
-                returns=torch.randn(B, T), rewards=torch.randn(B, T), labels=torch.randint(0, V, (B, T)),
-                logits=torch.randn(B, T, V), hidden=torch.randn(B, T, H), weight=torch.randn(V, H) / H ** 0.5,
-                scores=torch.randn(B))
+    return dict(
+        mask=mask,
+        logp=logp,
+        old=logp + torch.randn(B, T) * 0.3,
+        adv=torch.randn(B, T),
+        ref=logp + torch.randn(B, T) * 0.5,
+        entropy=torch.rand(B, T) * 2,
+        values=torch.randn(B, T),
+        returns=torch.randn(B, T),
+        rewards=torch.randn(B, T),
+        labels=torch.randint(0, V, (B, T)),
+        logits=torch.randn(B, T, V),
+        hidden=torch.randn(B, T, H),
+        weight=torch.randn(V, H) / H**0.5,
+        scores=torch.randn(B),
+    )
 
 
 def poisoned(t: dict, poison: float) -> dict:
@@ -46,25 +57,77 @@ def with_grads(t: dict, names) -> dict:
 
 # op name -> (call(t, backend) -> tuple of outputs, the inputs that get gradients)
 OPS = {
-    "ppo_policy_loss": (lambda t, b: fastppo.ppo_policy_loss(
-        t["logp"], t["old"], t["adv"], t["mask"], ref_logprobs=t["ref"], entropy=t["entropy"], kl_coef=0.1,
-        entropy_coef=0.01, dual_clip=3.0, backend=b)[:1], ["logp", "entropy"]),
-    "ppo_loss_from_logits": (lambda t, b: fastppo.ppo_loss_from_logits(
-        t["logits"], t["labels"], t["old"], t["adv"], t["mask"], ref_logprobs=t["ref"], kl_coef=0.1,
-        entropy_coef=0.01, backend=b)[:1], ["logits"]),
-    "ppo_loss_from_hidden": (lambda t, b: fastppo.ppo_loss_from_hidden(
-        t["hidden"], t["weight"], t["labels"], t["old"], t["adv"], t["mask"], ref_logprobs=t["ref"], kl_coef=0.1,
-        entropy_coef=0.01, chunk_size=4, backend=b)[:1], ["hidden", "weight"]),
-    "token_logprobs": (lambda t, b: fastppo.token_logprobs(
-        t["logits"], t["labels"].masked_fill(~t["mask"], -100), return_entropy=True, backend=b), ["logits"]),
-    "token_logprobs_from_hidden": (lambda t, b: fastppo.token_logprobs_from_hidden(
-        t["hidden"], t["weight"], t["labels"].masked_fill(~t["mask"], -100), return_entropy=True, chunk_size=4,
-        backend=b), ["hidden", "weight"]),
+    "ppo_policy_loss": (
+        lambda t, b: fastppo.ppo_policy_loss(
+            t["logp"],
+            t["old"],
+            t["adv"],
+            t["mask"],
+            ref_logprobs=t["ref"],
+            entropy=t["entropy"],
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            dual_clip=3.0,
+            backend=b,
+        )[:1],
+        ["logp", "entropy"],
+    ),
+    "ppo_loss_from_logits": (
+        lambda t, b: fastppo.ppo_loss_from_logits(
+            t["logits"],
+            t["labels"],
+            t["old"],
+            t["adv"],
+            t["mask"],
+            ref_logprobs=t["ref"],
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            backend=b,
+        )[:1],
+        ["logits"],
+    ),
+    "ppo_loss_from_hidden": (
+        lambda t, b: fastppo.ppo_loss_from_hidden(
+            t["hidden"],
+            t["weight"],
+            t["labels"],
+            t["old"],
+            t["adv"],
+            t["mask"],
+            ref_logprobs=t["ref"],
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            chunk_size=4,
+            backend=b,
+        )[:1],
+        ["hidden", "weight"],
+    ),
+    "token_logprobs": (
+        lambda t, b: fastppo.token_logprobs(
+            t["logits"], t["labels"].masked_fill(~t["mask"], -100), return_entropy=True, backend=b
+        ),
+        ["logits"],
+    ),
+    "token_logprobs_from_hidden": (
+        lambda t, b: fastppo.token_logprobs_from_hidden(
+            t["hidden"],
+            t["weight"],
+            t["labels"].masked_fill(~t["mask"], -100),
+            return_entropy=True,
+            chunk_size=4,
+            backend=b,
+        ),
+        ["hidden", "weight"],
+    ),
     "value_loss": (lambda t, b: fastppo.value_loss(t["values"], t["old"], t["returns"], t["mask"])[:1], ["values"]),
     "gae": (lambda t, b: fastppo.gae(t["rewards"], t["values"], t["mask"], gamma=0.9, lam=0.8, backend=b), []),
     "masked_whiten": (lambda t, b: (fastppo.masked_whiten(t["adv"], t["mask"]),), []),
-    "token_rewards": (lambda t, b: (fastppo.token_rewards(t["scores"], t["logp"], t["ref"], t["mask"],
-                                                          kl_coef=0.1, kl_estimator="k3"),), ["logp"]),
+    "token_rewards": (
+        lambda t, b: (
+            fastppo.token_rewards(t["scores"], t["logp"], t["ref"], t["mask"], kl_coef=0.1, kl_estimator="k3"),
+        ),
+        ["logp"],
+    ),
 }
 
 
@@ -98,10 +161,21 @@ def test_masked_positions_change_nothing(name, poison, backend):
 VALID_NAN = {
     "ppo_policy_loss": [("logp", float("nan")), ("old", float("nan")), ("adv", float("nan")), ("ref", float("nan"))],
     # -100 is ignore_index only where the mask is off: the mask decides
-    "ppo_loss_from_logits": [("labels", V), ("labels", -1), ("labels", -100), ("old", float("nan")),
-                             ("ref", float("nan")), ("logits", float("nan"))],
-    "ppo_loss_from_hidden": [("labels", V), ("labels", -100), ("old", float("nan")), ("ref", float("nan")),
-                             ("hidden", float("nan"))],
+    "ppo_loss_from_logits": [
+        ("labels", V),
+        ("labels", -1),
+        ("labels", -100),
+        ("old", float("nan")),
+        ("ref", float("nan")),
+        ("logits", float("nan")),
+    ],
+    "ppo_loss_from_hidden": [
+        ("labels", V),
+        ("labels", -100),
+        ("old", float("nan")),
+        ("ref", float("nan")),
+        ("hidden", float("nan")),
+    ],
     "token_logprobs": [("logits", float("nan")), ("labels", V)],
     "token_logprobs_from_hidden": [("hidden", float("nan")), ("labels", V)],
     "value_loss": [("values", float("nan")), ("old", float("nan")), ("returns", float("nan"))],
@@ -131,8 +205,15 @@ def test_ignore_index_at_a_valid_position_is_an_error_under_checks(name, backend
         run(name, t, backend)
 
 
-MASKED_OPS = ["ppo_policy_loss", "ppo_loss_from_logits", "ppo_loss_from_hidden", "value_loss", "gae",
-              "masked_whiten", "token_rewards"]
+MASKED_OPS = [
+    "ppo_policy_loss",
+    "ppo_loss_from_logits",
+    "ppo_loss_from_hidden",
+    "value_loss",
+    "gae",
+    "masked_whiten",
+    "token_rewards",
+]
 
 
 @pytest.mark.parametrize("value", [0.5, float("nan"), -1.0, 2.0])

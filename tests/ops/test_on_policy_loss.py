@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fastppo
+from tests.ops.inputs import OPTIONS, make_inputs
 from tests.oracles import logprobs_oracle, ppo_loss_oracle, relative_error
-from tests.ops.test_fused_ppo_loss import OPTIONS, make_inputs
 
 
 def oracle_weights(old, sampler, mask, cap):
@@ -24,13 +24,26 @@ def test_on_policy_loss_gradient_and_logprobs_match_float64(backend, cap, temper
     old64 = torch.where(mask, logp64.detach(), 0.0)
     sampler = (old64 + 0.3 * torch.randn_like(old64)).float()  # some weights over the cap
     extra = {} if cap is None else dict(sampler_logprobs=sampler, rollout_is_cap=cap)
-    loss, stats, logp = fastppo.ppo_loss_from_hidden(h, w, labels, None, adv, mask, ref_logprobs=ref, chunk_size=5,
-                                                     temperature=temperature, backend=backend, return_logprobs=True,
-                                                     **OPTIONS, **extra)
+    loss, stats, logp = fastppo.ppo_loss_from_hidden(
+        h,
+        w,
+        labels,
+        None,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        chunk_size=5,
+        temperature=temperature,
+        backend=backend,
+        return_logprobs=True,
+        **OPTIONS,
+        **extra,
+    )
     loss.backward()
     weights = None if cap is None else oracle_weights(old64, sampler, mask, cap)
-    expected, expected_stats = ppo_loss_oracle(logp64, old64, adv, mask, ref=ref, entropy=entropy64,
-                                               is_weights=weights, **OPTIONS)
+    expected, expected_stats = ppo_loss_oracle(
+        logp64, old64, adv, mask, ref=ref, entropy=entropy64, is_weights=weights, **OPTIONS
+    )
     expected.backward()
     torch.testing.assert_close(logp.double(), old64, rtol=0, atol=2e-5)
     assert logp.dtype == torch.float32 and not logp.requires_grad and (logp[~mask] == 0).all()
@@ -47,19 +60,38 @@ def test_on_policy_loss_gradient_and_logprobs_match_float64(backend, cap, temper
 def test_off_policy_importance_weights_equal_weighted_advantages(backend):
     hidden, weight, labels, old, adv, ref, mask = make_inputs()
     sampler = old + 0.4 * torch.randn_like(old)
-    weighted, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, ref_logprobs=ref,
-                                               sampler_logprobs=sampler, rollout_is_cap=2.0, backend=backend,
-                                               **OPTIONS)
-    direct, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old,
-                                             adv * fastppo.rollout_is_weights(old, sampler, mask, 2.0), mask,
-                                             ref_logprobs=ref, backend=backend, **OPTIONS)
+    weighted, _ = fastppo.ppo_loss_from_hidden(
+        hidden,
+        weight,
+        labels,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        sampler_logprobs=sampler,
+        rollout_is_cap=2.0,
+        backend=backend,
+        **OPTIONS,
+    )
+    direct, _ = fastppo.ppo_loss_from_hidden(
+        hidden,
+        weight,
+        labels,
+        old,
+        adv * fastppo.rollout_is_weights(old, sampler, mask, 2.0),
+        mask,
+        ref_logprobs=ref,
+        backend=backend,
+        **OPTIONS,
+    )
     torch.testing.assert_close(weighted, direct, rtol=1e-6, atol=1e-7)
 
 
 def test_returned_logprobs_are_token_logprobs_from_hidden():
     hidden, weight, labels, old, adv, _, mask = make_inputs()
-    _, _, logp = fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, return_logprobs=True,
-                                              temperature=0.8)
+    _, _, logp = fastppo.ppo_loss_from_hidden(
+        hidden, weight, labels, old, adv, mask, return_logprobs=True, temperature=0.8
+    )
     expected = fastppo.token_logprobs_from_hidden(hidden, weight, torch.where(mask, labels, -100), temperature=0.8)
     torch.testing.assert_close(logp, expected)
 
@@ -71,7 +103,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="rollout_is_cap must be > 1"):
         fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, sampler_logprobs=old, rollout_is_cap=1)
     with pytest.raises(ValueError, match="sampler_logprobs has shape"):
-        fastppo.ppo_loss_from_hidden(hidden, weight, labels, old, adv, mask, sampler_logprobs=old[:, 1:],
-                                     rollout_is_cap=2.0)
+        fastppo.ppo_loss_from_hidden(
+            hidden, weight, labels, old, adv, mask, sampler_logprobs=old[:, 1:], rollout_is_cap=2.0
+        )
     with pytest.raises(TypeError, match="old_logprobs must be a torch.Tensor"):
         fastppo.ppo_policy_loss(old, None, adv, mask)  # only the fused op computes its own

@@ -29,23 +29,28 @@ def check_loss(batch, backend, **options):
     logp = batch["logp"].clone().requires_grad_()
     entropy = batch["entropy"].clone().requires_grad_() if "entropy" in batch else None
     ref = batch.get("ref")
-    loss, stats = fastppo.ppo_policy_loss(logp, batch["old"], batch["adv"], batch["mask"], ref_logprobs=ref,
-                                          entropy=entropy, backend=backend, **options)
+    loss, stats = fastppo.ppo_policy_loss(
+        logp, batch["old"], batch["adv"], batch["mask"], ref_logprobs=ref, entropy=entropy, backend=backend, **options
+    )
     ref_logp = batch["logp"].double().requires_grad_()
     ref_entropy = batch["entropy"].double().requires_grad_() if entropy is not None else None
-    expected, expected_stats = ppo_loss_oracle(ref_logp, batch["old"], batch["adv"], batch["mask"], ref=ref,
-                                               entropy=ref_entropy, **options)
+    expected, expected_stats = ppo_loss_oracle(
+        ref_logp, batch["old"], batch["adv"], batch["mask"], ref=ref, entropy=ref_entropy, **options
+    )
     assert loss.dtype == torch.float32 and loss.dim() == 0
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
     assert set(stats) == set(expected_stats)
     for name, value in stats.items():
         assert value.dim() == 0 and value.dtype == torch.float32 and not value.requires_grad
-        torch.testing.assert_close(value.double(), expected_stats[name].double(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"stat {name}: {m}")
+        torch.testing.assert_close(
+            value.double(), expected_stats[name].double(), rtol=1e-5, atol=1e-6, msg=lambda m: f"stat {name}: {m}"
+        )
     loss.backward()
     expected.backward()
-    for got, want in ((logp.grad, ref_logp.grad), (None if entropy is None else entropy.grad,
-                                                   None if ref_entropy is None else ref_entropy.grad)):
+    for got, want in (
+        (logp.grad, ref_logp.grad),
+        (None if entropy is None else entropy.grad, None if ref_entropy is None else ref_entropy.grad),
+    ):
         if want is None:
             continue
         if got is None:  # no gradient reached it: the oracle's must be zero
@@ -65,14 +70,18 @@ def test_agg_and_kl_estimators(backend, agg, kl_estimator):
     check_loss(make_batch(), backend, agg=agg, kl_estimator=kl_estimator, kl_coef=0.1)
 
 
-@pytest.mark.parametrize("options", [
-    dict(),  # the plain clipped objective
-    dict(clip_eps=0.2, clip_eps_high=0.28),  # asymmetric ("clip higher")
-    dict(dual_clip=3.0),
-    dict(entropy_coef=0.01, kl_coef=0.05),
-    dict(num_tokens=100),
-    dict(clip_eps=0.0),
-], ids=["plain", "asymmetric", "dual", "entropy+kl", "num_tokens", "clip0"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # the plain clipped objective
+        dict(clip_eps=0.2, clip_eps_high=0.28),  # asymmetric ("clip higher")
+        dict(dual_clip=3.0),
+        dict(entropy_coef=0.01, kl_coef=0.05),
+        dict(num_tokens=100),
+        dict(clip_eps=0.0),
+    ],
+    ids=["plain", "asymmetric", "dual", "entropy+kl", "num_tokens", "clip0"],
+)
 def test_options(backend, options):
     check_loss(make_batch(), backend, **options)
 
@@ -87,10 +96,12 @@ def test_dual_clip_with_negative_advantages(backend):
 
 def test_num_tokens_as_a_tensor(backend):
     batch = make_batch()
-    loss_int, _ = fastppo.ppo_policy_loss(batch["logp"], batch["old"], batch["adv"], batch["mask"],
-                                          num_tokens=77, backend=backend)
-    loss_tensor, _ = fastppo.ppo_policy_loss(batch["logp"], batch["old"], batch["adv"], batch["mask"],
-                                             num_tokens=torch.tensor(77), backend=backend)
+    loss_int, _ = fastppo.ppo_policy_loss(
+        batch["logp"], batch["old"], batch["adv"], batch["mask"], num_tokens=77, backend=backend
+    )
+    loss_tensor, _ = fastppo.ppo_policy_loss(
+        batch["logp"], batch["old"], batch["adv"], batch["mask"], num_tokens=torch.tensor(77), backend=backend
+    )
     torch.testing.assert_close(loss_int, loss_tensor)
 
 
@@ -147,21 +158,24 @@ def test_large_batch_spans_many_kernel_programs(backend):
     check_loss(batch, backend, kl_coef=0.1, entropy_coef=0.01, dual_clip=2.0, agg="seq-mean-token-mean")
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(old=torch.randn(4, 12)), ValueError, r"old_logprobs has shape \(4, 12\) but logprobs has \(4, 13\)"),
-    (dict(adv=torch.ones(4, 13, dtype=torch.long)), TypeError, "advantages must be a floating tensor"),
-    (dict(mask=torch.ones(13, 4)), ValueError, "mask has shape"),
-    (dict(agg="mean"), ValueError, "agg must be one of"),
-    (dict(kl_estimator="k4", ref_logprobs=torch.randn(4, 13)), ValueError, "kl_estimator must be one of"),
-    (dict(clip_eps_high=-0.1), ValueError, "clip_eps_high must be >= 0"),
-    (dict(clip_eps=float("nan")), ValueError, "clip_eps must be a finite number"),
-    (dict(dual_clip=1.0), ValueError, "dual_clip must be > 1"),
-    (dict(kl_coef=0.1), ValueError, "no ref_logprobs"),
-    (dict(entropy_coef=0.1), ValueError, "no entropy"),
-    (dict(num_tokens=0), ValueError, "num_tokens must be a positive int"),
-    (dict(num_tokens=10, agg="seq-mean-token-sum"), ValueError, "num_tokens applies to agg='token-mean' only"),
-    (dict(ref_logprobs=torch.randn(4, 13, device="meta")), ValueError, "ref_logprobs is on meta"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(old=torch.randn(4, 12)), ValueError, r"old_logprobs has shape \(4, 12\) but logprobs has \(4, 13\)"),
+        (dict(adv=torch.ones(4, 13, dtype=torch.long)), TypeError, "advantages must be a floating tensor"),
+        (dict(mask=torch.ones(13, 4)), ValueError, "mask has shape"),
+        (dict(agg="mean"), ValueError, "agg must be one of"),
+        (dict(kl_estimator="k4", ref_logprobs=torch.randn(4, 13)), ValueError, "kl_estimator must be one of"),
+        (dict(clip_eps_high=-0.1), ValueError, "clip_eps_high must be >= 0"),
+        (dict(clip_eps=float("nan")), ValueError, "clip_eps must be a finite number"),
+        (dict(dual_clip=1.0), ValueError, "dual_clip must be > 1"),
+        (dict(kl_coef=0.1), ValueError, "no ref_logprobs"),
+        (dict(entropy_coef=0.1), ValueError, "no entropy"),
+        (dict(num_tokens=0), ValueError, "num_tokens must be a positive int"),
+        (dict(num_tokens=10, agg="seq-mean-token-sum"), ValueError, "num_tokens applies to agg='token-mean' only"),
+        (dict(ref_logprobs=torch.randn(4, 13, device="meta")), ValueError, "ref_logprobs is on meta"),
+    ],
+)
 def test_bad_input(kwargs, error, match):
     args = dict(logp=torch.randn(4, 13), old=torch.randn(4, 13), adv=torch.randn(4, 13), mask=torch.ones(4, 13))
     for key in ("logp", "old", "adv", "mask"):
@@ -191,8 +205,9 @@ def test_value_loss(clip_eps, agg):
     returns = torch.randn(B, T)
     mask = torch.rand(B, T) > 0.3
     mask[2] = False
-    loss, stats = fastppo.value_loss(values, old_values, returns.masked_fill(~mask, float("nan")), mask,
-                                     clip_eps=clip_eps, agg=agg)
+    loss, stats = fastppo.value_loss(
+        values, old_values, returns.masked_fill(~mask, float("nan")), mask, clip_eps=clip_eps, agg=agg
+    )
     ref_values = values.detach().double().requires_grad_()
     expected, clipfrac = value_loss_oracle(ref_values, old_values, returns, mask, clip_eps, agg)
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
@@ -225,7 +240,16 @@ def test_rows_of_unequal_lengths_tell_the_aggregations_apart(backend, agg):
     batch["old"] = torch.where(batch["mask"], batch["old"].nan_to_num(), float("-inf"))
     loss, _ = check_loss(batch, backend, agg=agg, kl_coef=0.1, entropy_coef=0.01)
     other = "token-mean" if agg != "token-mean" else "seq-mean-token-mean"
-    different, _ = fastppo.ppo_policy_loss(batch["logp"], batch["old"], batch["adv"], batch["mask"],
-                                           ref_logprobs=batch["ref"], entropy=batch["entropy"], kl_coef=0.1,
-                                           entropy_coef=0.01, agg=other, backend=backend)
+    different, _ = fastppo.ppo_policy_loss(
+        batch["logp"],
+        batch["old"],
+        batch["adv"],
+        batch["mask"],
+        ref_logprobs=batch["ref"],
+        entropy=batch["entropy"],
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        agg=other,
+        backend=backend,
+    )
     assert abs(float(loss.detach()) - float(different)) > 1e-3

@@ -55,12 +55,12 @@ def test_weighted_advantages_are_the_weighted_ppo_loss(agg, dual_clip, backend):
     adv = torch.randn(shape, generator=g)
     mask = torch.rand(shape, generator=g) > 0.25
     weights = fastppo.rollout_is_weights(old, sampler, mask, 2.0)
-    loss, stats = fastppo.ppo_policy_loss(logp, old, adv * weights, mask, dual_clip=dual_clip, agg=agg,
-                                          backend=backend)
+    loss, stats = fastppo.ppo_policy_loss(logp, old, adv * weights, mask, dual_clip=dual_clip, agg=agg, backend=backend)
     loss.backward()
     logp64 = logp.detach().double().requires_grad_()
-    expected, expected_stats = ppo_loss_oracle(logp64, old, adv, mask, dual_clip=dual_clip, agg=agg,
-                                               is_weights=oracle(old, sampler, mask, 2.0))
+    expected, expected_stats = ppo_loss_oracle(
+        logp64, old, adv, mask, dual_clip=dual_clip, agg=agg, is_weights=oracle(old, sampler, mask, 2.0)
+    )
     expected.backward()
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(logp.grad.double(), logp64.grad, rtol=1e-5, atol=1e-8)

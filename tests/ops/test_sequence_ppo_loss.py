@@ -7,30 +7,7 @@ import pytest
 import torch
 
 import fastppo
-from tests.oracles import assert_grad_close
-
-
-def oracle(logp, old, adv, mask, clip_low, clip_high, ref=None, kl_coef=0.0, entropy=None, entropy_coef=0.0):
-    """float64, a loop over sequences: the definitions of GSPO's paper."""
-    terms, kls, entropies = [], [], []
-    for b in range(logp.shape[0]):
-        valid = mask[b].bool()
-        n = int(valid.sum())
-        if n == 0:
-            continue
-        s = torch.exp((logp[b][valid] - old[b][valid]).sum() / n)
-        terms.append(-torch.minimum(adv[b] * s, adv[b] * s.clamp(1 - clip_low, 1 + clip_high)))
-        if ref is not None:  # k3: exp(ref - logp) - (ref - logp) - 1
-            d = ref[b][valid] - logp[b][valid]
-            kls.append((torch.exp(d) - d - 1).sum() / n)
-        if entropy is not None:
-            entropies.append(entropy[b][valid].sum() / n)
-    loss = torch.stack(terms).sum() / len(terms)
-    if kls:
-        loss = loss + kl_coef * torch.stack(kls).sum() / len(terms)
-    if entropies:
-        loss = loss - entropy_coef * torch.stack(entropies).sum() / len(terms)
-    return loss
+from tests.oracles import assert_grad_close, sequence_ppo_loss_oracle
 
 
 def inputs(B=6, T=9, seed=0, spread=0.05):
@@ -51,10 +28,22 @@ def test_loss_and_gradient_equal_the_float64_oracle(clip, spread):
     logp, old, adv, mask, ref, entropy = inputs(spread=spread)
     x = logp.float().requires_grad_()
     ent = entropy.float().requires_grad_()
-    loss, stats = fastppo.sequence_ppo_loss(x, old.float(), adv.float(), mask, clip_eps=clip[0], clip_eps_high=clip[1],
-                                            ref_logprobs=ref.float(), kl_coef=0.1, entropy=ent, entropy_coef=0.01)
+    loss, stats = fastppo.sequence_ppo_loss(
+        x,
+        old.float(),
+        adv.float(),
+        mask,
+        clip_eps=clip[0],
+        clip_eps_high=clip[1],
+        ref_logprobs=ref.float(),
+        kl_coef=0.1,
+        entropy=ent,
+        entropy_coef=0.01,
+    )
     x64, e64 = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
-    expected = oracle(x64, old, adv, mask, clip[0], clip[1], ref=ref, kl_coef=0.1, entropy=e64, entropy_coef=0.01)
+    expected = sequence_ppo_loss_oracle(
+        x64, old, adv, mask, clip[0], clip[1], ref=ref, kl_coef=0.1, entropy=e64, entropy_coef=0.01
+    )
     assert loss.dtype == torch.float32
     assert float(loss) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
     loss.backward()
@@ -81,8 +70,14 @@ def test_the_gradient_is_the_sequence_ratio_over_the_length_and_zero_when_clippe
 def test_masked_positions_may_hold_nan_and_a_valid_nan_poisons_the_loss():
     logp, old, adv, mask, ref, _ = inputs()
     x = logp.float().masked_fill(~mask, float("nan")).requires_grad_()
-    loss, _ = fastppo.sequence_ppo_loss(x, old.float().masked_fill(~mask, float("inf")), adv.float(), mask,
-                                        ref_logprobs=ref.float().masked_fill(~mask, float("nan")), kl_coef=0.1)
+    loss, _ = fastppo.sequence_ppo_loss(
+        x,
+        old.float().masked_fill(~mask, float("inf")),
+        adv.float(),
+        mask,
+        ref_logprobs=ref.float().masked_fill(~mask, float("nan")),
+        kl_coef=0.1,
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
     poisoned = logp.float().clone()
@@ -99,8 +94,9 @@ def test_on_policy_it_is_the_fused_token_loss_with_seq_mean_token_mean():
     labels = torch.randint(V, (B, T), generator=g)
     mask = torch.arange(T)[None] < torch.tensor([6, 2, 0, 4, 1])[:, None]
     adv = torch.randn(B, generator=g)
-    fused, _ = fastppo.ppo_loss_from_hidden(hidden, weight, labels, None, adv[:, None].expand(B, T) * mask, mask,
-                                            agg="seq-mean-token-mean")
+    fused, _ = fastppo.ppo_loss_from_hidden(
+        hidden, weight, labels, None, adv[:, None].expand(B, T) * mask, mask, agg="seq-mean-token-mean"
+    )
     fused.backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -112,17 +108,24 @@ def test_on_policy_it_is_the_fused_token_loss_with_seq_mean_token_mean():
     torch.testing.assert_close(weight.grad, grads[1], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(advantages=torch.zeros(3, 4)), r"advantages must be a floating \(B,\) = \(3,\) tensor"),
-    (dict(clip_eps=0.0), "clip_eps"),
-    (dict(kl_coef=0.1), "kl_coef > 0 needs ref_logprobs"),
-    (dict(entropy_coef=0.1), "entropy_coef > 0 needs entropy"),
-    (dict(old_logprobs=torch.zeros(3, 5)), "old_logprobs"),
-    (dict(logprobs=torch.zeros(12)), r"logprobs must be \(B, T\)"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(advantages=torch.zeros(3, 4)), r"advantages must be a floating \(B,\) = \(3,\) tensor"),
+        (dict(clip_eps=0.0), "clip_eps"),
+        (dict(kl_coef=0.1), "kl_coef > 0 needs ref_logprobs"),
+        (dict(entropy_coef=0.1), "entropy_coef > 0 needs entropy"),
+        (dict(old_logprobs=torch.zeros(3, 5)), "old_logprobs"),
+        (dict(logprobs=torch.zeros(12)), r"logprobs must be \(B, T\)"),
+    ],
+)
 def test_bad_input_names_the_argument(change, match):
-    args = dict(logprobs=torch.zeros(3, 4), old_logprobs=torch.zeros(3, 4), advantages=torch.zeros(3),
-                mask=torch.ones(3, 4, dtype=torch.bool))
+    args = dict(
+        logprobs=torch.zeros(3, 4),
+        old_logprobs=torch.zeros(3, 4),
+        advantages=torch.zeros(3),
+        mask=torch.ones(3, 4, dtype=torch.bool),
+    )
     args.update(change)
     options = {k: args.pop(k) for k in ("clip_eps", "kl_coef", "entropy_coef") if k in args}
     with pytest.raises(ValueError, match=match):

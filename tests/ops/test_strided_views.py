@@ -28,36 +28,78 @@ def token_inputs(shape):
     mask = torch.rand(shape) > 0.3
     mask.view(-1)[0] = True
     logp = -torch.rand(shape) * 3
-    return dict(logp=logp, old=logp + torch.randn(shape) * 0.3, adv=torch.randn(shape),
-                ref=logp + torch.randn(shape) * 0.5, entropy=torch.rand(shape) * 2, mask=mask,
-                labels=torch.randint(0, V, shape))
+    return dict(
+        logp=logp,
+        old=logp + torch.randn(shape) * 0.3,
+        adv=torch.randn(shape),
+        ref=logp + torch.randn(shape) * 0.5,
+        entropy=torch.rand(shape) * 2,
+        mask=mask,
+        labels=torch.randint(0, V, shape),
+    )
 
 
 def ppo_policy_loss(t, backend):
-    return fastppo.ppo_policy_loss(t["logp"], t["old"], t["adv"], t["mask"], ref_logprobs=t["ref"],
-                                   entropy=t["entropy"], kl_coef=0.1, entropy_coef=0.01, backend=backend)[0]
+    return fastppo.ppo_policy_loss(
+        t["logp"],
+        t["old"],
+        t["adv"],
+        t["mask"],
+        ref_logprobs=t["ref"],
+        entropy=t["entropy"],
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        backend=backend,
+    )[0]
 
 
 def ppo_loss_from_logits(t, backend):
-    return fastppo.ppo_loss_from_logits(t["logits"], t["labels"], t["old"], t["adv"], t["mask"],
-                                        ref_logprobs=t["ref"], kl_coef=0.1, entropy_coef=0.01, backend=backend)[0]
+    return fastppo.ppo_loss_from_logits(
+        t["logits"],
+        t["labels"],
+        t["old"],
+        t["adv"],
+        t["mask"],
+        ref_logprobs=t["ref"],
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        backend=backend,
+    )[0]
 
 
 def ppo_loss_from_hidden(t, backend):
-    return fastppo.ppo_loss_from_hidden(t["hidden"], t["weight"], t["labels"], t["old"], t["adv"], t["mask"],
-                                        ref_logprobs=t["ref"], kl_coef=0.1, entropy_coef=0.01, chunk_size=3,
-                                        backend=backend)[0]
+    return fastppo.ppo_loss_from_hidden(
+        t["hidden"],
+        t["weight"],
+        t["labels"],
+        t["old"],
+        t["adv"],
+        t["mask"],
+        ref_logprobs=t["ref"],
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        chunk_size=3,
+        backend=backend,
+    )[0]
 
 
 def token_logprobs(t, backend):
-    logp, entropy = fastppo.token_logprobs(t["logits"], t["labels"], temperature=t["temperature"],
-                                           return_entropy=True, backend=backend)
+    logp, entropy = fastppo.token_logprobs(
+        t["logits"], t["labels"], temperature=t["temperature"], return_entropy=True, backend=backend
+    )
     return logp, entropy
 
 
 def token_logprobs_from_hidden(t, backend):
-    return fastppo.token_logprobs_from_hidden(t["hidden"], t["weight"], t["labels"], temperature=t["temperature"],
-                                         return_entropy=True, chunk_size=3, backend=backend)
+    return fastppo.token_logprobs_from_hidden(
+        t["hidden"],
+        t["weight"],
+        t["labels"],
+        temperature=t["temperature"],
+        return_entropy=True,
+        chunk_size=3,
+        backend=backend,
+    )
 
 
 def value_loss(t, backend):
@@ -99,7 +141,7 @@ def inputs(shape):
     t = token_inputs(shape)
     t["logits"] = torch.randn(*shape, V) * 2
     t["hidden"] = torch.randn(*shape, H)
-    t["weight"] = torch.randn(V, H) / H ** 0.5
+    t["weight"] = torch.randn(V, H) / H**0.5
     t["temperature"] = torch.rand(shape) + 0.5
     t["scores"] = torch.randn(shape[0])
     return t
@@ -110,8 +152,9 @@ def run(op, t, backend, grad_names):
     out = op(t, backend)
     outs = out if isinstance(out, tuple) else (out,)
     if grad_names:
-        torch.autograd.backward([o for o in outs if o.requires_grad],
-                                [torch.randn_like(o) * 0 + 1 for o in outs if o.requires_grad])
+        torch.autograd.backward(
+            [o for o in outs if o.requires_grad], [torch.randn_like(o) * 0 + 1 for o in outs if o.requires_grad]
+        )
     return [o.detach() for o in outs], [t[k].grad for k in grad_names]
 
 

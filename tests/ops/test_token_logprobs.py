@@ -5,9 +5,8 @@ import torch
 
 import fastppo
 from fastppo.ops import logprobs_torch
+from tests.ops.inputs import DTYPES, make_labels
 from tests.oracles import assert_grad_close, assert_values_close, logprobs_grad_oracle, logprobs_oracle
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 CASES = [  # (leading shape, V, temperature)
     ((3,), 1, 1.0),  # V = 1: the label is certain
@@ -18,31 +17,23 @@ CASES = [  # (leading shape, V, temperature)
 ]
 
 
-def make_labels(lead, V, *, ignore_index=-100, device=None):
-    """Random labels with 0 and V - 1 present and one ignored position when there are >= 3."""
-    labels = torch.randint(0, V, lead, device=device)
-    flat = labels.view(-1)
-    flat[0] = 0
-    flat[-1] = V - 1
-    if flat.numel() >= 3:
-        flat[1] = ignore_index
-    return labels
-
-
 def check_op(logits, labels, backend, *, temperature=1.0, ignore_index=-100, logit_scale=None):
     """Values, entropy and the gradient of ``sum(a * logp + b * entropy)`` match the oracle."""
     dtype = logits.dtype
     logits = logits.detach().requires_grad_()
-    logp, entropy = fastppo.token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
-                                           return_entropy=True, backend=backend)
+    logp, entropy = fastppo.token_logprobs(
+        logits, labels, temperature=temperature, ignore_index=ignore_index, return_entropy=True, backend=backend
+    )
     assert logp.shape == labels.shape and entropy.shape == labels.shape
 
     ref_logits = logits.detach().double().requires_grad_()
     ref_temperature = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
     ref_logp, ref_entropy = logprobs_oracle(ref_logits, labels, ref_temperature, ignore_index)
     if logit_scale is None:
-        logit_scale = (ref_logits.detach().abs().amax() / (ref_temperature if isinstance(ref_temperature, float)
-                                                           else ref_temperature.min())).item()
+        logit_scale = (
+            ref_logits.detach().abs().amax()
+            / (ref_temperature if isinstance(ref_temperature, float) else ref_temperature.min())
+        ).item()
     assert_values_close(logp, ref_logp, dtype, logit_scale)
     assert_values_close(entropy, ref_entropy, dtype, logit_scale)
 
@@ -148,6 +139,7 @@ def test_non_contiguous_inputs(backend, device):
     check_op(torch.randn(3, 45, 4, device=device).transpose(1, 2), torch.randint(0, 45, (3, 4), device=device), backend)
 
 
+@pytest.mark.slow  # 70,000 rows through the Triton interpreter: about 20 s on 2 cores
 def test_more_rows_than_a_grid_dimension(backend, device):
     N = 65_537 + 100
     logits = torch.randn(N, 3, device=device)
@@ -198,8 +190,9 @@ def test_inplace_backward_writes_the_gradient_over_the_logits(backend, device, d
         logits = leaf * 1  # an intermediate with its own storage, as an LM head's output
         seen = []
         logits.register_hook(seen.append)
-        logp, entropy = fastppo.token_logprobs(logits, labels, temperature=0.7, return_entropy=True,
-                                               inplace_backward=inplace, backend=backend)
+        logp, entropy = fastppo.token_logprobs(
+            logits, labels, temperature=0.7, return_entropy=True, inplace_backward=inplace, backend=backend
+        )
         (logp * g_logp + entropy * g_entropy).sum().backward()
         return logp, entropy, leaf.grad, seen[0].data_ptr() == logits.data_ptr()
 

@@ -6,8 +6,8 @@ import torch
 import fastppo
 from fastppo.bench.measure import LiveBytes
 from fastppo.ops.token_logprobs_from_hidden import InputGrads, add_matmul_fp32, default_chunk_size
+from tests.ops.inputs import DTYPES, make_labels
 from tests.oracles import assert_grad_close, assert_values_close, logprobs_from_hidden_oracle
-from tests.ops.test_token_logprobs import DTYPES, make_labels
 
 CASES = [  # (leading shape, H, V, chunk_size, bias)
     ((2, 5), 16, 37, 3, True),  # chunks that do not divide N; odd V
@@ -21,8 +21,16 @@ def check_from_hidden(hidden, weight, bias, labels, backend, *, chunk_size=None,
     dtype = hidden.dtype
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
     hidden, weight, bias = leaves
-    logp, entropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
-                                                  return_entropy=True, chunk_size=chunk_size, backend=backend)
+    logp, entropy = fastppo.token_logprobs_from_hidden(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=temperature,
+        return_entropy=True,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
     refs = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
     ref_logp, ref_entropy = logprobs_from_hidden_oracle(refs[0], refs[1], labels, refs[2], temperature)
     scale = (refs[0].detach() @ refs[1].detach().T).abs().max().item() / temperature if labels.numel() else 0.0
@@ -43,8 +51,9 @@ def test_matches_oracle(backend, device, dtype, lead, H, V, chunk_size, with_bia
     hidden = torch.randn(*lead, H, device=device).to(dtype)
     weight = (torch.randn(V, H, device=device) / H**0.5 * 3).to(dtype)
     bias = torch.randn(V, device=device).to(dtype) if with_bias else None
-    check_from_hidden(hidden, weight, bias, make_labels(lead, V, device=device), backend,
-                 chunk_size=chunk_size, temperature=0.8)
+    check_from_hidden(
+        hidden, weight, bias, make_labels(lead, V, device=device), backend, chunk_size=chunk_size, temperature=0.8
+    )
 
 
 def test_only_weight_needs_grad(backend, device):
@@ -73,8 +82,9 @@ def test_per_sequence_temperature(backend, device):
     weight = torch.randn(29, 8, device=device)
     labels = make_labels((3, 4), 29, device=device)
     temperature = torch.tensor([[0.5], [1.0], [2.0]], device=device)
-    logp = fastppo.token_logprobs_from_hidden(hidden, weight, labels, temperature=temperature, chunk_size=5,
-                                         backend=backend)
+    logp = fastppo.token_logprobs_from_hidden(
+        hidden, weight, labels, temperature=temperature, chunk_size=5, backend=backend
+    )
     ref_logp, _ = logprobs_from_hidden_oracle(hidden, weight, labels, temperature=temperature.double())
     assert_values_close(logp, ref_logp, torch.float32, logit_scale=50)
 
@@ -88,8 +98,9 @@ def test_memory_is_bounded_by_the_chunk(backend, device):
     bias = torch.randn(V, requires_grad=True)
     labels = torch.randint(0, V, (N,))
     with LiveBytes() as mode:
-        logp, entropy = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, return_entropy=True,
-                                                      chunk_size=chunk, backend=backend)
+        logp, entropy = fastppo.token_logprobs_from_hidden(
+            hidden, weight, labels, bias=bias, return_entropy=True, chunk_size=chunk, backend=backend
+        )
         (logp.sum() + entropy.sum()).backward()
     assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
     assert mode.largest == chunk * V * 4  # the fp32 chunk buffer is the largest tensor ...
@@ -133,7 +144,9 @@ def test_only_hidden_needs_grad(backend, device):
     hidden = torch.randn(6, 8, device=device, requires_grad=True)
     weight, bias = torch.randn(21, 8, device=device), torch.randn(21, device=device)
     labels = make_labels((6,), 21, device=device)
-    fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, chunk_size=4, backend=backend).sum().backward()
+    fastppo.token_logprobs_from_hidden(
+        hidden, weight, labels, bias=bias, chunk_size=4, backend=backend
+    ).sum().backward()
     ref_hidden = hidden.detach().double().requires_grad_()
     logprobs_from_hidden_oracle(ref_hidden, weight.double(), labels, bias.double())[0].sum().backward()
     assert_grad_close(hidden.grad, ref_hidden.grad, torch.float32)
@@ -146,14 +159,18 @@ def stats_oracle(hidden, weight, bias, labels, temperature, ignore_index=-100):
     log_p = torch.log_softmax(z, dim=-1)
     ignored = labels == ignore_index
     top1 = (z.argmax(dim=-1) == labels) & ~ignored
-    return {"log_sum_sq_probs": torch.logsumexp(2 * log_p, dim=-1).masked_fill(ignored, 0.0),
-            "mean_logits": z.mean(dim=-1).masked_fill(ignored, 0.0), "is_top1": top1}
+    return {
+        "log_sum_sq_probs": torch.logsumexp(2 * log_p, dim=-1).masked_fill(ignored, 0.0),
+        "mean_logits": z.mean(dim=-1).masked_fill(ignored, 0.0),
+        "is_top1": top1,
+    }
 
 
 @pytest.mark.parametrize("V,block_v", [(37, None), (1, None), (300, 64)], ids=["odd", "V=1", "several-blocks"])
 def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v):
     if block_v is not None and backend == "triton":  # blocks narrower than V, so the statistics cross blocks
         from fastppo.kernels import logprobs as kernels
+
         monkeypatch.setattr(kernels, "_TILE", block_v)
     N, H = 11, 1
     hidden = torch.rand(N, H, device=device) + 0.5  # positive: the two largest weights tie for the argmax
@@ -168,9 +185,17 @@ def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v)
     if V > 5:
         labels[:4] = torch.tensor([first, second, first, second])
     labels[-1] = -100
-    logp, entropy, stats = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=0.7,
-                                                         return_entropy=True, return_stats=True, chunk_size=4,
-                                                         backend=backend)
+    logp, entropy, stats = fastppo.token_logprobs_from_hidden(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=0.7,
+        return_entropy=True,
+        return_stats=True,
+        chunk_size=4,
+        backend=backend,
+    )
     expected = stats_oracle(hidden, weight, bias, labels, 0.7)
     assert set(stats) == set(expected) and stats["is_top1"].dtype == torch.bool
     assert torch.equal(stats["is_top1"].cpu(), expected["is_top1"].cpu())
@@ -181,13 +206,3 @@ def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v)
         torch.testing.assert_close(stats[name].double(), expected[name], rtol=1e-5, atol=2e-6)
     only = fastppo.token_logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=0.7, backend=backend)
     torch.testing.assert_close(only, logp)  # asking for the statistics changes nothing else
-
-
-def test_the_former_name_warns_and_gives_the_same_result():
-    hidden, weight = torch.randn(2, 3, 8), torch.randn(11, 8)
-    labels = torch.randint(0, 11, (2, 3))
-    with pytest.warns(DeprecationWarning, match="token_logprobs_from_hidden"):
-        old = fastppo.linear_token_logprobs(hidden, weight, labels, return_entropy=True)
-    new = fastppo.token_logprobs_from_hidden(hidden, weight, labels, return_entropy=True)
-    for a, b in zip(old, new):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -24,21 +24,51 @@ from pathlib import Path
 CACHE = Path(os.environ.get("FASTPPO_PEER_CACHE", Path.home() / ".cache" / "fastppo" / "peers"))
 INSIDE = Path(__file__).resolve().parent / "inside"
 
-_AIOHTTP = ["aiohttp==3.14.5", "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "attrs==26.1.0", "frozenlist==1.8.0",
-            "multidict==7.2.1", "propcache==0.5.4", "yarl==1.25.1"]
-_REQUESTS = ["requests==2.34.2", "urllib3==2.8.0", "charset-normalizer==3.5.3", "certifi==2026.10.19.post1",
-             "idna==3.20"]
+_AIOHTTP = [
+    "aiohttp==3.14.5",
+    "aiohappyeyeballs==2.7.1",
+    "aiosignal==1.4.0",
+    "attrs==26.1.0",
+    "frozenlist==1.8.0",
+    "multidict==7.2.1",
+    "propcache==0.5.4",
+    "yarl==1.25.1",
+]
+_REQUESTS = [
+    "requests==2.34.2",
+    "urllib3==2.8.0",
+    "charset-normalizer==3.5.3",
+    "certifi==2026.10.19.post1",
+    "idna==3.20",
+]
 # What each peer's compared modules and own CPU tests import, beyond this project's own dependencies.
 DEPENDENCIES = {
-    "verl": ["omegaconf==2.3.1", "antlr4-python3-runtime==4.9.3", "hydra-core==1.3.8", "tensordict==0.10.0",
-             "cloudpickle==3.1.3", "orjson==3.13.0", "pyvers==0.2.3", "codetiming==1.4.0", "cachetools==8.0.2",
-             "uvicorn==0.54.0", "fastapi==0.165.0", "starlette==1.10.0", "torchdata==0.11.0",
-             "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
-             "importlib-metadata==10.2.0", "zipp==4.1.2", "tyro==1.0.17", "docstring-parser==0.18.0", *_AIOHTTP],
+    "verl": [
+        "omegaconf==2.3.1",
+        "antlr4-python3-runtime==4.9.3",
+        "hydra-core==1.3.8",
+        "tensordict==0.10.0",
+        "cloudpickle==3.1.3",
+        "orjson==3.13.0",
+        "pyvers==0.2.3",
+        "codetiming==1.4.0",
+        "cachetools==8.0.2",
+        "uvicorn==0.54.0",
+        "fastapi==0.165.0",
+        "starlette==1.10.0",
+        "torchdata==0.11.0",
+        "opentelemetry-api==1.45.2",
+        "opentelemetry-sdk==1.45.2",
+        "opentelemetry-semantic-conventions==0.66b2",
+        "importlib-metadata==10.2.0",
+        "zipp==4.1.2",
+        "tyro==1.0.17",
+        "docstring-parser==0.18.0",
+        *_AIOHTTP,
+    ],
     # verl before 0.7.1 imports names transformers 5 removed (AutoModelForVision2Seq)
     "verl-transformers-4": ["transformers==4.57.6", "tokenizers==0.22.1", "huggingface-hub==0.36.2", *_REQUESTS],
-    "openrlhf": ["hjson==3.1.0", "einops==0.8.2", "msgpack==1.2.4", "pylatexenc==2.11", "torchdata==0.11.0",
-                 *_AIOHTTP],
+    "openrlhf": ["hjson==3.1.0", "einops==0.8.2", "msgpack==1.2.4", "pylatexenc==2.11", "torchdata==0.11.0", *_AIOHTTP],
     "trl": _REQUESTS,  # TRL before 1.15 imports requests for its vLLM client
 }
 # Built from its source distribution against the installed torch (DS_BUILD_OPS=0: no compiled ops).
@@ -54,8 +84,10 @@ def _pip(*args, env=None) -> None:
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         lines = (result.stderr or result.stdout).strip().splitlines()
-        raise Unreachable(f"pip {' '.join(args[:1])} {' '.join(a for a in args if '==' in a)} failed: "
-                          f"{lines[-1] if lines else 'no output'}")
+        raise Unreachable(
+            f"pip {' '.join(args[:1])} {' '.join(a for a in args if '==' in a)} failed: "
+            f"{lines[-1] if lines else 'no output'}"
+        )
 
 
 @contextmanager
@@ -121,8 +153,14 @@ def dependencies(name: str) -> Path:
 def environment(paths: list, **extra) -> dict:
     """The child interpreter's environment: ``paths`` first on its path, then the stand-ins."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    env.update(PYTHONPATH=os.pathsep.join(str(p) for p in [INSIDE, *paths]), PYTHONNOUSERSITE="1",
-               TORCHDYNAMO_DISABLE="1",  # OpenRLHF compiles a helper; the compared values are the same eager
-               HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu",
-               **extra)
+    env.update(
+        PYTHONPATH=os.pathsep.join(str(p) for p in [INSIDE, *paths]),
+        PYTHONNOUSERSITE="1",
+        TORCHDYNAMO_DISABLE="1",  # OpenRLHF compiles a helper; the compared values are the same eager
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        DS_ACCELERATOR="cpu",
+        **extra,
+    )
     return env

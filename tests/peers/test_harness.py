@@ -33,6 +33,7 @@ def case(**options):
     def build(g):
         x = torch.randn(3, 4, generator=g).requires_grad_()
         return (x,), {}, [x]
+
     return Case("x", build, seed=1, **options)
 
 
@@ -56,6 +57,7 @@ def test_a_deviation_is_its_transform_and_nothing_else():
 
     def shifted(args, kwargs):
         return (args[0] - 10.0,), kwargs  # below the clamp, where it is the identity
+
     explained = case(deviation="uncapped", peer_inputs=shifted, peer_result=lambda result: result + 120.0)
     assert compare(peer, ours, explained) is None
     unexplained = case(deviation="uncapped", peer_inputs=shifted, peer_result=lambda result: result + 119.0)
@@ -76,21 +78,29 @@ def test_the_call_site_scan_binds_calls_and_unpackings(tmp_path):
         "    first, second = loss(1, b=2, **config.batch_info)\n"
         "    not_the_one(1, 2, 3, 4)\n"
         "def configure(config):\n"
-        "    config.batch_info['mode'] = 'z'\n")
+        "    config.batch_info['mode'] = 'z'\n"
+    )
 
     def ours(a, b, mode="x"):
         return a, b, mode
 
     def target(returns):
-        return call_sites.Target("peerpkg.core", "loss", inspect.signature(lambda a, b, mode="x": None),
-                                 inspect.signature(ours), 2, returns)
+        return call_sites.Target(
+            "peerpkg.core", "loss", inspect.signature(lambda a, b, mode="x": None), inspect.signature(ours), 2, returns
+        )
 
     fine = call_sites.scan(tmp_path, "peerpkg", [target(2)])
     assert fine["bound"] == 2 and fine["partial"] == 0 and not fine["failures"]
     wrong = call_sites.scan(tmp_path, "peerpkg", [target(3)])
     assert len(wrong["failures"]) == 2 and "unpacks 2 values, gets 3" in wrong["failures"][0]
-    narrower = call_sites.Target("peerpkg.core", "loss", inspect.signature(lambda a, b, mode="x": None),
-                                 inspect.signature(lambda a, b: None), 2, 2)
+    narrower = call_sites.Target(
+        "peerpkg.core",
+        "loss",
+        inspect.signature(lambda a, b, mode="x": None),
+        inspect.signature(lambda a, b: None),
+        2,
+        2,
+    )
     assert all("mode" in f for f in call_sites.scan(tmp_path, "peerpkg", [narrower])["failures"])
 
 

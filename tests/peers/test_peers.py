@@ -85,8 +85,10 @@ def _report(peer: str, release: str, tmp_path_factory) -> dict:
         reports = _run_check(peer, list(items.values()), paths[release][1:], folder / "all.json")
         _REPORTS.update({(peer, r): reports[r] for r in releases})
     else:
+
         def one(r):
             return r, _run_check(peer, [items[r]], paths[r], folder / f"{r}.json")[r]
+
         with ThreadPoolExecutor(max_workers=2) as pool:
             _REPORTS.update({(peer, r): report for r, report in pool.map(one, releases)})
     return _REPORTS[(peer, release)]
@@ -105,8 +107,9 @@ def test_drop_ins_equal_the_peers_own_functions(peer, release, tmp_path_factory)
     functions = report["functions"]
     expected = {name for (_, name) in MODULES[peer]._PATCH.replacements}
     compared = {name.split(".")[-1] for name in functions}
-    assert {name.split(".")[-1].lstrip("_") for name in expected} - {n.lstrip("_") for n in compared} <= \
-        _not_in_release(peer, release), f"not compared: {sorted(expected)} vs {sorted(compared)}"
+    assert {name.split(".")[-1].lstrip("_") for name in expected} - {
+        n.lstrip("_") for n in compared
+    } <= _not_in_release(peer, release), f"not compared: {sorted(expected)} vs {sorted(compared)}"
     mismatches = [f"{name}: {m}" for name, entry in functions.items() for m in entry["mismatches"]]
     assert not mismatches, f"{len(mismatches)} mismatches, e.g.\n" + "\n".join(mismatches[:20])
     for name, entry in functions.items():
@@ -160,18 +163,35 @@ def _own_tests(source, peer: str) -> list:
 
 def _run_own_tests(peer, release, root, source, files, patched: bool, junit) -> dict:
     plugins = ["-p", "peer_stubs"] + (["-p", "peer_patch"] if patched else [])
-    env = environment.environment([root, source, *_dependency_paths(peer, release)], FASTPPO_PEER=peer,
-                                  FASTPPO_PEER_SOURCE=str(source))
-    command = [sys.executable, "-m", "pytest", "-q", *plugins, "-p", "no:cacheprovider", "-o", "addopts=",
-               f"--junitxml={junit}", *files]
+    env = environment.environment(
+        [root, source, *_dependency_paths(peer, release)], FASTPPO_PEER=peer, FASTPPO_PEER_SOURCE=str(source)
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        *plugins,
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        f"--junitxml={junit}",
+        *files,
+    ]
     result = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     if not junit.exists():
-        raise AssertionError(f"{peer} {release}'s own tests did not run:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{peer} {release}'s own tests did not run:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
     return _outcomes(junit)
 
 
-@pytest.mark.parametrize("peer, release", [(p, r) for p, r in RELEASES if p in OWN_TEST_MARKERS],
-                         ids=[f"{p}-{r}" for p, r in RELEASES if p in OWN_TEST_MARKERS])
+@pytest.mark.parametrize(
+    "peer, release",
+    [(p, r) for p, r in RELEASES if p in OWN_TEST_MARKERS],
+    ids=[f"{p}-{r}" for p, r in RELEASES if p in OWN_TEST_MARKERS],
+)
 def test_the_peers_own_tests_pass_as_well_patched(peer, release, tmp_path):
     root, source = _fetch(peer, release)
     files = _own_tests(source, peer)
@@ -186,5 +206,7 @@ def test_the_peers_own_tests_pass_as_well_patched(peer, release, tmp_path):
     assert passed, f"none of {peer} {release}'s own tests passed unpatched: {plain}"
     lost = sorted(test for test in passed if patched.get(test) != "passed")
     assert not lost, f"{len(lost)} of {len(passed)} pass only unpatched: {lost[:10]}"
-    print(f"{peer} {release}: {len(passed)} of {len(plain)} own tests pass unpatched, "
-          f"{sum(o == 'passed' for o in patched.values())} patched ({', '.join(files)})")
+    print(
+        f"{peer} {release}: {len(passed)} of {len(plain)} own tests pass unpatched, "
+        f"{sum(o == 'passed' for o in patched.values())} patched ({', '.join(files)})"
+    )

@@ -18,8 +18,9 @@ for the arguments the sampler passes:
 import torch
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, softmax_scale, causal,
-                            window_size=(-1, -1)):
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, softmax_scale, causal, window_size=(-1, -1)
+):
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches need a unit last stride"
     assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
     B, Lq, H, D = q.shape
@@ -31,8 +32,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         assert bool((seqlen_k + Lnew <= S).all()), "the new keys must fit in the cache"
         for b in range(B):
             start = int(seqlen_k[b])
-            k_cache[b, start:start + Lnew] = k[b]
-            v_cache[b, start:start + Lnew] = v[b]
+            k_cache[b, start : start + Lnew] = k[b]
+            v_cache[b, start : start + Lnew] = v[b]
         seqlen_k = seqlen_k + Lnew
 
     keys = torch.arange(S, device=q.device)

@@ -11,11 +11,7 @@ import torch
 
 import fastppo
 from fastppo.rollout import batching, lean
-from tests.rollout.test_sampler import FAMILIES, hf_greedy, recomputed_logprobs, tiny
-
-# Ragged prompts (length 1 included) with ragged budgets, so rows end at different steps.
-PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42], [7, 7], [3, 1, 4, 1, 5], [60]]
-BUDGETS = [9, 3, 12, 5, 2, 7]
+from tests.rollout.models import BUDGETS, FAMILIES, RAGGED_PROMPTS, hf_greedy, recomputed_logprobs, tiny
 
 
 @pytest.fixture
@@ -43,7 +39,7 @@ class Spy:
 
             def counted_prefill(slots, prompts):
                 spy.late_prefills += loop.steps_run > 0
-                spy.refills += loop.steps_run > 0 and bool(loop.active[:loop.b].any())
+                spy.refills += loop.steps_run > 0 and bool(loop.active[: loop.b].any())
                 return prefill(slots, prompts)
 
             def counted_pack(order, length):
@@ -61,10 +57,10 @@ def test_greedy_with_packing_and_refilling_equals_generate(family, often, monkey
     model = tiny(family)
     sampler = fastppo.Sampler(model, max_batch_size=3, max_seq_len=24)  # 6 prompts through 3 slots
     spy = Spy(monkeypatch, sampler)
-    rollout = sampler.generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())
-    for row, (prompt, budget) in enumerate(zip(PROMPTS, BUDGETS)):
+    rollout = sampler.generate(RAGGED_PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())
+    for row, (prompt, budget) in enumerate(zip(RAGGED_PROMPTS, BUDGETS)):
         assert rollout.response_ids[row, :budget].tolist() == hf_greedy(model, prompt, budget), f"row {row}"
-    assert rollout.response_lens.tolist() == BUDGETS and rollout.prompt_ids == PROMPTS
+    assert rollout.response_lens.tolist() == BUDGETS and rollout.prompt_ids == RAGGED_PROMPTS
     if sampler.fast_path:
         assert spy.moved > 0 and spy.refills > 0  # both happened mid-rollout, beside live rows
     else:
@@ -78,16 +74,26 @@ def test_sampled_rows_with_packing_and_refilling(family, often, monkeypatch):
     sampler = fastppo.Sampler(model, max_batch_size=4, max_seq_len=24)
     spy = Spy(monkeypatch, sampler)
     stops = (11, 23, 50, 77)  # some rows stop early, some run to their budget
-    runs = [sampler.generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0.9, stop_token_ids=stops, seed=3,
-                             num_samples_per_prompt=2) for _ in range(2)]
+    runs = [
+        sampler.generate(
+            RAGGED_PROMPTS,
+            max_new_tokens=BUDGETS,
+            temperature=0.9,
+            stop_token_ids=stops,
+            seed=3,
+            num_samples_per_prompt=2,
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(runs[0].response_ids, runs[1].response_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
     rollout = runs[0]
-    assert rollout.prompt_ids == [p for p in PROMPTS for _ in range(2)]
+    assert rollout.prompt_ids == [p for p in RAGGED_PROMPTS for _ in range(2)]
     for row in range(len(rollout.prompt_ids)):
         n = int(rollout.response_lens[row])
-        torch.testing.assert_close(rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.9),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.9), rtol=0, atol=1e-4
+        )
         tokens = rollout.response_ids[row, :n].tolist()
         stopped = rollout.finish_reason[row] == "stop"
         assert n <= BUDGETS[row // 2] and (n == BUDGETS[row // 2] or stopped)
@@ -99,12 +105,14 @@ def test_sampled_rows_with_packing_and_refilling(family, often, monkeypatch):
 def test_more_prompts_than_slots_equal_one_big_batch(often):
     """Greedy through 2 slots (3 samples of a prompt through 3) equals all rows at once, in order."""
     model = tiny("qwen3")
-    prompts = PROMPTS * 3
+    prompts = RAGGED_PROMPTS * 3
     one_batch = fastppo.Sampler(model, max_batch_size=64, max_seq_len=24).generate(
-        prompts, max_new_tokens=BUDGETS * 3, temperature=0, stop_token_ids=(), num_samples_per_prompt=3)
+        prompts, max_new_tokens=BUDGETS * 3, temperature=0, stop_token_ids=(), num_samples_per_prompt=3
+    )
     for slots in (3, 4, 7):
         small = fastppo.Sampler(model, max_batch_size=slots, max_seq_len=24).generate(
-            prompts, max_new_tokens=BUDGETS * 3, temperature=0, stop_token_ids=(), num_samples_per_prompt=3)
+            prompts, max_new_tokens=BUDGETS * 3, temperature=0, stop_token_ids=(), num_samples_per_prompt=3
+        )
         assert small.prompt_ids == one_batch.prompt_ids == [p for p in prompts for _ in range(3)]
         assert torch.equal(small.response_ids, one_batch.response_ids), slots
         torch.testing.assert_close(small.logprobs, one_batch.logprobs, rtol=0, atol=1e-5)
@@ -112,8 +120,12 @@ def test_more_prompts_than_slots_equal_one_big_batch(often):
 
 def test_packing_never_and_always_agree(often):
     model = tiny("llama")
-    rollouts = [fastppo.Sampler(model, max_batch_size=6, max_seq_len=24, compact_below=c).generate(
-        PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=()) for c in (0.0, 1.0)]
+    rollouts = [
+        fastppo.Sampler(model, max_batch_size=6, max_seq_len=24, compact_below=c).generate(
+            RAGGED_PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=()
+        )
+        for c in (0.0, 1.0)
+    ]
     assert torch.equal(rollouts[0].response_ids, rollouts[1].response_ids)
     torch.testing.assert_close(rollouts[0].logprobs, rollouts[1].logprobs, rtol=0, atol=1e-5)
 
@@ -144,26 +156,27 @@ def test_prompts_of_length_one_and_of_the_longest_that_fits(often):
     max_seq_len, new = 20, 6
     prompts = [[9], list(range(1, max_seq_len - new + 1)), [4, 4], [17]]
     rollout = fastppo.Sampler(model, max_batch_size=2, max_seq_len=max_seq_len).generate(
-        prompts, max_new_tokens=new, temperature=0, stop_token_ids=())
+        prompts, max_new_tokens=new, temperature=0, stop_token_ids=()
+    )
     for row, prompt in enumerate(prompts):
         assert rollout.response_ids[row].tolist() == hf_greedy(model, prompt, new), f"row {row}"
 
 
 def test_the_lean_families_are_one_registry():
-    """The sampler's fast path, its errors and these tests read ``lean.FAMILIES``; the README names them."""
-    assert {f for f in FAMILIES if fastppo.Sampler(tiny(f), max_batch_size=1, max_seq_len=8).fast_path} \
-        == set(lean.FAMILIES)
+    """The sampler's fast path, its errors and these tests read ``lean.FAMILIES``; its page names them."""
+    assert {f for f in FAMILIES if fastppo.Sampler(tiny(f), max_batch_size=1, max_seq_len=8).fast_path} == set(
+        lean.FAMILIES
+    )
     with pytest.raises(ValueError, match=", ".join(lean.FAMILIES)):
         fastppo.Sampler(tiny("gpt_neox"), max_batch_size=1, max_seq_len=8, attention="sdpa")
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## The sampler", 1)[1].split("\n## ", 1)[0]
+    section = (Path(__file__).resolve().parents[2] / "docs" / "sampler.md").read_text()
     assert "Lean families: " + ", ".join(f"`{f}`" for f in lean.FAMILIES) + "." in " ".join(section.split())
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(compact_below=1.5), "compact_below must be"),
-    (dict(compact_below=True), "compact_below must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(compact_below=1.5), "compact_below must be"), (dict(compact_below=True), "compact_below must be")],
+)
 def test_bad_sampler_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fastppo.Sampler(tiny("llama"), max_batch_size=2, max_seq_len=8, **kwargs)
@@ -178,8 +191,8 @@ def test_a_generic_cache_that_cannot_select_rows_keeps_its_batch(monkeypatch):
     model = tiny("gpt_neox")
     sampler = fastppo.Sampler(model, max_batch_size=3, max_seq_len=24)
     spy = Spy(monkeypatch, sampler)
-    rollout = sampler.generate(PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())
-    for row, (prompt, budget) in enumerate(zip(PROMPTS, BUDGETS)):
+    rollout = sampler.generate(RAGGED_PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())
+    for row, (prompt, budget) in enumerate(zip(RAGGED_PROMPTS, BUDGETS)):
         assert rollout.response_ids[row, :budget].tolist() == hf_greedy(model, prompt, budget), f"row {row}"
     waves = (max(BUDGETS[:3]) - 1) + (max(BUDGETS[3:]) - 1)  # two waves of 3 rows, each to its longest
     assert spy.decoded == 3 * waves and spy.late_prefills == 1

@@ -11,7 +11,7 @@ import torch
 import fastppo
 from fastppo.rollout import flash
 from tests.rollout import flash_reference
-from tests.rollout.test_sampler import PROMPTS, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.models import PROMPTS, hf_greedy, recomputed_logprobs, tiny
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -37,11 +37,13 @@ def test_flash_path_decodes_greedily_like_generate(flash_on_cpu, family):
 def test_flash_path_logprobs_equal_a_recomputed_forward(flash_on_cpu, family):
     model = tiny(family)
     rollout = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64, attention="flash").generate(
-        PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1, num_samples_per_prompt=2)
+        PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1, num_samples_per_prompt=2
+    )
     for row in range(len(rollout.prompt_ids)):
         n = int(rollout.response_lens[row])
-        torch.testing.assert_close(rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.7),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.7), rtol=0, atol=1e-4
+        )
 
 
 def test_auto_takes_sdpa_here_and_the_generic_path_its_own():
@@ -50,13 +52,16 @@ def test_auto_takes_sdpa_here_and_the_generic_path_its_own():
     assert fastppo.Sampler(tiny("gpt_neox"), max_batch_size=2, max_seq_len=16).attention == "model"
 
 
-@pytest.mark.parametrize("args,reason", [
-    ((torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64), "CUDA only"),
-    ((torch.device("cuda"), torch.float32, torch.float32, 64), "float16 or bfloat16"),
-    ((torch.device("cuda"), torch.bfloat16, torch.float32, 64), "same dtype"),
-    ((torch.device("cuda"), torch.float16, torch.float16, 260), "head size"),
-    ((torch.device("cuda"), torch.float16, torch.float16, 12), "head size"),
-])
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        ((torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64), "CUDA only"),
+        ((torch.device("cuda"), torch.float32, torch.float32, 64), "float16 or bfloat16"),
+        ((torch.device("cuda"), torch.bfloat16, torch.float32, 64), "same dtype"),
+        ((torch.device("cuda"), torch.float16, torch.float16, 260), "head size"),
+        ((torch.device("cuda"), torch.float16, torch.float16, 12), "head size"),
+    ],
+)
 def test_why_flash_cannot_run(monkeypatch, args, reason):
     monkeypatch.setattr(flash.importlib.util, "find_spec", lambda name: object())
     assert reason in flash._why_not_flash(*args)
@@ -86,11 +91,20 @@ def test_real_flash_attn_keeps_the_contract(window):
     seqlens = torch.tensor([0, 3, 17, 38, 9, 21], dtype=torch.int32)
     window_size = (-1, -1) if window is None else (window - 1, 0)
     ours = [c.clone() for c in caches]
-    expected = flash_reference.flash_attn_with_kvcache(q, *ours, *new, cache_seqlens=seqlens, softmax_scale=D**-0.5,
-                                                       causal=True, window_size=window_size)
+    expected = flash_reference.flash_attn_with_kvcache(
+        q, *ours, *new, cache_seqlens=seqlens, softmax_scale=D**-0.5, causal=True, window_size=window_size
+    )
     theirs = [c.clone() for c in caches]
-    out = flash_attn_with_kvcache(q, *theirs, k=new[0], v=new[1], cache_seqlens=seqlens, softmax_scale=D**-0.5,
-                                  causal=True, window_size=window_size)
+    out = flash_attn_with_kvcache(
+        q,
+        *theirs,
+        k=new[0],
+        v=new[1],
+        cache_seqlens=seqlens,
+        softmax_scale=D**-0.5,
+        causal=True,
+        window_size=window_size,
+    )
     assert torch.equal(theirs[0], ours[0]) and torch.equal(theirs[1], ours[1])
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2)
 
@@ -104,8 +118,9 @@ def test_flash_rollout_in_bf16_matches_a_recomputed_forward():
     rollout = sampler.generate(PROMPTS, max_new_tokens=12, temperature=1.0, stop_token_ids=(), seed=0)
     for row in range(len(PROMPTS)):
         n = int(rollout.response_lens[row])
-        torch.testing.assert_close(rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 1.0),
-                                   rtol=0, atol=5e-2)
+        torch.testing.assert_close(
+            rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 1.0), rtol=0, atol=5e-2
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
@@ -116,7 +131,8 @@ def test_flash_path_with_packing_refilling_and_graph_sized_batches(flash_on_cpu,
     from types import SimpleNamespace
 
     from fastppo.rollout import batching
-    from tests.rollout.test_batching import BUDGETS, PROMPTS as RAGGED
+    from tests.rollout.models import BUDGETS
+    from tests.rollout.models import RAGGED_PROMPTS as RAGGED
 
     monkeypatch.setattr(batching, "CPU_SYNC_EVERY", 2)
     model = tiny(family)

@@ -5,49 +5,9 @@ import math
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
 
 import fastppo
-
-V = 97
-PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]  # ragged
-LLAMA_LIKE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
-FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_LIKE)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA_LIKE)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA_LIKE, head_dim=8)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**LLAMA_LIKE, sliding_window=6)),  # window < sequence
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                                               initializer_range=0.2, bos_token_id=V - 1, eos_token_id=V - 1)),
-    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
-                                                         num_attention_heads=4, intermediate_size=64,
-                                                         max_position_embeddings=128, initializer_range=0.2,
-                                                         bos_token_id=None, eos_token_id=None)),
-}
-
-
-def tiny(family):
-    torch.manual_seed(0)
-    return FAMILIES[family]().eval()
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def recomputed_logprobs(model, rollout, row, temperature):
-    prompt, n = rollout.prompt_ids[row], int(rollout.response_lens[row])
-    response = rollout.response_ids[row, :n]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response.tolist()])).logits[0, len(prompt) - 1: len(prompt) - 1 + n]
-    return fastppo.token_logprobs(logits, response, temperature=temperature)
+from tests.rollout.models import FAMILIES, PROMPTS, V, hf_greedy, recomputed_logprobs, tiny
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -65,12 +25,14 @@ def test_greedy_equals_hf_generate(family):
 def test_logprobs_equal_a_recomputed_forward(family):
     model = tiny(family)
     rollout = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64).generate(
-        PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1, num_samples_per_prompt=2)
+        PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1, num_samples_per_prompt=2
+    )
     assert rollout.logprobs.dtype == torch.float32
     for row in range(len(rollout.prompt_ids)):
         n = int(rollout.response_lens[row])
-        torch.testing.assert_close(rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.7),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.7), rtol=0, atol=1e-4
+        )
         assert (rollout.logprobs[row, n:] == 0).all()
 
 
@@ -88,12 +50,14 @@ def test_one_padded_prefill_of_ragged_prompts_changes_nothing(family, monkeypatc
     for row, prompt in enumerate(PROMPTS):
         expected = hf_greedy(model, prompt, 10)
         assert greedy.response_ids[2 * row].tolist() == expected == greedy.response_ids[2 * row + 1].tolist()
-    sampled = sampler.generate(PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1,
-                               num_samples_per_prompt=2)
+    sampled = sampler.generate(
+        PROMPTS, max_new_tokens=9, temperature=0.7, stop_token_ids=(), seed=1, num_samples_per_prompt=2
+    )
     for row in range(len(sampled.prompt_ids)):
         n = int(sampled.response_lens[row])
-        torch.testing.assert_close(sampled.logprobs[row, :n], recomputed_logprobs(model, sampled, row, 0.7),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            sampled.logprobs[row, :n], recomputed_logprobs(model, sampled, row, 0.7), rtol=0, atol=1e-4
+        )
 
 
 def test_prefill_groups_bound_padding_and_size(monkeypatch):
@@ -107,8 +71,7 @@ def test_prefill_groups_bound_padding_and_size(monkeypatch):
         assert len(group) * longest <= 1.25 * sum(lengths[i] for i in group)
     assert [4, 0, 7, 1, 2] in groups and [3, 5] in groups and [6] in groups
     monkeypatch.setattr(sampler_module, "PREFILL_TOKENS", 30)
-    assert all(len(g) * max(lengths[i] for i in g) <= 30 or len(g) == 1
-               for g in sampler_module.prefill_groups(lengths))
+    assert all(len(g) * max(lengths[i] for i in g) <= 30 or len(g) == 1 for g in sampler_module.prefill_groups(lengths))
 
 
 def _chi2_critical(df, z=3.09):
@@ -119,7 +82,8 @@ def _chi2_critical(df, z=3.09):
 def test_sampling_follows_softmax_over_temperature():
     model, prompt, temperature, draws = tiny("llama"), [3, 1, 4], 0.8, 4096
     rollout = fastppo.Sampler(model, max_batch_size=draws, max_seq_len=8).generate(
-        [prompt], max_new_tokens=1, temperature=temperature, stop_token_ids=(), num_samples_per_prompt=draws, seed=0)
+        [prompt], max_new_tokens=1, temperature=temperature, stop_token_ids=(), num_samples_per_prompt=draws, seed=0
+    )
     with torch.no_grad():
         probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
     counts = torch.bincount(rollout.response_ids[:, 0], minlength=V).double()
@@ -135,8 +99,15 @@ def test_sampling_follows_softmax_over_temperature():
 def test_top_k_and_top_p_supports(top_k, top_p):
     model, prompt, temperature = tiny("llama"), [3, 1, 4], 1.3
     rollout = fastppo.Sampler(model, max_batch_size=512, max_seq_len=8).generate(
-        [prompt], max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=(),
-        num_samples_per_prompt=512, seed=0)
+        [prompt],
+        max_new_tokens=1,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_token_ids=(),
+        num_samples_per_prompt=512,
+        seed=0,
+    )
     with torch.no_grad():
         z = model(torch.tensor([prompt])).logits[0, -1] / temperature
     order = torch.argsort(z, descending=True)
@@ -158,13 +129,14 @@ def test_stop_token_is_included_and_nothing_follows():
     assert rollout.finish_reason[0] == "stop"
     assert rollout.response_ids[0, : position + 1].tolist() == greedy[: position + 1]
     assert int(rollout.response_lens[0]) == position + 1
-    assert rollout.response_mask[0, : position + 1].all() and not rollout.response_mask[0, position + 1:].any()
-    assert (rollout.response_ids[0, position + 1:] == 0).all() and (rollout.logprobs[0, position + 1:] == 0).all()
+    assert rollout.response_mask[0, : position + 1].all() and not rollout.response_mask[0, position + 1 :].any()
+    assert (rollout.response_ids[0, position + 1 :] == 0).all() and (rollout.logprobs[0, position + 1 :] == 0).all()
 
 
 def test_per_row_max_new_tokens():
     rollout = fastppo.Sampler(tiny("qwen2"), max_batch_size=8, max_seq_len=64).generate(
-        PROMPTS, max_new_tokens=[2, 5, 3], temperature=1.0, stop_token_ids=(), seed=0)
+        PROMPTS, max_new_tokens=[2, 5, 3], temperature=1.0, stop_token_ids=(), seed=0
+    )
     assert rollout.response_lens.tolist() == [2, 5, 3] and rollout.response_ids.shape == (3, 5)
     assert rollout.finish_reason == ["length"] * 3
     assert rollout.response_mask.sum(1).tolist() == [2, 5, 3]
@@ -176,7 +148,8 @@ def test_gpt2_with_pad_equal_to_eos():
     model.config.eos_token_id = model.config.pad_token_id = eos
     model.generation_config.eos_token_id = eos
     rollout = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64).generate(
-        PROMPTS, max_new_tokens=6, temperature=0)
+        PROMPTS, max_new_tokens=6, temperature=0
+    )
     row = rollout.response_ids[1].tolist()
     assert rollout.finish_reason[1] == "stop" and row.index(eos) == int(rollout.response_lens[1]) - 1
     assert rollout.response_mask[1].sum() == row.index(eos) + 1  # the padding after it is not in the mask
@@ -184,8 +157,7 @@ def test_gpt2_with_pad_equal_to_eos():
 
 def test_samples_of_a_prompt_are_consecutive_and_seeds_reproduce():
     sampler = fastppo.Sampler(tiny("llama"), max_batch_size=8, max_seq_len=64)
-    greedy = sampler.generate(PROMPTS[:2], max_new_tokens=6, temperature=0, stop_token_ids=(),
-                              num_samples_per_prompt=3)
+    greedy = sampler.generate(PROMPTS[:2], max_new_tokens=6, temperature=0, stop_token_ids=(), num_samples_per_prompt=3)
     assert greedy.prompt_ids == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
     assert (greedy.response_ids[:3] == greedy.response_ids[0]).all()
     assert (greedy.response_ids[3:] == greedy.response_ids[3]).all()
@@ -209,20 +181,23 @@ def test_rollouts_use_the_live_weights():
         torch.testing.assert_close(after.logprobs[row], recomputed_logprobs(model, after, row, 1.0), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(prompts=[]), "non-empty list"),
-    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
-    (dict(prompts=[[1, V]]), r"outside the vocabulary \[0, 97\)"),
-    (dict(prompts=[[-1]]), "outside the vocabulary"),
-    (dict(max_new_tokens=60), r"exceeds max_seq_len=64"),
-    (dict(max_new_tokens=[1, 2]), "2 entries for 1 prompts"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(num_samples_per_prompt=9), "exceeds max_batch_size=8"),
-    (dict(temperature=-1.0), "temperature must be"),
-    (dict(top_p=0.0), "top_p must be in"),
-    (dict(top_k=-2), "top_k must be"),
-    (dict(stop_token_ids=[V + 3]), "stop and pad token ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompts=[]), "non-empty list"),
+        (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+        (dict(prompts=[[1, V]]), r"outside the vocabulary \[0, 97\)"),
+        (dict(prompts=[[-1]]), "outside the vocabulary"),
+        (dict(max_new_tokens=60), r"exceeds max_seq_len=64"),
+        (dict(max_new_tokens=[1, 2]), "2 entries for 1 prompts"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(num_samples_per_prompt=9), "exceeds max_batch_size=8"),
+        (dict(temperature=-1.0), "temperature must be"),
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(top_k=-2), "top_k must be"),
+        (dict(stop_token_ids=[V + 3]), "stop and pad token ids"),
+    ],
+)
 def test_bad_input(kwargs, match):
     sampler = fastppo.Sampler(tiny("llama"), max_batch_size=8, max_seq_len=64)
     args = dict(prompts=[[1] * 10], max_new_tokens=4)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import fastppo
+from fastppo.trainer.batch import Batch, response_hidden
 from fastppo.trainer.estimators import ESTIMATORS
-from fastppo.trainer.ppo import Batch, response_hidden
+from fastppo.trainer.loss import minibatch_loss
 from tests.oracles import aggregate_oracle, assert_grad_close
-from tests.trainer.test_prepare import TEMPERATURE, drifted, rolled_out
+from tests.trainer.runs import TEMPERATURE, drifted, rolled_out, untrained
 
 
 def float64_logprobs(model, batch):
@@ -26,22 +27,33 @@ def float64_logprobs(model, batch):
 def step_gradient(trainer, batch) -> list:
     """The gradient of the one optimizer step ``update`` takes (the step itself left out)."""
     grads = []
-    trainer._step = lambda: grads.extend(p.grad.clone() for p in trainer.policy.parameters())
+    trainer.optimizers.step = lambda state: grads.extend(p.grad.clone() for p in trainer.policy.parameters())
     trainer.update(batch)
     return grads
 
 
-@pytest.mark.parametrize("estimator,agg", [("grpo", "token-mean"), ("grpo", "seq-mean-token-mean"),
-                                           ("grpo", "seq-mean-token-sum"), ("rloo", "seq-mean-token-sum-norm"),
-                                           ("dr_grpo", None)])
+@pytest.mark.parametrize(
+    "estimator,agg",
+    [
+        ("grpo", "token-mean"),
+        ("grpo", "seq-mean-token-mean"),
+        ("grpo", "seq-mean-token-sum"),
+        ("rloo", "seq-mean-token-sum-norm"),
+        ("dr_grpo", None),
+    ],
+)
 def test_minibatches_of_one_step_minimise_the_whole_batchs_aggregated_loss(tmp_path, estimator, agg):
     """Two minibatches accumulated into one step: the gradient of the float64 loss of the whole
     batch, aggregated as the mode defines it (Dr. GRPO's default: over rows x max_new_tokens)."""
     trainer = drifted(tmp_path, estimator=estimator, agg=agg, minibatches=2, grad_accumulation=2, max_new_tokens=6)
     _, batch = rolled_out(trainer)
     # no response as long as the budget: the budget, not the longest response, is Dr. GRPO's width
-    batch = Batch(**{k: v[:, :4] if k not in ("input_ids", "attention_mask") and v is not None else v
-                     for k, v in batch.__dict__.items()})
+    batch = Batch(
+        **{
+            k: v[:, :4] if k not in ("input_ids", "attention_mask") and v is not None else v
+            for k, v in batch.__dict__.items()
+        }
+    )
     assert batch.mask.sum(1).unique().numel() > 1  # rows of several lengths: the modes differ
     grads = step_gradient(trainer, batch)
 
@@ -89,19 +101,30 @@ def test_reinforce_pp_whitens_the_reward_to_go_of_kl_shaped_token_rewards(tmp_pa
 
 
 def test_clip_higher_and_dual_clip_reach_the_loss(tmp_path):
-    trainer = drifted(tmp_path, estimator="grpo", clip_eps=0.1, clip_eps_high=0.3, dual_clip=2.0,
-                      recompute_old_logprobs=True)
+    trainer = drifted(
+        tmp_path, estimator="grpo", clip_eps=0.1, clip_eps_high=0.3, dual_clip=2.0, recompute_old_logprobs=True
+    )
     _, batch = rolled_out(trainer)
     batch.old_logprobs = batch.old_logprobs + 0.4 * torch.randn_like(batch.old_logprobs) * batch.mask
     tokens = batch.mask.sum()
-    loss, _ = trainer._loss(batch, False, tokens, on_policy=False)
+    loss, _ = minibatch_loss(batch, trainer.models, trainer.config, trainer.state.kl_coef, tokens, on_policy=False)
     hidden = response_hidden(trainer.policy, batch)
     logits = hidden @ trainer.policy.get_output_embeddings().weight.T
     options = dict(temperature=TEMPERATURE, num_tokens=int(tokens))
-    expected, _ = fastppo.ppo_loss_from_logits(logits, batch.response_ids, batch.old_logprobs, batch.advantages,
-                                               batch.mask, clip_eps=0.1, clip_eps_high=0.3, dual_clip=2.0, **options)
-    symmetric, _ = fastppo.ppo_loss_from_logits(logits, batch.response_ids, batch.old_logprobs, batch.advantages,
-                                                batch.mask, clip_eps=0.1, **options)
+    expected, _ = fastppo.ppo_loss_from_logits(
+        logits,
+        batch.response_ids,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.mask,
+        clip_eps=0.1,
+        clip_eps_high=0.3,
+        dual_clip=2.0,
+        **options,
+    )
+    symmetric, _ = fastppo.ppo_loss_from_logits(
+        logits, batch.response_ids, batch.old_logprobs, batch.advantages, batch.mask, clip_eps=0.1, **options
+    )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert abs(float(expected - symmetric)) > 1e-4  # the options matter for this batch
 
@@ -122,10 +145,11 @@ def test_mask_truncated_leaves_responses_that_hit_the_budget_out_of_the_loss(tmp
 def test_gspo_through_the_trainer_is_the_float64_sequence_loss_of_the_whole_batch(tmp_path, on_policy):
     """Two accumulated minibatches, on-policy (the fused path) or with old log-probs that differ
     (the sequence op), give the gradient of GSPO's float64 loss over the whole batch."""
-    from tests.ops.test_sequence_ppo_loss import oracle
+    from tests.oracles import sequence_ppo_loss_oracle as oracle
 
-    fields = dict(estimator="grpo", sequence_ratio=True, clip_eps=0.05, clip_eps_high=0.08, minibatches=2,
-                  grad_accumulation=2)
+    fields = dict(
+        estimator="grpo", sequence_ratio=True, clip_eps=0.05, clip_eps_high=0.08, minibatches=2, grad_accumulation=2
+    )
     trainer = drifted(tmp_path, **fields, recompute_old_logprobs=not on_policy)
     assert trainer.config.agg == "seq-mean-token-mean"
     _, batch = rolled_out(trainer)
@@ -145,7 +169,38 @@ def test_gspo_through_the_trainer_is_the_float64_sequence_loss_of_the_whole_batc
 @pytest.mark.parametrize("fields", [dict(estimator="gae"), dict(agg="token-mean"), dict(dual_clip=2.0)])
 def test_gspo_refuses_what_it_does_not_define(tmp_path, fields):
     from fastppo.trainer.errors import UsageError
-    from tests.trainer.test_trainer import config
+    from tests.trainer.runs import config
 
     with pytest.raises(UsageError, match="sequence_ratio needs a group estimator"):
         config(tmp_path, sequence_ratio=True, **fields)
+
+
+def test_a_new_estimator_is_one_registered_entry(tmp_path, monkeypatch, capsys):
+    """A toy estimator, registered once: the config accepts it and checks its properties, --help and
+    the documentation's table list it, and the trainer's advantages are its."""
+    from fastppo.cli import main as fastppo_main
+    from fastppo.trainer import estimators
+    from fastppo.trainer.config import TrainConfig
+    from fastppo.trainer.errors import UsageError
+
+    monkeypatch.setattr(estimators, "ESTIMATORS", dict(estimators.ESTIMATORS))  # the registry as it was after
+
+    def sign(scores, batch, algo, samples_per_prompt, kl_coef):
+        """+1 above the batch's mean score, -1 below, at every token."""
+        return torch.sign(scores - scores.mean())[:, None].expand_as(batch.mask) * batch.mask, None
+
+    estimators.register(
+        estimators.Estimator("sign", sign, "the sign of the score against the batch's mean", min_samples=3)
+    )
+    with pytest.raises(UsageError, match="samples_per_prompt must be >= 3 for estimator=sign"):
+        TrainConfig.from_flat({"estimator": "sign", "samples_per_prompt": 2}).validate()
+    with pytest.raises(SystemExit):
+        fastppo_main(["train", "--help"])
+    assert "sign (the sign of the score against the batch's mean)" in " ".join(capsys.readouterr().out.split())
+    assert "| `sign` | the sign of the score against the batch's mean |" in estimators.markdown_table()
+
+    trainer = untrained(tmp_path, estimator="sign", samples_per_prompt=4)
+    scores, batch = rolled_out(trainer)
+    assert trainer.critic is None and batch.returns is None
+    torch.testing.assert_close(batch.advantages, torch.sign(scores - scores.mean())[:, None] * batch.mask)
+    assert trainer.iteration(1)["reward_mean"] >= 0

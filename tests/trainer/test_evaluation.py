@@ -8,21 +8,28 @@ import torch
 
 from fastppo.trainer import evaluation
 from fastppo.trainer.tasks import Rewards, vowels_reward
-from tests.trainer.test_responses import rollout_of
-from tests.trainer.test_trainer import untrained
+from tests.trainer.runs import rollout_of, untrained
 
 # prompt -> (its greedy completion, its three sampled ones); a completion "a" scores 1
-OUTCOMES = {"ab": ("a", ("a", "a", "b")), "cd": ("b", ("b", "b", "b")), "ef": ("a", ("a", "a", "a")),
-            "gh": ("b", ("b", "a", "b")), "ij": ("b", ("b", "b", "b"))}
+OUTCOMES = {
+    "ab": ("a", ("a", "a", "b")),
+    "cd": ("b", ("b", "b", "b")),
+    "ef": ("a", ("a", "a", "a")),
+    "gh": ("b", ("b", "a", "b")),
+    "ij": ("b", ("b", "b", "b")),
+}
 
 
 def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkeypatch):
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in OUTCOMES))
     # a sampler of 4 slots takes all 5 prompts in one call per pass (rows wait for free slots)
-    trainer = untrained(tmp_path, evaluate=True, eval_prompts=str(path), eval_samples=3, prompts_per_iteration=2,
-                        samples_per_prompt=2)
-    trainer.rewards = Rewards([("is_a", lambda prompts, completions, **_: [float(c == "a") for c in completions])])
+    trainer = untrained(
+        tmp_path, evaluate=True, eval_prompts=str(path), eval_samples=3, prompts_per_iteration=2, samples_per_prompt=2
+    )
+    trainer.rollouts.rewards = Rewards(
+        [("is_a", lambda prompts, completions, **_: [float(c == "a") for c in completions])]
+    )
     calls = []
 
     def sample(prompt_ids, temperature, n, seed, on_rows_ended=None):
@@ -31,9 +38,9 @@ def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkey
         texts = [OUTCOMES[p][0] if temperature == 0 else OUTCOMES[p][1][j] for p in prompts for j in range(n)]
         return rollout_of(texts, trainer.tokenizer)
 
-    monkeypatch.setattr(trainer, "sample", sample)
-    metrics = evaluation.evaluate(trainer, trainer.eval_prompts, 3, iteration=0)
-    assert trainer.sampler.max_batch_size == 4 and calls == [(5, 1), (5, 3)]
+    monkeypatch.setattr(trainer.rollouts, "sample", sample)
+    metrics = evaluation.evaluate(trainer.rollouts, trainer.eval_prompts, 3, iteration=0)
+    assert trainer.rollouts.sampler.max_batch_size == 4 and calls == [(5, 1), (5, 3)]
     greedy = 2 / 5  # ab, ef
     mean_at_3 = (2 / 3 + 0 + 1 + 1 / 3 + 0) / 5
     pass_at_3 = 3 / 5  # ab, ef, gh
@@ -42,13 +49,18 @@ def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkey
 
 def test_greedy_accuracy_is_the_mean_reward_of_hugging_faces_greedy_generate(tmp_path):
     trainer = untrained(tmp_path, evaluate=True, max_new_tokens=6)
-    metrics = evaluation.evaluate(trainer, trainer.eval_prompts, 2, iteration=0)
+    metrics = evaluation.evaluate(trainer.rollouts, trainer.eval_prompts, 2, iteration=0)
     tok, scores = trainer.tokenizer, []
     for ids in trainer.eval_prompts.ids:
-        out = trainer.policy.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                      do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+        out = trainer.policy.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=6,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        text = tok.decode(out[0, len(ids) :], skip_special_tokens=True)
         scores += vowels_reward(None, [text])
     assert len(scores) == 64
     assert metrics["eval/greedy"] == pytest.approx(sum(scores) / len(scores), abs=1e-12)
@@ -81,14 +93,14 @@ def test_evaluation_leaves_the_training_draws_as_they_were(tmp_path):
 def test_evaluation_draws_apart_from_the_training_of_its_iteration(tmp_path):
     """Held-out samples never share the noise of the training rollout of the same iteration."""
     trainer = untrained(tmp_path, save=False, evaluate=True)
-    seeds, sample = {"train": set(), "eval": set()}, trainer.sample
+    seeds, sample = {"train": set(), "eval": set()}, trainer.rollouts.sample
     phase = []
 
     def recording(prompt_ids, temperature, n, seed, on_rows_ended=None):
         seeds[phase[-1]].add(seed)
         return sample(prompt_ids, temperature, n, seed, on_rows_ended)
 
-    trainer.sample = recording
+    trainer.rollouts.sample = recording
     for iteration in range(3):
         phase.append("train")
         trainer.rollout(iteration)
@@ -102,8 +114,8 @@ def test_the_evaluation_shows_its_progress_row_by_row(tmp_path, capsys):
     minutes on a real model)."""
     trainer = untrained(tmp_path, save=False, evaluate=True, eval_samples=2)
     ended = []
-    sample = trainer.sample
-    trainer.sample = lambda *args: sample(*args[:4], lambda k: (ended.append(k), args[4](k)))
+    sample = trainer.rollouts.sample
+    trainer.rollouts.sample = lambda *args: sample(*args[:4], lambda k: (ended.append(k), args[4](k)))
     capsys.readouterr()
     trainer.evaluate(0)
     rows = len(trainer.eval_prompts) * 3  # one greedy and two sampled per prompt

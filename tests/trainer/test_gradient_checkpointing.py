@@ -4,7 +4,8 @@ really run twice."""
 import pytest
 import torch
 
-from tests.trainer.test_trainer import untrained
+from fastppo.trainer.loss import minibatch_loss
+from tests.trainer.runs import untrained
 
 
 def gradients_of_one_loss(tmp_path, checkpointing: bool) -> tuple:
@@ -18,7 +19,9 @@ def gradients_of_one_loss(tmp_path, checkpointing: bool) -> tuple:
     mlp.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
     trainer.policy.train()
     trainer.critic.train()
-    loss, _ = trainer._loss(batch, False, batch.mask.sum(), on_policy=True)
+    loss, _ = minibatch_loss(
+        batch, trainer.models, trainer.config, trainer.state.kl_coef, batch.mask.sum(), on_policy=True
+    )
     loss.backward()
     del mlp.forward
     models = (trainer.policy, trainer.critic)
@@ -37,8 +40,7 @@ def test_checkpointed_gradients_equal_the_plain_ones(tmp_path):
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_a_checkpointed_run_learns(tmp_path, estimator):
-    history = untrained(tmp_path, estimator=estimator, iterations=20, save=False,
-                        gradient_checkpointing=True).train()
+    history = untrained(tmp_path, estimator=estimator, iterations=20, save=False, gradient_checkpointing=True).train()
     first = sum(h["reward_mean"] for h in history[:5]) / 5
     last = sum(h["reward_mean"] for h in history[-5:]) / 5
     assert last > first + 0.1, (first, last)

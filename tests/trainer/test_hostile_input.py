@@ -15,10 +15,24 @@ import torch
 from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
 from fastppo.trainer.errors import UsageError
-from tests.trainer.test_trainer import config, untrained
+from tests.trainer.runs import config, untrained
 
-TINY = ["--device", "cpu", "--iterations", "1", "--evaluate", "false", "--save", "false",
-        "--prompts-per-iteration", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4"]
+TINY = [
+    "--device",
+    "cpu",
+    "--iterations",
+    "1",
+    "--evaluate",
+    "false",
+    "--save",
+    "false",
+    "--prompts-per-iteration",
+    "2",
+    "--samples-per-prompt",
+    "2",
+    "--max-new-tokens",
+    "4",
+]
 
 
 def one_line_error(capsys, argv) -> str:
@@ -35,27 +49,44 @@ def one_line_error(capsys, argv) -> str:
 
 # reward functions ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("source,match", [
-    ("def score(prompts, completions:\n", "importing broken_reward raised SyntaxError"),
-    ("raise RuntimeError('no API key')\n", "importing broken_reward raised RuntimeError: no API key"),
-])
+
+@pytest.mark.parametrize(
+    "source,match",
+    [
+        ("def score(prompts, completions:\n", "importing broken_reward raised SyntaxError"),
+        ("raise RuntimeError('no API key')\n", "importing broken_reward raised RuntimeError: no API key"),
+    ],
+)
 def test_a_reward_module_that_does_not_import(tmp_path, monkeypatch, capsys, source, match):
     (tmp_path / "broken_reward.py").write_text(source)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "broken_reward", raising=False)
-    err = one_line_error(capsys, ["--prompts", str(tmp_path / "p.jsonl"), "--reward", "broken_reward:score",
-                                  "--out", str(tmp_path / "run"), *TINY])
+    err = one_line_error(
+        capsys,
+        [
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--reward",
+            "broken_reward:score",
+            "--out",
+            str(tmp_path / "run"),
+            *TINY,
+        ],
+    )
     assert match in err
 
 
-@pytest.mark.parametrize("returned,match", [
-    (lambda c: {i: 0.0 for i in range(len(c))}, "returned dict; it must return one real number per completion"),
-    (lambda c: None, "returned NoneType; it must return one real number per completion"),
-    (lambda c: 0.5, "returned float; it must return one real number per completion"),
-    (lambda c: "1" * len(c), "returned str"),
-    (lambda c: torch.zeros(len(c), 1), "returned a 2-dim tensor"),
-])
+@pytest.mark.parametrize(
+    "returned,match",
+    [
+        (lambda c: {i: 0.0 for i in range(len(c))}, "returned dict; it must return one real number per completion"),
+        (lambda c: None, "returned NoneType; it must return one real number per completion"),
+        (lambda c: 0.5, "returned float; it must return one real number per completion"),
+        (lambda c: "1" * len(c), "returned str"),
+        (lambda c: torch.zeros(len(c), 1), "returned a 2-dim tensor"),
+    ],
+)
 def test_a_reward_that_returns_no_list_of_scores(tmp_path, returned, match):
     trainer = PPOTrainer(config(tmp_path, save=False), reward_fn=lambda p, c, **_: returned(c))
     with pytest.raises(UsageError, match=match):
@@ -70,8 +101,8 @@ def test_a_reward_that_empties_its_lists_changes_nothing_of_the_trainer_s(tmp_pa
         return scores
 
     trainer = untrained(tmp_path, save=False)
-    trainer.rewards.named.insert(0, ("emptying", emptying))
-    trainer.rewards.weights.insert(0, 1.0)
+    trainer.rollouts.rewards.named.insert(0, ("emptying", emptying))
+    trainer.rollouts.rewards.weights.insert(0, 1.0)
     scored = trainer.rollout(0)  # the vowels reward after it still sees every completion
     assert [len(v) for v in scored.each_reward.values()] == [32, 32]
 
@@ -88,11 +119,23 @@ def test_a_reward_that_empties_its_lists_and_returns_none_of_them(tmp_path):
 
 # prompt files --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("column,field_map", [("prompts", None), ("completions", None), ("hint", "hint=prompts")])
 def test_a_column_that_would_shadow_a_reward_argument(tmp_path, capsys, column, field_map):
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1=", column: "x"}) + "\n")
-    err = one_line_error(capsys, ["--prompts", str(tmp_path / "p.jsonl"), "--reward", "gsm8k", "--out",
-                                  str(tmp_path / "run"), *TINY, *(["--field-map", field_map] if field_map else [])])
+    err = one_line_error(
+        capsys,
+        [
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--reward",
+            "gsm8k",
+            "--out",
+            str(tmp_path / "run"),
+            *TINY,
+            *(["--field-map", field_map] if field_map else []),
+        ],
+    )
     target = field_map.split("=")[1] if field_map else column
     assert f"column {column!r} would reach the reward functions as {target!r}" in err
 
@@ -106,27 +149,34 @@ def test_a_csv_with_a_byte_order_mark_reads_its_first_column(tmp_path):
 
 # devices and the memory plan -----------------------------------------------------------------
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_on_a_machine_without_it(tmp_path, capsys, device):
     err = one_line_error(capsys, ["--device", device, "--out", str(tmp_path / "run")])
-    assert ("config field device names CUDA, and this machine has no CUDA device (torch.cuda.is_available() is "
-            f"false), got '{device}'") in err
+    assert (
+        "config field device names CUDA, and this machine has no CUDA device (torch.cuda.is_available() is "
+        f"false), got '{device}'"
+    ) in err
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--plan-device-memory", "nan"], "--plan-device-memory must be a positive number of GiB, got nan"),
-    (["--plan-device-memory", "-4"], "--plan-device-memory must be a positive number of GiB, got -4"),
-    (["--plan-world-size", "0"], "--plan-world-size must be >= 1, got 0"),
-    (["--plan-world-size", "-2"], "--plan-world-size must be >= 1, got -2"),
-    (["--plan-prompt-tokens", "0"], "--plan-prompt-tokens must be >= 1, got 0"),
-    (["--plan-prompt-tokens", "100000"], "--plan-prompt-tokens 100000 with --max-new-tokens 8 exceeds the context"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--plan-device-memory", "nan"], "--plan-device-memory must be a positive number of GiB, got nan"),
+        (["--plan-device-memory", "-4"], "--plan-device-memory must be a positive number of GiB, got -4"),
+        (["--plan-world-size", "0"], "--plan-world-size must be >= 1, got 0"),
+        (["--plan-world-size", "-2"], "--plan-world-size must be >= 1, got -2"),
+        (["--plan-prompt-tokens", "0"], "--plan-prompt-tokens must be >= 1, got 0"),
+        (["--plan-prompt-tokens", "100000"], "--plan-prompt-tokens 100000 with --max-new-tokens 8 exceeds the context"),
+    ],
+)
 def test_a_plan_of_impossible_numbers(capsys, argv, match):
     assert match in one_line_error(capsys, ["--plan", *argv])
 
 
 # saves and signals ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
 def test_a_full_disk_at_a_save_is_one_line_and_damages_nothing(tmp_path, monkeypatch, capsys, writer):
@@ -135,21 +185,45 @@ def test_a_full_disk_at_a_save_is_one_line_and_damages_nothing(tmp_path, monkeyp
     import transformers.modeling_utils
 
     run = tmp_path / "run"
-    assert fastppo_main(["train", "--device", "cpu", "--iterations", "1", "--save-every", "1", "--evaluate", "false",
-                         "--out", str(run)]) == 0
+    assert (
+        fastppo_main(
+            [
+                "train",
+                "--device",
+                "cpu",
+                "--iterations",
+                "1",
+                "--save-every",
+                "1",
+                "--evaluate",
+                "false",
+                "--out",
+                str(run),
+            ]
+        )
+        == 0
+    )
+
     def saved():  # every run adds a TensorBoard event file of its own
         return sorted(p.relative_to(run) for p in run.rglob("*") if "tensorboard" not in p.parts)
 
     before = saved()
     if writer == "safetensors":
+
         def full(*args, **kwargs):
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os "
-                                              "error 28)")
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
+
         monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)  # save_pretrained's writer
     else:
+
         def full(*args, **kwargs):
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing "
-                               "file data/0: file write failed")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing "
+                "file data/0: file write failed"
+            )
+
         monkeypatch.setattr(torch, "save", full)
     err = one_line_error(capsys, ["--resume", str(run), "--iterations", "2"])
     assert f"could not write {run / 'checkpoint-2'}" in err and "what was saved before is intact" in err
@@ -173,10 +247,28 @@ def hanging_in_a_subprocess(tmp_path, reward_source: str, *options):
     are ``tmp_path/p.jsonl``."""
     (tmp_path / "hang.py").write_text(reward_source)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
-    command = [sys.executable, "-m", "fastppo", "train", "--prompts", str(tmp_path / "p.jsonl"), "--reward",
-               "hang:score", "--out", str(tmp_path / "run"), *TINY, *options]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    command = [
+        sys.executable,
+        "-m",
+        "fastppo",
+        "train",
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--reward",
+        "hang:score",
+        "--out",
+        str(tmp_path / "run"),
+        *TINY,
+        *options,
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / "scoring").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -193,8 +285,10 @@ def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tmp_path):
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 130
-    assert err.strip().splitlines()[-1] == ("fastppo train: stopped at once by a second signal (SIGINT then SIGINT), "
-                                            "without a checkpoint; the newest checkpoint is intact")
+    assert err.strip().splitlines()[-1] == (
+        "fastppo train: stopped at once by a second signal (SIGINT then SIGINT), "
+        "without a checkpoint; the newest checkpoint is intact"
+    )
 
 
 HANGING_AT_THE_END = """
@@ -213,13 +307,23 @@ def score(prompts, completions, **_):
 
 @pytest.mark.slow  # the real command in a subprocess
 def test_one_ctrl_c_stops_the_final_evaluation_once_everything_is_saved(tmp_path):
-    process = hanging_in_a_subprocess(tmp_path, HANGING_AT_THE_END, "--eval-prompts", str(tmp_path / "p.jsonl"),
-                                      "--evaluate", "true", "--save", "true")
+    process = hanging_in_a_subprocess(
+        tmp_path,
+        HANGING_AT_THE_END,
+        "--eval-prompts",
+        str(tmp_path / "p.jsonl"),
+        "--evaluate",
+        "true",
+        "--save",
+        "true",
+    )
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 130
-    assert err.strip().splitlines()[-1] == ("fastppo train: stopped during the final held-out evaluation; the trained "
-                                            "policy and checkpoint-1 are saved (SIGTERM)")
+    assert err.strip().splitlines()[-1] == (
+        "fastppo train: stopped during the final held-out evaluation; the trained "
+        "policy and checkpoint-1 are saved (SIGTERM)"
+    )
     assert (tmp_path / "run" / "policy" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "checkpoint-1").is_dir()
 
@@ -228,7 +332,9 @@ def test_a_reward_module_in_the_working_directory_is_found_without_python_m(tmp_
     """The ``fastppo`` script has no working directory on sys.path; ``python -m fastppo`` has."""
     from fastppo.trainer.tasks import load_reward
 
-    (tmp_path / "here_reward.py").write_text("def score(prompts, completions, **_):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "here_reward.py").write_text(
+        "def score(prompts, completions, **_):\n    return [1.0] * len(completions)\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "here_reward", raising=False)
@@ -237,17 +343,20 @@ def test_a_reward_module_in_the_working_directory_is_found_without_python_m(tmp_
         load_reward("no_such_reward:score")
 
 
-@pytest.mark.parametrize("fields,match", [
-    (dict(prompts="missing.jsonl", reward=["gsm8k"]), "--prompts missing.jsonl: no such file"),
-    (dict(reward=["nowhere_module:score"]), "cannot import nowhere_module"),
-    (dict(eval_prompts="held.txt", evaluate=True), "--eval-prompts held.txt: unknown format '.txt'"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(prompts="missing.jsonl", reward=["gsm8k"]), "--prompts missing.jsonl: no such file"),
+        (dict(reward=["nowhere_module:score"]), "cannot import nowhere_module"),
+        (dict(eval_prompts="held.txt", evaluate=True), "--eval-prompts held.txt: unknown format '.txt'"),
+    ],
+)
 def test_prompt_and_reward_errors_come_before_the_model_loads(tmp_path, monkeypatch, fields, match):
-    from fastppo.trainer import ppo
+    from fastppo.trainer import build
 
     def no_loading(path):
         raise AssertionError("the model loaded before the prompts and rewards were checked")
 
-    monkeypatch.setattr(ppo, "load_policy", no_loading)
+    monkeypatch.setattr(build, "load_policy", no_loading)
     with pytest.raises(UsageError, match=match):
         PPOTrainer(config(tmp_path, **fields))

@@ -10,8 +10,22 @@ from fastppo.cli import main as fastppo_main
 from fastppo.trainer.inputs import INPUTS_FILE
 
 REWARD = "def score(prompts, completions, **_):\n    return [float(len(c)) for c in completions]\n"
-TINY = ["--iterations", "1", "--save-every", "1", "--device", "cpu", "--evaluate", "false",
-        "--prompts-per-iteration", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4"]
+TINY = [
+    "--iterations",
+    "1",
+    "--save-every",
+    "1",
+    "--device",
+    "cpu",
+    "--evaluate",
+    "false",
+    "--prompts-per-iteration",
+    "2",
+    "--samples-per-prompt",
+    "2",
+    "--max-new-tokens",
+    "4",
+]
 
 
 @pytest.fixture
@@ -27,8 +41,10 @@ def started_elsewhere(tmp_path, monkeypatch):
     monkeypatch.chdir(start)
     monkeypatch.syspath_prepend(".")
     run = tmp_path / "run"
-    assert fastppo_main(["train", "--prompts", "p.jsonl", "--reward", "pinned_reward:score", "--out", str(run),
-                         *TINY]) == 0
+    assert (
+        fastppo_main(["train", "--prompts", "p.jsonl", "--reward", "pinned_reward:score", "--out", str(run), *TINY])
+        == 0
+    )
     monkeypatch.chdir(later)
     sys.path.remove(".")
     sys.modules.pop("pinned_reward")

@@ -11,17 +11,20 @@ pytest.importorskip("peft")
 
 from fastppo.trainer import PPOTrainer  # noqa: E402
 from fastppo.trainer.errors import UsageError  # noqa: E402
+from fastppo.trainer.loss import minibatch_loss  # noqa: E402
 from fastppo.trainer.models import char_tokenizer, tiny_policy  # noqa: E402
-from tests.trainer.test_prepare import direct_logprobs, rolled_out  # noqa: E402
-from tests.trainer.test_trainer import config, mean_reward  # noqa: E402
+from tests.trainer.runs import config, direct_logprobs, mean_reward, rolled_out  # noqa: E402  # noqa: E402
 
 
 def lora_trainer(tmp_path, **fields):
     tokenizer = char_tokenizer()
     base = tiny_policy(tokenizer, seed=0)
     original = copy.deepcopy(base)
-    trainer = PPOTrainer(config(tmp_path, task="vowels", lora_rank=4, prompts_per_iteration=4, samples_per_prompt=2,
-                                **fields), policy=base, tokenizer=tokenizer)
+    trainer = PPOTrainer(
+        config(tmp_path, task="vowels", lora_rank=4, prompts_per_iteration=4, samples_per_prompt=2, **fields),
+        policy=base,
+        tokenizer=tokenizer,
+    )
     return trainer, original
 
 
@@ -38,11 +41,12 @@ def test_only_the_adapters_train_in_fp32_and_the_base_is_shared(tmp_path):
     trainer, _ = lora_trainer(tmp_path, kl_coef=0.1, save=False)
     trained = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
-    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == \
-        {id(p) for p in trainer.policy.parameters() if p.requires_grad}
+    assert {id(p) for g in trainer.optimizers.policy.param_groups for p in g["params"]} == {
+        id(p) for p in trainer.policy.parameters() if p.requires_grad
+    }
     assert all(p.dtype == torch.float32 for p in trainer.policy.parameters() if p.requires_grad)
-    assert trainer.reference is trainer.policy  # no copy: the reference is the adapters switched off
-    assert trainer.rollout_weights.shared and trainer.sampler.model is trainer.policy
+    assert trainer.models.reference is trainer.policy  # no copy: the reference is the adapters switched off
+    assert trainer.models.rollout_weights.shared and trainer.rollouts.sampler.model is trainer.policy
     projections = {n.split(".")[-1] for n, m in trainer.policy.named_modules() if hasattr(m, "lora_A")}
     assert projections == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -52,18 +56,31 @@ def test_greedy_rollouts_equal_generate_of_the_peft_model(tmp_path):
     perturb_adapters(trainer)
     tok = trainer.tokenizer
     prompts = [tok(p, add_special_tokens=False).input_ids for p in ("abc", "hello", "xy")]
-    rollout = trainer.sampler.generate(prompts, max_new_tokens=8, temperature=0.0, stop_token_ids=(),
-                                       pad_token_id=tok.pad_token_id)
-    peft_model = trainer.lora.peft_model
+    rollout = trainer.rollouts.sampler.generate(
+        prompts, max_new_tokens=8, temperature=0.0, stop_token_ids=(), pad_token_id=tok.pad_token_id
+    )
+    peft_model = trainer.models.lora.peft_model
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])
-        expected = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                       do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
-        assert rollout.response_ids[i].tolist() == expected[0, len(prompt):].tolist()
-        plain = original.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                  do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
+        expected = peft_model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tok.pad_token_id,
+        )
+        assert rollout.response_ids[i].tolist() == expected[0, len(prompt) :].tolist()
+        plain = original.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tok.pad_token_id,
+        )
         if i == 0:
-            assert plain[0, len(prompt):].tolist() != expected[0, len(prompt):].tolist()  # the adapters matter
+            assert plain[0, len(prompt) :].tolist() != expected[0, len(prompt) :].tolist()  # the adapters matter
 
 
 def test_reference_logprobs_are_the_base_models(tmp_path):
@@ -106,13 +123,14 @@ def test_the_adapter_is_saved_in_peft_format_and_merged_on_request(tmp_path):
 
 
 def test_a_lora_run_resumes_exactly(tmp_path):
-    fields = dict(lora_rank=4, lr=1e-2, prompts_per_iteration=4, samples_per_prompt=2, warmup_iterations=2,
-                  lr_schedule="cosine")
+    fields = dict(
+        lora_rank=4, lr=1e-2, prompts_per_iteration=4, samples_per_prompt=2, warmup_iterations=2, lr_schedule="cosine"
+    )
     straight = PPOTrainer(config(tmp_path / "a", iterations=4, **fields))
     straight.train()
     PPOTrainer(config(tmp_path / "b", iterations=2, save_every=2, **fields)).train()
     resumed, start = PPOTrainer.resume(tmp_path / "b" / "run", {"iterations": 4})
-    assert start == 2 and resumed.lora is not None
+    assert start == 2 and resumed.models.lora is not None
     resumed.train(start)
     adapters = [(n, p) for n, p in straight.policy.named_parameters() if p.requires_grad]
     assert adapters
@@ -122,11 +140,14 @@ def test_a_lora_run_resumes_exactly(tmp_path):
     assert any((p != 0).any() for n, p in adapters if "lora_B" in n)  # the adapters trained
 
 
-@pytest.mark.parametrize("targets,match", [
-    ("q_proj,attn_out", "attn_out is not a linear layer of this model; it has down_proj, gate_proj, k_proj"),
-    ("lm_head", "LoRA on the LM head"),
-    (" , ", "nothing is not a linear layer"),
-])
+@pytest.mark.parametrize(
+    "targets,match",
+    [
+        ("q_proj,attn_out", "attn_out is not a linear layer of this model; it has down_proj, gate_proj, k_proj"),
+        ("lm_head", "LoRA on the LM head"),
+        (" , ", "nothing is not a linear layer"),
+    ],
+)
 def test_bad_target_modules_are_named(tmp_path, targets, match):
     with pytest.raises(UsageError, match=match):
         lora_trainer(tmp_path, lora_target_modules=targets)
@@ -154,7 +175,9 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients(tmp_p
         perturb_adapters(trainer)
         _, batch = rolled_out(trainer)
         trainer.policy.train()
-        loss, _ = trainer._loss(batch, False, batch.mask.sum(), on_policy=True)
+        loss, _ = minibatch_loss(
+            batch, trainer.models, trainer.config, trainer.state.kl_coef, batch.mask.sum(), on_policy=True
+        )
         loss.backward()
         grads.append([p.grad for p in trainer.policy.parameters() if p.requires_grad])
     assert all(g is not None for g in grads[1]) and any(g.abs().sum() > 0 for g in grads[1])

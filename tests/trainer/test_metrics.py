@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from tests.trainer.test_prepare import drifted, rolled_out
+from tests.trainer.runs import drifted, rolled_out
 
 
 def logged_update(trainer, batch, **algo) -> dict:
     """The stats ``update`` logs for ``batch`` with ``algo`` fields set, no optimizer step taken."""
     for name, value in algo.items():
         setattr(trainer.config.algo, name, value)
-    trainer._step = lambda: None
+    trainer.optimizers.step = lambda state: None
     return trainer.update(copy.deepcopy(batch))
 
 
@@ -36,10 +36,9 @@ def test_logged_loss_terms_do_not_depend_on_how_a_step_is_split(tmp_path, estima
 def test_generated_and_trained_tokens_are_logged_apart_and_the_evaluation_is_timed(tmp_path):
     """With --mask-truncated the loss keeps fewer tokens than were sampled: both rates are logged;
     most of a batch masked out is said once."""
-    from tests.trainer.test_trainer import untrained
+    from tests.trainer.runs import untrained
 
-    trainer = untrained(tmp_path, iterations=2, mask_truncated=True, max_new_tokens=3, evaluate=True,
-                        save=False)
+    trainer = untrained(tmp_path, iterations=2, mask_truncated=True, max_new_tokens=3, evaluate=True, save=False)
     with pytest.warns(UserWarning, match=r"of a batch's responses hit max_new_tokens=3 and are left out") as caught:
         trainer.train()
     assert sum("left out of the loss" in str(w.message) for w in caught) == 1
@@ -48,8 +47,9 @@ def test_generated_and_trained_tokens_are_logged_apart_and_the_evaluation_is_tim
     for row in trained:
         generated = row["response_length"] * 32  # 8 prompts x 4 samples
         assert row["tokens_per_s_generated"] > row["tokens_per_s_trained"]
-        assert row["tokens_per_s_generated"] * (row["time_rollout"] + row["time_forward"] + row["time_update"]) \
-            == pytest.approx(generated, rel=0.05)
+        assert row["tokens_per_s_generated"] * (
+            row["time_rollout"] + row["time_forward"] + row["time_update"]
+        ) == pytest.approx(generated, rel=0.05)
     assert [("time_eval" in row) for row in rows] == [True, False, True]  # before iteration 0, and at the end
 
 
@@ -59,10 +59,10 @@ def half(prompts, completions, **_):
 
 def test_held_out_scores_of_each_reward_beside_their_weighted_sum(tmp_path):
     from fastppo.trainer.tasks import Rewards, vowels_reward
-    from tests.trainer.test_trainer import untrained
+    from tests.trainer.runs import untrained
 
     trainer = untrained(tmp_path, evaluate=True, save=False)
-    trainer.rewards = Rewards([("vowels", vowels_reward), ("half", half)], [1.0, 0.2])
+    trainer.rollouts.rewards = Rewards([("vowels", vowels_reward), ("half", half)], [1.0, 0.2])
     metrics = trainer.evaluate(0)
     assert metrics["eval/half/greedy"] == metrics["eval/half/pass@4"] == pytest.approx(0.5)
     for kind in ("greedy", "mean@4"):
@@ -74,8 +74,20 @@ def test_the_summary_of_a_resumed_run_covers_the_whole_run(tmp_path, monkeypatch
 
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
     run = tmp_path / "run"
-    argv = ["--device", "cpu", "--task", "vowels", "--reward", "fastppo.trainer.tasks:vowels_reward",
-            "--reward", "tests.trainer.test_metrics:half", "--prompts-per-iteration", "2", "--save-every", "1"]
+    argv = [
+        "--device",
+        "cpu",
+        "--task",
+        "vowels",
+        "--reward",
+        "fastppo.trainer.tasks:vowels_reward",
+        "--reward",
+        "tests.trainer.test_metrics:half",
+        "--prompts-per-iteration",
+        "2",
+        "--save-every",
+        "1",
+    ]
     assert fastppo_main(["train", *argv, "--iterations", "2", "--out", str(run)]) == 0
     capsys.readouterr()
     assert fastppo_main(["train", "--resume", str(run), "--iterations", "3"]) == 0
@@ -89,7 +101,7 @@ def test_the_summary_of_a_resumed_run_covers_the_whole_run(tmp_path, monkeypatch
 
 def test_completions_are_logged_as_text_and_a_resume_keeps_them_in_step(tmp_path):
     from fastppo.trainer import PPOTrainer
-    from tests.trainer.test_trainer import untrained
+    from tests.trainer.runs import untrained
 
     untrained(tmp_path, iterations=2, save_every=1, evaluate=False, log_completions=3).train()
     path = tmp_path / "run" / "completions.jsonl"
@@ -105,23 +117,30 @@ def test_completions_are_logged_as_text_and_a_resume_keeps_them_in_step(tmp_path
 
 
 def test_a_run_says_what_it_is_before_it_starts(tmp_path, capsys):
-    from tests.trainer.test_trainer import untrained
+    from tests.trainer.runs import untrained
 
     untrained(tmp_path, iterations=1, evaluate=False, save=False).train()
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("model: ") and "parameters" in out[0] and "rewards: vowels x 1" in out[0]
-    assert out[1].startswith("each iteration: 8 prompts x 4 samples, up to 8 new tokens each, of 256 prompts; "
-                             "the first, as the sampler sees it: '")
-    assert out[2].startswith("memory plan for one cpu device: ") and out[2].endswith("(the lines: fastppo train --plan)")
+    assert out[1].startswith(
+        "each iteration: 8 prompts x 4 samples, up to 8 new tokens each, of 256 prompts; "
+        "the first, as the sampler sees it: '"
+    )
+    assert out[2].startswith("memory plan for one cpu device: ") and out[2].endswith(
+        "(the lines: fastppo train --plan)"
+    )
 
 
 def test_a_model_of_one_s_own_with_the_toy_defaults_gets_a_note(tmp_path, capsys):
-    from tests.trainer.test_trainer import untrained
+    from fastppo.trainer.summary import toy_defaults
+    from tests.trainer.runs import untrained
 
     trainer = untrained(tmp_path, model="my-model", lr=5e-4, iterations=1)  # the default lr, given or not
-    assert trainer.summary()[-1] == ("note: lr 0.0005 and max_new_tokens 8 are the defaults for the shipped tiny "
-                                     "model's task; a pretrained model usually wants an lr near 1e-6 and room for "
-                                     "hundreds of new tokens (--lr, --max-new-tokens)")
+    assert toy_defaults(trainer.config)[-1] == (
+        "note: lr 0.0005 and max_new_tokens 8 are the defaults for the shipped tiny "
+        "model's task; a pretrained model usually wants an lr near 1e-6 and room for "
+        "hundreds of new tokens (--lr, --max-new-tokens)"
+    )
     tuned = untrained(tmp_path / "b", model="my-model", lr=1e-6, max_new_tokens=64, iterations=1)
-    assert not tuned.summary()[-1].startswith("note:")
-    assert not untrained(tmp_path / "c", iterations=1).summary()[-1].startswith("note:")  # the shipped task
+    assert not toy_defaults(tuned.config)
+    assert not toy_defaults(untrained(tmp_path / "c", iterations=1).config)  # the shipped task

@@ -6,14 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from fastppo.bench.measure import LiveBytes
 from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
 from fastppo.trainer.models import char_tokenizer, tiny_policy
 from fastppo.trainer.plan import memory_plan
-from tests.trainer.test_trainer import config
+from tests.trainer.runs import config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
 
@@ -35,25 +34,28 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("fields", [{}, {"lora_rank": 4}, {"estimator": "gae"}, {"kl_coef": 0.1, "rollout_dtype": "bf16"},
-                                    {"rollout_batch_size": 12}])
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"lora_rank": 4}, {"estimator": "gae"}, {"kl_coef": 0.1, "rollout_dtype": "bf16"}, {"rollout_batch_size": 12}],
+)
 def test_weights_gradients_and_optimizer_state_are_exact(tmp_path, fields):
     plan, trainer, _ = planned_and_measured(tmp_path, **fields)
     policy = list(trainer.policy.parameters())
     assert plan["policy weights"] == nbytes(policy)
     assert plan["gradients"] == nbytes(p.grad for p in policy if p.grad is not None)
-    state = [t for s in trainer.optimizer.state.values() for t in s.values()]
+    state = [t for s in trainer.optimizers.policy.state.values() for t in s.values()]
     assert plan["AdamW state"] == nbytes(state)
     if trainer.critic is not None:
         critic = list(trainer.critic.parameters())
-        critic_state = [t for s in trainer.critic_optimizer.state.values() for t in s.values()]
+        critic_state = [t for s in trainer.optimizers.critic.state.values() for t in s.values()]
         assert plan["critic + its gradients and AdamW state"] == nbytes(critic) + nbytes(
-            p.grad for p in critic) + nbytes(critic_state)
-    if trainer.reference is not None and trainer.lora is None:
-        assert plan["reference"] == nbytes(trainer.reference.parameters())
-    if not trainer.rollout_weights.shared:
-        assert plan["rollout copy"] == nbytes(trainer.rollout_weights.model.parameters())
-    assert plan["KV cache"] == nbytes(trainer.sampler.lean.cache.k + trainer.sampler.lean.cache.v)
+            p.grad for p in critic
+        ) + nbytes(critic_state)
+    if trainer.models.reference is not None and trainer.models.lora is None:
+        assert plan["reference"] == nbytes(trainer.models.reference.parameters())
+    if not trainer.models.rollout_weights.shared:
+        assert plan["rollout copy"] == nbytes(trainer.models.rollout_weights.model.parameters())
+    assert plan["KV cache"] == nbytes(trainer.rollouts.sampler.lean.cache.k + trainer.rollouts.sampler.lean.cache.v)
 
 
 @pytest.mark.parametrize("fields", [{}, {"gradient_checkpointing": True}, {"estimator": "gae"}, {"lora_rank": 4}])
@@ -68,8 +70,11 @@ def test_checkpointing_and_lora_shrink_the_plan():
     qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-7b")
     fields = dict(prompts_per_iteration=8, samples_per_prompt=8, max_new_tokens=1536)
     totals = {}
-    for name, extra in {"full": {}, "checkpointing": {"gradient_checkpointing": True},
-                        "lora": {"lora_rank": 64, "gradient_checkpointing": True}}.items():
+    for name, extra in {
+        "full": {},
+        "checkpointing": {"gradient_checkpointing": True},
+        "lora": {"lora_rank": 64, "gradient_checkpointing": True},
+    }.items():
         cfg = config(Path("/unused"), **fields, **extra)
         lines = {line.name: line for line in memory_plan(cfg, qwen, prompt_tokens=512, device_type="cuda")}
         totals[name] = sum(line.bytes for line in lines.values())
@@ -84,10 +89,19 @@ def test_fsdp_divides_what_is_sharded_by_the_world_size_and_adds_what_is_gathere
 
     qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-7b")
     fields = dict(prompts_per_iteration=8, samples_per_prompt=8, max_new_tokens=1024, estimator="gae", kl_coef=0.02)
-    plans = {name: {line.name: line for line in memory_plan(config(Path("/unused"), **fields, **extra), qwen,
-                                                             prompt_tokens=512, device_type="cuda", world_size=8)}
-             for name, extra in {"ddp": {}, "fsdp": {"fsdp": True},
-                                 "fsdp kept": {"fsdp": True, "fsdp_reshard_after_forward": False}}.items()}
+    plans = {
+        name: {
+            line.name: line
+            for line in memory_plan(
+                config(Path("/unused"), **fields, **extra), qwen, prompt_tokens=512, device_type="cuda", world_size=8
+            )
+        }
+        for name, extra in {
+            "ddp": {},
+            "fsdp": {"fsdp": True},
+            "fsdp kept": {"fsdp": True, "fsdp_reshard_after_forward": False},
+        }.items()
+    }
     ddp, fsdp = plans["ddp"], plans["fsdp"]
     for name in ("policy weights", "gradients", "reference"):
         assert fsdp[name].bytes == ddp[name].bytes // 8
@@ -111,16 +125,39 @@ def test_a_config_without_a_tokenizer_needs_the_prompt_length(tmp_path, capsys):
     model = CONFIGS / "qwen2.5-1.5b"
     assert fastppo_main(["train", "--plan", "--model", str(model)]) == 2
     assert "--plan-prompt-tokens" in capsys.readouterr().err
-    assert fastppo_main(["train", "--plan", "--model", str(model), "--plan-prompt-tokens", "256",
-                         "--plan-device-memory", "8", "--device", "cuda"]) == 0
+    assert (
+        fastppo_main(
+            [
+                "train",
+                "--plan",
+                "--model",
+                str(model),
+                "--plan-prompt-tokens",
+                "256",
+                "--plan-device-memory",
+                "8",
+                "--device",
+                "cuda",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "1,543,714,304 fp32 master weights" in printed and "does NOT fit" in printed
     assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2"
 
 
 def test_a_plan_that_does_not_fit_names_what_would(capsys):
-    argv = ["train", "--plan", "--model", str(CONFIGS / "qwen2.5-1.5b"), "--plan-prompt-tokens", "256",
-            "--device", "cuda"]
+    argv = [
+        "train",
+        "--plan",
+        "--model",
+        str(CONFIGS / "qwen2.5-1.5b"),
+        "--plan-prompt-tokens",
+        "256",
+        "--device",
+        "cuda",
+    ]
     assert fastppo_main([*argv, "--plan-device-memory", "80"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("  it would fit with: --gradient-checkpointing (") and "--minibatches 4" in last
@@ -174,14 +211,26 @@ def test_returning_freed_memory_cuts_the_peak_of_a_lora_update():
     glibc's default (its heap keeps what tensors free) and with freed memory returned at once."""
     import subprocess
 
-    growth = {mode: float(subprocess.run([sys.executable, "-c", MEASURE, mode], capture_output=True, text=True,
-                                         check=True).stdout.split()[-1]) for mode in ("default", "release")}
+    growth = {
+        mode: float(
+            subprocess.run(
+                [sys.executable, "-c", MEASURE, mode], capture_output=True, text=True, check=True
+            ).stdout.split()[-1]
+        )
+        for mode in ("default", "release")
+    }
     assert growth["release"] < 0.7 * growth["default"], growth
 
 
-@pytest.mark.parametrize("fields,released", [({"lora_rank": 4}, True), ({}, False),
-                                             ({"cpu_release_memory": True}, True),
-                                             ({"lora_rank": 4, "cpu_release_memory": False}, False)])
+@pytest.mark.parametrize(
+    "fields,released",
+    [
+        ({"lora_rank": 4}, True),
+        ({}, False),
+        ({"cpu_release_memory": True}, True),
+        ({"lora_rank": 4, "cpu_release_memory": False}, False),
+    ],
+)
 def test_a_cpu_run_returns_freed_memory_by_default_when_it_is_lora(tmp_path, released_memory, fields, released):
     tokenizer = char_tokenizer()
     PPOTrainer(config(tmp_path, task="vowels", **fields), policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from fastppo.trainer import PPOTrainer
 from fastppo.trainer.models import char_tokenizer, tiny_policy
-from tests.trainer.test_trainer import config
+from tests.trainer.runs import config
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,25 @@ def stored_dtypes(directory) -> set:
 
 
 def test_a_bf16_checkpoint_trains_fp32_masters_and_is_saved_in_bf16(tmp_path, bf16_checkpoint):
-    trainer = PPOTrainer(config(tmp_path, model=str(bf16_checkpoint), task="vowels", iterations=2, lr=1e-5,
-                                prompts_per_iteration=4, samples_per_prompt=2, save_every=1))
+    trainer = PPOTrainer(
+        config(
+            tmp_path,
+            model=str(bf16_checkpoint),
+            task="vowels",
+            iterations=2,
+            lr=1e-5,
+            prompts_per_iteration=4,
+            samples_per_prompt=2,
+            save_every=1,
+        )
+    )
     start = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     assert all(p.dtype == torch.float32 for p in start.values())
     trainer.train()
-    state = trainer.optimizer.state_dict()["state"]
-    assert state and all(s["exp_avg"].dtype == torch.float32 and s["exp_avg_sq"].dtype == torch.float32
-                         for s in state.values())
+    state = trainer.optimizers.policy.state_dict()["state"]
+    assert state and all(
+        s["exp_avg"].dtype == torch.float32 and s["exp_avg_sq"].dtype == torch.float32 for s in state.values()
+    )
     # Steps of lr 1e-5 moved the fp32 masters, yet most of them would round back to the same bf16
     # weight: trained in bf16 those updates would have vanished.
     moved = lost = total = 0
@@ -61,19 +72,28 @@ def test_a_bf16_checkpoint_trains_fp32_masters_and_is_saved_in_bf16(tmp_path, bf
 
 @pytest.mark.parametrize("save_dtype,stored", [("float32", "F32"), ("fp16", "F16")])
 def test_save_dtype_chooses_the_saved_dtype(tmp_path, bf16_checkpoint, save_dtype, stored):
-    trainer = PPOTrainer(config(tmp_path, model=str(bf16_checkpoint), task="vowels", iterations=1,
-                                prompts_per_iteration=2, samples_per_prompt=2, save_dtype=save_dtype))
+    trainer = PPOTrainer(
+        config(
+            tmp_path,
+            model=str(bf16_checkpoint),
+            task="vowels",
+            iterations=1,
+            prompts_per_iteration=2,
+            samples_per_prompt=2,
+            save_dtype=save_dtype,
+        )
+    )
     trainer.train()
     assert stored_dtypes(tmp_path / "run" / "policy") == {stored}
 
 
 def test_the_cpu_computes_in_fp32_unless_autocast_is_asked(tmp_path):
     plain = PPOTrainer(config(tmp_path / "a", kl_coef=0.1, save=False))
-    assert plain.precision.compute is None and plain.reference.dtype == torch.float32
-    assert plain.rollout_weights.shared  # fp32 masters, fp32 rollout: no copy on the CPU
+    assert plain.models.precision.compute is None and plain.models.reference.dtype == torch.float32
+    assert plain.models.rollout_weights.shared  # fp32 masters, fp32 rollout: no copy on the CPU
     asked = PPOTrainer(config(tmp_path / "b", kl_coef=0.1, autocast=True, save=False))
-    assert asked.precision.compute == torch.bfloat16
-    assert asked.reference.dtype == torch.bfloat16  # frozen models in the compute dtype
+    assert asked.models.precision.compute == torch.bfloat16
+    assert asked.models.reference.dtype == torch.bfloat16  # frozen models in the compute dtype
     assert all(p.dtype == torch.float32 for p in asked.policy.parameters())
     metrics = asked.iteration(0)
     assert all(metrics[k] == metrics[k] for k in ("approx_kl", "pg_loss", "rollout_kl"))  # not NaN
@@ -81,10 +101,10 @@ def test_the_cpu_computes_in_fp32_unless_autocast_is_asked(tmp_path):
 
 def test_the_rollout_copy_is_bf16_and_follows_each_optimizer_step(tmp_path):
     trainer = PPOTrainer(config(tmp_path, rollout_dtype="bfloat16", lr=1e-2, save=False))
-    copy = trainer.rollout_weights.model
-    assert trainer.sampler.model is copy and copy is not trainer.policy
+    copy = trainer.models.rollout_weights.model
+    assert trainer.rollouts.sampler.model is copy and copy is not trainer.policy
     assert all(p.dtype == torch.bfloat16 for p in copy.parameters())
-    assert trainer.sampler.lean.cache.k[0].dtype == torch.bfloat16  # the KV cache follows the copy
+    assert trainer.rollouts.sampler.lean.cache.k[0].dtype == torch.bfloat16  # the KV cache follows the copy
     addresses = [p.data_ptr() for p in copy.parameters()]
     metrics = trainer.iteration(0)
     assert metrics["logprob_mismatch"] > 1e-4  # bf16 sampling, fp32 recomputation: logged
@@ -101,15 +121,26 @@ def test_tied_embeddings_stay_tied_in_the_rollout_copy(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = char_tokenizer()
-    policy = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1))
-    trainer = PPOTrainer(config(tmp_path, task="vowels", rollout_dtype="bfloat16", save=False), policy=policy,
-                         tokenizer=tokenizer)
-    copy = trainer.rollout_weights.model
+    policy = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+    trainer = PPOTrainer(
+        config(tmp_path, task="vowels", rollout_dtype="bfloat16", save=False), policy=policy, tokenizer=tokenizer
+    )
+    copy = trainer.models.rollout_weights.model
     assert copy.lm_head.weight is copy.model.embed_tokens.weight
     trainer.iteration(0)
-    trainer.rollout_weights.refresh()
+    trainer.models.rollout_weights.refresh()
     assert torch.equal(copy.lm_head.weight, trainer.policy.lm_head.weight.detach().bfloat16())
 
 

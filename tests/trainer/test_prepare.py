@@ -10,33 +10,9 @@ import pytest
 import torch
 
 import fastppo
-from fastppo.trainer.ppo import response_hidden
-from tests.trainer.test_trainer import untrained
-
-TEMPERATURE = 0.7
-
-
-def drifted(tmp_path, **fields):
-    """A trainer whose policy has moved away from its reference, so the KL between them is not 0."""
-    trainer = untrained(tmp_path, temperature=TEMPERATURE, save=False, **fields)
-    with torch.no_grad():
-        for p in trainer.policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return trainer
-
-
-def direct_logprobs(model, batch, temperature):
-    """The response tokens' log-probs under ``model`` at ``temperature``, from the op itself."""
-    hidden = response_hidden(model, batch)
-    head = model.get_output_embeddings()
-    labels = batch.response_ids.masked_fill(~batch.mask, -100)
-    return fastppo.token_logprobs_from_hidden(hidden, head.weight, labels, bias=head.bias, temperature=temperature)
-
-
-def rolled_out(trainer):
-    scored = trainer.rollout(0)
-    rollout, scores = scored.rollout, scored.scores
-    return scores, trainer.prepare(rollout, scores)
+from fastppo.trainer.batch import response_hidden
+from fastppo.trainer.loss import minibatch_loss
+from tests.trainer.runs import TEMPERATURE, direct_logprobs, drifted, rolled_out, untrained
 
 
 @torch.no_grad()
@@ -45,10 +21,10 @@ def test_gae_batch_is_whitened_gae_over_kl_shaped_rewards(tmp_path):
     scores, batch = rolled_out(trainer)
     mask = batch.mask
     old = direct_logprobs(trainer.policy, batch, TEMPERATURE)
-    ref = direct_logprobs(trainer.reference, batch, TEMPERATURE)
+    ref = direct_logprobs(trainer.models.reference, batch, TEMPERATURE)
     torch.testing.assert_close(batch.old_logprobs, old)
     torch.testing.assert_close(batch.ref_logprobs, ref)  # at the rollout temperature ...
-    at_one = direct_logprobs(trainer.reference, batch, 1.0)
+    at_one = direct_logprobs(trainer.models.reference, batch, 1.0)
     assert (batch.ref_logprobs - at_one).abs().max() > 1e-2  # ... which the test can tell from 1
     values = trainer.critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float() * mask
     torch.testing.assert_close(batch.values, values)
@@ -78,32 +54,50 @@ def test_critic_free_advantages_are_the_group_estimators(tmp_path, estimator):
     if estimator == "reinforce_baseline":
         expected = fastppo.masked_whiten(expected, batch.mask)
     torch.testing.assert_close(batch.advantages, expected)
-    torch.testing.assert_close(batch.ref_logprobs, direct_logprobs(trainer.reference, batch, TEMPERATURE))
+    torch.testing.assert_close(batch.ref_logprobs, direct_logprobs(trainer.models.reference, batch, TEMPERATURE))
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path, estimator):
-    fields = dict(estimator=estimator, kl_coef=0.1, clip_eps=0.15, entropy_coef=0.02, kl_estimator="k2",
-                  vf_coef=0.3, vf_clip=0.1, recompute_old_logprobs=True)
+    fields = dict(
+        estimator=estimator,
+        kl_coef=0.1,
+        clip_eps=0.15,
+        entropy_coef=0.02,
+        kl_estimator="k2",
+        vf_coef=0.3,
+        vf_clip=0.1,
+        recompute_old_logprobs=True,
+    )
     trainer = drifted(tmp_path, **fields)
     _, batch = rolled_out(trainer)
     batch.old_logprobs = batch.old_logprobs + 0.1 * torch.randn_like(batch.old_logprobs) * batch.mask  # ratios != 1
     tokens = batch.mask.sum()
-    loss, stats = trainer._loss(batch, estimator != "gae", tokens, on_policy=False)
+    loss, stats = minibatch_loss(batch, trainer.models, trainer.config, trainer.state.kl_coef, tokens, on_policy=False)
 
     hidden = response_hidden(trainer.policy, batch)
     head = trainer.policy.get_output_embeddings()
     kl_in_loss = estimator != "gae"  # with a critic the KL is in the reward instead
     expected, expected_stats = fastppo.ppo_loss_from_logits(
-        hidden @ head.weight.T, batch.response_ids, batch.old_logprobs, batch.advantages, batch.mask,
-        temperature=TEMPERATURE, clip_eps=0.15, entropy_coef=0.02, kl_estimator="k2",
-        ref_logprobs=batch.ref_logprobs if kl_in_loss else None, kl_coef=0.1 if kl_in_loss else 0.0,
-        num_tokens=int(tokens))
+        hidden @ head.weight.T,
+        batch.response_ids,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.mask,
+        temperature=TEMPERATURE,
+        clip_eps=0.15,
+        entropy_coef=0.02,
+        kl_estimator="k2",
+        ref_logprobs=batch.ref_logprobs if kl_in_loss else None,
+        kl_coef=0.1 if kl_in_loss else 0.0,
+        num_tokens=int(tokens),
+    )
     assert expected_stats["clipfrac"] > 0
     if estimator == "gae":
         values = trainer.critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float()
-        vf, _ = fastppo.value_loss(values, batch.values, batch.returns, batch.mask, clip_eps=0.1,
-                                   num_tokens=int(tokens))
+        vf, _ = fastppo.value_loss(
+            values, batch.values, batch.returns, batch.mask, clip_eps=0.1, num_tokens=int(tokens)
+        )
         expected = expected + 0.3 * vf
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for name in ("pg_loss", "clipfrac", "entropy"):
@@ -122,7 +116,7 @@ def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradi
     # computed and never applied would show in the loss
     batch.sampler_logprobs = batch.sampler_logprobs + 0.3 * torch.rand_like(batch.sampler_logprobs)
     tokens = batch.mask.sum()
-    loss, stats = trainer._loss(batch, True, tokens, on_policy=True)
+    loss, stats = minibatch_loss(batch, trainer.models, trainer.config, trainer.state.kl_coef, tokens, on_policy=True)
     loss.backward()
     grads = [p.grad.clone() for p in trainer.policy.parameters()]
     trainer.policy.zero_grad()
@@ -139,8 +133,17 @@ def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradi
     hidden = response_hidden(trainer.policy, batch)
     head = trainer.policy.get_output_embeddings()
     expected, expected_stats = fastppo.ppo_loss_from_logits(
-        hidden @ head.weight.T, batch.response_ids, old, advantages, batch.mask, temperature=TEMPERATURE,
-        entropy_coef=0.02, ref_logprobs=batch.ref_logprobs, kl_coef=0.1, num_tokens=int(tokens))
+        hidden @ head.weight.T,
+        batch.response_ids,
+        old,
+        advantages,
+        batch.mask,
+        temperature=TEMPERATURE,
+        entropy_coef=0.02,
+        ref_logprobs=batch.ref_logprobs,
+        kl_coef=0.1,
+        num_tokens=int(tokens),
+    )
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for name in ("pg_loss", "entropy", "kl", "ratio_mean"):
@@ -149,8 +152,10 @@ def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradi
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("fields", [dict(ppo_epochs=2), dict(minibatches=2), dict(recompute_old_logprobs=True),
-                                    dict(estimator="gae", kl_coef=0.1)])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(ppo_epochs=2), dict(minibatches=2), dict(recompute_old_logprobs=True), dict(estimator="gae", kl_coef=0.1)],
+)
 def test_old_logprobs_get_their_own_pass_when_the_update_is_not_on_policy(tmp_path, fields):
     trainer = untrained(tmp_path, save=False, **fields)
     assert not trainer.config.old_logprobs_from_update

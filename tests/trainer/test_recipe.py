@@ -1,37 +1,30 @@
-"""The README's GSM8K recipe, run as written but for its paths and sizes: a tiny random Llama with
-a byte-level vocabulary and a ChatML (Qwen2.5-style) chat template, on small GSM8K-format
-parquet files written here."""
+"""The GSM8K recipe (``recipes/gsm8k.toml``), run as written but for its paths and sizes, which the
+command line overrides: a tiny random Llama with a byte-level vocabulary and a ChatML
+(Qwen2.5-style) chat template, on small GSM8K-format parquet files written here."""
 
 import json
 import random
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 
 from fastppo.cli import main as fastppo_main
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gsm8k.toml"
+CHATML = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
-def recipe() -> list:
-    """The recipe's command from the README, as arguments after ``fastppo train``."""
-    block = re.search(r"```bash\n(fastppo train --model Qwen2\.5.*?)```", README.read_text(), re.DOTALL).group(1)
-    words = shlex.split(block.replace("\\\n", " "))
-    assert words[:2] == ["fastppo", "train"]
-    return words[2:]
-
-
-def override(args: list, **values) -> list:
-    """``args`` with the value after each ``--option`` replaced (all must be there)."""
-    args = list(args)
-    for name, value in values.items():
-        flag = "--" + name.replace("_", "-")
-        args[args.index(flag) + 1] = str(value)
-    return args
+def recipe(**changes) -> list:
+    """``fastppo train`` arguments: the recipe, then ``changes`` over its fields."""
+    return [
+        "--config",
+        str(RECIPE),
+        *[word for name, value in changes.items() for word in ("--" + name.replace("_", "-"), str(value))],
+    ]
 
 
 def instruct_model(directory: Path) -> str:
@@ -43,12 +36,26 @@ def instruct_model(directory: Path) -> str:
     words = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Split(Regex("<\\|im_start\\|>|<\\|im_end\\|>|."), behavior="isolated")
     words.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tokenizer.chat_template = CHATML
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
@@ -60,22 +67,36 @@ def gsm8k_rows(count: int, seed: int) -> list:
     rows = []
     for _ in range(count):
         a, b = rng.randint(2, 40), rng.randint(2, 40)
-        rows.append({"question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
-                     "answer": f"Tom has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"})
+        rows.append(
+            {
+                "question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
+                "answer": f"Tom has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+            }
+        )
     return rows
 
 
-def test_the_readme_recipe_trains_and_reports_held_out_accuracy(tmp_path, capsys):
-    pyarrow = pytest.importorskip("pyarrow")
+def test_the_recipe_trains_and_reports_held_out_accuracy(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    import pyarrow
     import pyarrow.parquet
 
     model = instruct_model(tmp_path / "model")
     for name, rows in (("train", gsm8k_rows(12, 0)), ("test", gsm8k_rows(6, 1))):
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
     out = tmp_path / "run"
-    args = override(recipe(), model=model, prompts=tmp_path / "train.parquet", eval_prompts=tmp_path / "test.parquet",
-                    out=out, prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=12, iterations=3,
-                    eval_every=2, eval_samples=2)
+    args = recipe(
+        model=model,
+        prompts=tmp_path / "train.parquet",
+        eval_prompts=tmp_path / "test.parquet",
+        out=out,
+        prompts_per_iteration=4,
+        samples_per_prompt=4,
+        max_new_tokens=12,
+        iterations=3,
+        eval_every=2,
+        eval_samples=2,
+    )
 
     from transformers import AutoTokenizer
 
@@ -83,11 +104,23 @@ def test_the_readme_recipe_trains_and_reports_held_out_accuracy(tmp_path, capsys
     from fastppo.trainer.config import from_arguments
 
     parsed = _parse(args)  # the prompts as the trainer renders them: the chat template's
-    trainer = PPOTrainer(from_arguments(parsed))
+    config = from_arguments(parsed)
+    assert (
+        config.data.system_prompt,
+        config.data.max_prompt_tokens,
+        config.algo.clip_eps_high,
+        config.algo.mask_truncated,
+    ) == ("Solve the problem step by step. End with the final answer after ####.", 256, 0.28, True)  # the file's
+    trainer = PPOTrainer(config)
     tokenizer, train_rows = AutoTokenizer.from_pretrained(model), gsm8k_rows(12, 0)
-    rendered = [tokenizer.apply_chat_template([{"role": "system", "content": parsed.system_prompt},
-                                               {"role": "user", "content": row["question"]}],
-                                              tokenize=False, add_generation_prompt=True) for row in train_rows]
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": config.data.system_prompt}, {"role": "user", "content": row["question"]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for row in train_rows
+    ]
     assert trainer.prompts.texts == rendered
     assert rendered[0].startswith("<|im_start|>system\nSolve the problem")
     assert trainer.prompts.fields[0] == {"answer": train_rows[0]["answer"]}
@@ -99,8 +132,11 @@ def test_the_readme_recipe_trains_and_reports_held_out_accuracy(tmp_path, capsys
     assert all("reward/gsm8k" in r for r in rows[:3])
     assert [r["iteration"] for r in rows if "eval/greedy" in r] == [0, 2, 3]
     printed = capsys.readouterr().out
-    assert re.search(r"held-out \(6 prompts\): greedy \d\.\d{3} -> \d\.\d{3}, pass@2 \d\.\d{3} -> \d\.\d{3} "
-                     r"\(iteration 0 -> 3\)", printed), printed
+    assert re.search(
+        r"held-out \(6 prompts\): greedy \d\.\d{3} -> \d\.\d{3}, pass@2 \d\.\d{3} -> \d\.\d{3} "
+        r"\(iteration 0 -> 3\)",
+        printed,
+    ), printed
     assert (out / "policy" / "model.safetensors").is_file()
 
 

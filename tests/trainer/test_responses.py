@@ -3,22 +3,9 @@
 import pytest
 import torch
 
-from fastppo.rollout import Rollout
 from fastppo.trainer import responses
 from fastppo.trainer.models import char_tokenizer
-from tests.trainer.test_trainer import untrained
-
-
-def rollout_of(texts, tokenizer, finish="length"):
-    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-    R = max(len(i) for i in ids)
-    response_ids = torch.full((len(ids), R), tokenizer.pad_token_id)
-    mask = torch.zeros(len(ids), R, dtype=torch.bool)
-    for b, row in enumerate(ids):
-        response_ids[b, :len(row)] = torch.tensor(row)
-        mask[b, :len(row)] = True
-    logprobs = -torch.rand(len(ids), R) * mask
-    return Rollout([[3]] * len(ids), response_ids, mask, mask.sum(1), logprobs, [finish] * len(ids))
+from tests.trainer.runs import rollout_of, untrained
 
 
 def test_a_stop_string_ends_the_response_at_the_token_that_completes_it():
@@ -55,15 +42,19 @@ def test_the_trainer_cuts_its_rollouts_at_stop_strings(tmp_path):
 
 def test_top_k_and_top_p_reach_the_sampler(tmp_path):
     greedy = untrained(tmp_path / "g", temperature=1.0)
-    greedy.rollout_weights.refresh()
-    reference = greedy.sampler.generate(greedy.prompts.ids[:4], max_new_tokens=8, temperature=0.0,
-                                        stop_token_ids=(greedy.tokenizer.eos_token_id,),
-                                        pad_token_id=greedy.tokenizer.pad_token_id)
+    greedy.models.rollout_weights.refresh()
+    reference = greedy.rollouts.sampler.generate(
+        greedy.prompts.ids[:4],
+        max_new_tokens=8,
+        temperature=0.0,
+        stop_token_ids=(greedy.tokenizer.eos_token_id,),
+        pad_token_id=greedy.tokenizer.pad_token_id,
+    )
     for options in ({"top_k": 1}, {"top_p": 1e-6}):
         trainer = untrained(tmp_path / str(options), temperature=1.0, **options)
-        rollout = trainer.sample(trainer.prompts.ids[:4], 1.0, 1, seed=5)
+        rollout = trainer.rollouts.sample(trainer.prompts.ids[:4], 1.0, 1, seed=5)
         assert torch.equal(rollout.response_ids, reference.response_ids), options
-    free = untrained(tmp_path / "free", temperature=1.0).sample(greedy.prompts.ids[:4], 1.0, 1, seed=5)
+    free = untrained(tmp_path / "free", temperature=1.0).rollouts.sample(greedy.prompts.ids[:4], 1.0, 1, seed=5)
     assert not torch.equal(free.response_ids, reference.response_ids)
 
 
@@ -83,15 +74,20 @@ def test_the_trainer_adds_the_overlong_penalty_to_the_scores(tmp_path):
     torch.testing.assert_close(scored.scores, expected)
 
 
-@pytest.mark.parametrize("fields,match", [
-    (dict(top_p=0.0), "top_p must be in"), (dict(top_k=-1), "top_k must be >= 0"),
-    (dict(stop=[""]), "stop must not hold an empty string"),
-    (dict(overlong_buffer=8), "overlong_buffer must be >= 0 and < max_new_tokens"),
-    (dict(dual_clip=1.0), "dual_clip must be > 1"), (dict(agg="mean"), "agg must be one of"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(stop=[""]), "stop must not hold an empty string"),
+        (dict(overlong_buffer=8), "overlong_buffer must be >= 0 and < max_new_tokens"),
+        (dict(dual_clip=1.0), "dual_clip must be > 1"),
+        (dict(agg="mean"), "agg must be one of"),
+    ],
+)
 def test_bad_rollout_and_loss_options_are_refused(tmp_path, fields, match):
     from fastppo.trainer.errors import UsageError
-    from tests.trainer.test_trainer import config
+    from tests.trainer.runs import config
 
     with pytest.raises(UsageError, match=match):
         config(tmp_path, **fields)
@@ -106,24 +102,28 @@ def test_filter_groups_keeps_only_groups_whose_scores_differ_and_samples_until_f
     def reward(prompts, completions, **_):
         return [1.0 if p[0] <= "m" else v for p, v in zip(prompts, vowels_reward(prompts, completions))]
 
-    trainer = untrained(tmp_path, filter_groups=True, filter_groups_attempts=6, prompts_per_iteration=4,
-                        samples_per_prompt=3)
-    trainer.rewards = Rewards([("reward", reward)])
+    trainer = untrained(
+        tmp_path, filter_groups=True, filter_groups_attempts=6, prompts_per_iteration=4, samples_per_prompt=3
+    )
+    trainer.rollouts.rewards = Rewards([("reward", reward)])
     scored = trainer.rollout(0)
     groups = scored.scores.view(4, 3)
     assert not (groups == groups[:, :1]).all(dim=1).any()  # every kept group differs
     assert scored.stats["groups_informative"] == 1.0 and scored.stats["sampling_attempts"] > 1
-    assert trainer.prompts_drawn == 4 * scored.stats["sampling_attempts"]
+    assert trainer.state.prompts_drawn == 4 * scored.stats["sampling_attempts"]
     texts = responses.completions(scored.rollout, trainer.tokenizer)
     prompts = [trainer.tokenizer.decode(p) for p in scored.rollout.prompt_ids]
     assert scored.raw.tolist() == pytest.approx(reward(prompts, texts))  # rows and scores stay together
     assert all(p[0] > "m" for p in prompts)
-    assert torch.equal(scored.rollout.response_mask, torch.arange(scored.rollout.response_ids.shape[1])
-                       < scored.rollout.response_lens[:, None])
+    assert torch.equal(
+        scored.rollout.response_mask,
+        torch.arange(scored.rollout.response_ids.shape[1]) < scored.rollout.response_lens[:, None],
+    )
 
-    trainer = untrained(tmp_path / "short", filter_groups=True, filter_groups_attempts=1, prompts_per_iteration=4,
-                        samples_per_prompt=3)
-    trainer.rewards = Rewards([("always", lambda prompts, completions, **_: [1.0] * len(completions))])
+    trainer = untrained(
+        tmp_path / "short", filter_groups=True, filter_groups_attempts=1, prompts_per_iteration=4, samples_per_prompt=3
+    )
+    trainer.rollouts.rewards = Rewards([("always", lambda prompts, completions, **_: [1.0] * len(completions))])
     scored = trainer.rollout(0)
     assert scored.stats == {"groups_informative": 0.0, "sampling_attempts": 1.0, "reward_sampled": 1.0}
     assert scored.scores.shape == (12,)

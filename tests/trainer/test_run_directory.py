@@ -11,14 +11,18 @@ from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
 from fastppo.trainer.checkpoint import MANIFEST_FILE, WORLD_FILE, clear_leftovers, save_atomically
 from fastppo.trainer.errors import UsageError
+from fastppo.trainer.optimizers import lr_factor
 from fastppo.trainer.run_lock import LOCK_FILE
-from tests.trainer.test_trainer import untrained
+from tests.trainer.runs import untrained
 
 
 def digest(directory):
     """sha256 of every file under ``directory``, by relative path; the lock a live trainer holds aside."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != LOCK_FILE
+    }
 
 
 def iterations(run):
@@ -114,7 +118,7 @@ def test_leftovers_of_a_killed_save_are_cleared_or_put_back(finished_run, tmp_pa
 def test_a_checkpoint_whose_bytes_changed_is_skipped_for_the_previous_one(finished_run):
     weights = finished_run / "checkpoint-2" / "policy" / "model.safetensors"
     data = bytearray(weights.read_bytes())
-    data[len(data) // 2:len(data) // 2 + 4000] = bytes(4000)  # same size, 4000 bytes overwritten
+    data[len(data) // 2 : len(data) // 2 + 4000] = bytes(4000)  # same size, 4000 bytes overwritten
     weights.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match=r"skipping .*checkpoint-2.*does not match its sha256"):
         _, start = PPOTrainer.resume(finished_run, {"iterations": 3})
@@ -130,13 +134,17 @@ def test_a_manifest_that_no_longer_lists_every_file_fails(finished_run, edit):
     checkpoint = finished_run / "checkpoint-2"
     weights = checkpoint / "policy" / "model.safetensors"
     data = bytearray(weights.read_bytes())
-    data[len(data) // 2:len(data) // 2 + 4000] = bytes(4000)
+    data[len(data) // 2 : len(data) // 2 + 4000] = bytes(4000)
     weights.write_bytes(bytes(data))
     manifest = checkpoint / MANIFEST_FILE
-    dropped = {"emptied": "", "the weights' line removed": "model.safetensors",
-               "the state's line removed": "trainer_state.pt"}[edit]
-    manifest.write_text("".join(line + "\n" for line in manifest.read_text().splitlines()
-                                if dropped and not line.endswith(dropped)))
+    dropped = {
+        "emptied": "",
+        "the weights' line removed": "model.safetensors",
+        "the state's line removed": "trainer_state.pt",
+    }[edit]
+    manifest.write_text(
+        "".join(line + "\n" for line in manifest.read_text().splitlines() if dropped and not line.endswith(dropped))
+    )
     if edit == "the state's line removed":
         (checkpoint / "trainer_state.pt").unlink()
     with pytest.warns(UserWarning, match=rf"skipping .*checkpoint-2.*{MANIFEST_FILE} does not list"):
@@ -173,14 +181,15 @@ def test_a_world_file_that_does_not_parse_is_a_damaged_checkpoint(finished_run):
 
 
 def test_the_world_size_is_checked_before_any_model_is_built(finished_run, monkeypatch):
-    from fastppo.trainer import checkpoint
+    from fastppo.trainer import build, checkpoint
 
     def never_built(*args, **kwargs):
-        raise AssertionError("the trainer was built before the world size was checked")
+        raise AssertionError("the models were built before the world size was checked")
 
     monkeypatch.setattr(checkpoint, "world_size", lambda: 2)
+    monkeypatch.setattr(build, "load_policy", never_built)
     with pytest.raises(checkpoint.WorldSizeMismatch, match=r"written by 1 rank\(s\); resume with as many, not 2"):
-        checkpoint.resume(never_built, finished_run, {"iterations": 3})
+        PPOTrainer.resume(finished_run, {"iterations": 3})
 
 
 @pytest.mark.parametrize("damage", ["config.json a list", "metrics.jsonl a directory"])
@@ -192,8 +201,14 @@ def test_a_damaged_run_directory_is_a_one_line_error(finished_run, damage, capsy
         (finished_run / "metrics.jsonl").mkdir()
     assert fastppo_main(["train", "--resume", str(finished_run), "--iterations", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and {"config.json a list": "config.json holds a list",
-                                     "metrics.jsonl a directory": "metrics.jsonl is not a file"}[damage] in err
+    assert (
+        err.count("\n") == 1
+        and {
+            "config.json a list": "config.json holds a list",
+            "metrics.jsonl a directory": "metrics.jsonl is not a file",
+        }[damage]
+        in err
+    )
 
 
 def test_a_checkpoint_name_on_a_file_is_reported(finished_run):
@@ -211,8 +226,10 @@ def test_extending_a_finished_cosine_run_continues_the_stretched_schedule(tmp_pa
     trainer.train(start)
     rates = {row["iteration"]: row["lr"] for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())}
     lr = trainer.config.optim.lr
-    assert rates[2] == pytest.approx(lr * trainer._lr_factor(2)) and rates[2] == pytest.approx(lr * 0.5)
-    assert rates[3] == pytest.approx(lr * trainer._lr_factor(3))
+    assert rates[2] == pytest.approx(lr * lr_factor(2, trainer.config.optim, trainer.config.run.iterations)) and rates[
+        2
+    ] == pytest.approx(lr * 0.5)
+    assert rates[3] == pytest.approx(lr * lr_factor(3, trainer.config.optim, trainer.config.run.iterations))
 
 
 def test_a_resume_drops_the_metrics_rows_of_the_iterations_it_repeats(tmp_path):
@@ -232,10 +249,10 @@ def test_a_checkpoint_keeps_the_epoch_cursor(tmp_path):
     """The prompts drawn so far, not iterations x prompts (dynamic sampling draws more)."""
     trainer = untrained(tmp_path, iterations=1, save_every=1, evaluate=False)
     trainer.train()
-    trainer.prompts_drawn = 37  # as after batches dynamic sampling drew and left out
+    trainer.state.prompts_drawn = 37  # as after batches dynamic sampling drew and left out
     trainer.checkpoint(tmp_path / "run", 1)
     resumed, start = PPOTrainer.resume(tmp_path / "run", {"iterations": 2})
-    assert start == 1 and resumed.prompts_drawn == 37
+    assert start == 1 and resumed.state.prompts_drawn == 37
 
 
 def test_a_run_saves_by_the_clock_by_default(tmp_path, monkeypatch):
@@ -247,5 +264,8 @@ def test_a_run_saves_by_the_clock_by_default(tmp_path, monkeypatch):
     minutes = iter(range(0, 1000, 20))
     monkeypatch.setattr(ppo.time, "monotonic", lambda: 60.0 * next(minutes))
     untrained(tmp_path, iterations=5, keep_checkpoints=0, evaluate=False, overwrite=True).train()
-    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4",
-                                                                               "checkpoint-5"]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]

@@ -14,18 +14,7 @@ import pytest
 from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
 from fastppo.trainer.run_lock import LOCK_FILE, RunDirectoryBusy, RunLock
-from tests.trainer.test_trainer import untrained
-
-HOLD = ("import sys; from fastppo.trainer.run_lock import RunLock; lock = RunLock.acquire(sys.argv[1]); "
-        "print('held', flush=True); sys.stdin.read()")
-
-
-def holder(directory):
-    """Another process holding ``directory``'s lock until its stdin closes."""
-    process = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "held"
-    return process
+from tests.trainer.runs import HOLD, holder, untrained
 
 
 @pytest.mark.slow  # the real command in a subprocess
@@ -33,8 +22,22 @@ def test_a_live_run_refuses_every_other_run_into_its_directory(tmp_path, capsys)
     """The real command, live in a subprocess: a resume, an --overwrite and a new run into its
     directory are each one line naming its pid, exit 2; its metrics go on uninterleaved."""
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "fastppo", "train", "--iterations", "100000", "--save-every", "2",
-               "--device", "cpu", "--evaluate", "false", "--out", str(run)]
+    command = [
+        sys.executable,
+        "-m",
+        "fastppo",
+        "train",
+        "--iterations",
+        "100000",
+        "--save-every",
+        "2",
+        "--device",
+        "cpu",
+        "--evaluate",
+        "false",
+        "--out",
+        str(run),
+    ]
     live = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -45,8 +48,9 @@ def test_a_live_run_refuses_every_other_run_into_its_directory(tmp_path, capsys)
             capsys.readouterr()
             assert fastppo_main(["train", "--device", "cpu", *argv]) == 2, argv
             err = capsys.readouterr().err
-            assert err.count("\n") == 1 and f"in use by a live run, pid {live.pid} on host {socket.gethostname()}" \
-                in err, err
+            assert (
+                err.count("\n") == 1 and f"in use by a live run, pid {live.pid} on host {socket.gethostname()}" in err
+            ), err
         assert live.poll() is None  # nothing was cleared under it
     finally:
         live.send_signal(signal.SIGINT)
@@ -87,8 +91,9 @@ def test_the_lock_is_the_process_s_and_the_last_holder_removes_it(tmp_path):
     first.release()
     first.release()  # once, however often called
     assert (tmp_path / "run" / LOCK_FILE).exists()
-    process = subprocess.run([sys.executable, "-c", HOLD, str(tmp_path / "run")], input="", capture_output=True,
-                             text=True)
+    process = subprocess.run(
+        [sys.executable, "-c", HOLD, str(tmp_path / "run")], input="", capture_output=True, text=True
+    )
     assert process.returncode == 1 and f"pid {os.getpid()}" in process.stderr  # still held against others
     second.release()
     assert not (tmp_path / "run").exists()  # it created the directory, and nothing else was written

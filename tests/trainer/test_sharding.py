@@ -45,10 +45,17 @@ def tied_model(directory: Path) -> str:
     return str(directory)
 
 
-@pytest.mark.parametrize("options", [{"estimator": "grpo"}, {"estimator": "gae"},
-                                     {"estimator": "grpo", "lora_rank": 4},
-                                     {"estimator": "gae", "gradient_checkpointing": True},
-                                     {"estimator": "grpo", "tied": True}], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"estimator": "grpo"},
+        {"estimator": "gae"},
+        {"estimator": "grpo", "lora_rank": 4},
+        {"estimator": "gae", "gradient_checkpointing": True},
+        {"estimator": "grpo", "tied": True},
+    ],
+    ids=str,
+)
 def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, options):
     options = dict(options)
     if options.pop("tied", False):  # the head's gradient and the embedding's are one
@@ -56,8 +63,11 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
     fields = {**FIELDS, "kl_coef": 0.02, **options}
     _spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
-    single = one_update(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"),
-                                                   "device": "cpu"}).validate())
+    single = one_update(
+        TrainConfig.from_flat(
+            {**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"), "device": "cpu"}
+        ).validate()
+    )
     assert any(g.abs().sum() > 0 for g in single["grads"]["policy"].values())  # a step that moves the policy
     for part, expected in single["grads"].items():  # the step's summed gradient, within the numerics policy's 1e-5
         for name, value in (expected or {}).items():
@@ -77,12 +87,15 @@ def test_two_sharded_ranks_resumed_after_two_iterations_equal_four_straight(tmp_
     _spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
     assert (tmp_path / "split" / "run" / "checkpoint-2" / "shards" / ".metadata").is_file()
     _spawn(_train_worker, str(tmp_path / "split"), None, 4)
-    rows = [[{k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
-             for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
-            for d in ("straight", "split")]
+    rows = [
+        [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
+            for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()
+        ]
+        for d in ("straight", "split")
+    ]
     assert len(rows[0]) == 4 and rows[0] == rows[1]
-    for part, name in (("policy", "model.safetensors"), ("critic", "model.safetensors"),
-                       ("critic", Critic.HEAD_FILE)):
+    for part, name in (("policy", "model.safetensors"), ("critic", "model.safetensors"), ("critic", Critic.HEAD_FILE)):
         weights = [load_file(str(tmp_path / d / "run" / part / name)) for d in ("straight", "split")]
         assert weights[0].keys() == weights[1].keys()
         assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), (part, name)
@@ -97,7 +110,7 @@ def _save_worker(rank, port, out_dir, fields):
 def trained(config: TrainConfig) -> None:
     """``config``'s run, its rollouts identical however rows are split."""
     trainer = PPOTrainer(config)
-    trainer.sampler.generate = prompt_by_prompt(trainer.sampler.generate)
+    trainer.rollouts.sampler.generate = prompt_by_prompt(trainer.rollouts.sampler.generate)
     trainer.train()
 
 
@@ -124,8 +137,11 @@ def test_the_consolidated_models_load_with_from_pretrained_and_equal_the_unshard
 
     fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "iterations": 2, "save": True, "save_dtype": "float32"}
     _spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
-    trained(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"),
-                                   "device": "cpu"}).validate())
+    trained(
+        TrainConfig.from_flat(
+            {**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"), "device": "cpu"}
+        ).validate()
+    )
     policies = [AutoModelForCausalLM.from_pretrained(tmp_path / d / "run" / "policy") for d in ("sharded", "one")]
     assert type(policies[0]).__name__ == "LlamaForCausalLM"  # not FSDP's subclass of it
     critics = [Critic.from_pretrained(tmp_path / d / "run" / "critic") for d in ("sharded", "one")]
@@ -138,13 +154,20 @@ def test_a_sharded_lora_run_saves_the_adapter_and_the_merged_model_of_the_unshar
 
     fields = {**FIELDS, "lora_rank": 4, "merge_lora": True, "iterations": 2, "save": True, "save_dtype": "float32"}
     _spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
-    trained(TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"),
-                                   "device": "cpu"}).validate())
-    adapters = [load_file(str(tmp_path / d / "run" / "policy" / "adapter_model.safetensors")) for d in ("sharded", "one")]
+    trained(
+        TrainConfig.from_flat(
+            {**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"), "device": "cpu"}
+        ).validate()
+    )
+    adapters = [
+        load_file(str(tmp_path / d / "run" / "policy" / "adapter_model.safetensors")) for d in ("sharded", "one")
+    ]
     assert adapters[0] and all("lora_" in name for name in adapters[0])
     assert_same_weights(*adapters)
-    merged = [AutoModelForCausalLM.from_pretrained(tmp_path / d / "run" / "policy-merged").state_dict()
-              for d in ("sharded", "one")]
+    merged = [
+        AutoModelForCausalLM.from_pretrained(tmp_path / d / "run" / "policy-merged").state_dict()
+        for d in ("sharded", "one")
+    ]
     assert_same_weights(*merged)
 
 
@@ -168,8 +191,14 @@ def _killed_worker(rank, port, out_dir, fields):
 def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
     import torch.multiprocessing as mp
 
-    fields = {**FIELDS, "prompts_per_iteration": 2, "fsdp": True, "iterations": 3, "save_every": 1,
-              "keep_checkpoints": 0}
+    fields = {
+        **FIELDS,
+        "prompts_per_iteration": 2,
+        "fsdp": True,
+        "iterations": 3,
+        "save_every": 1,
+        "keep_checkpoints": 0,
+    }
     with pytest.raises(mp.ProcessExitedException):
         _spawn(_killed_worker, str(tmp_path), fields)
     run = tmp_path / "run"
@@ -178,7 +207,10 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_to_resume_f
     _spawn(_train_worker, str(tmp_path), None, 3)
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "checkpoint"))) == [
-        "checkpoint-1", "checkpoint-2", "checkpoint-3"]
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
     with pytest.raises(UsageError, match=r"written by 2 rank\(s\); resume with as many, not 1"):
         PPOTrainer.resume(run)
 
@@ -202,12 +234,19 @@ def _memory_worker(rank, port, out_dir, fields):
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(tmp_path,
-                                                                                       reshard_after_forward):
+def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(
+    tmp_path, reshard_after_forward
+):
     """Also when blocks are kept gathered from their forward to their backward: the no-grad passes
     (the reference's has no backward at all) free them."""
-    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "rollout_dtype": "bfloat16",
-              "fsdp_reshard_after_forward": reshard_after_forward}
+    fields = {
+        **FIELDS,
+        "estimator": "gae",
+        "kl_coef": 0.02,
+        "prompts_per_iteration": 2,
+        "rollout_dtype": "bfloat16",
+        "fsdp_reshard_after_forward": reshard_after_forward,
+    }
     measured = {}
     for mode, fsdp in (("replicated", False), ("sharded", True)):
         (tmp_path / mode).mkdir()
@@ -235,8 +274,14 @@ def test_under_bf16_autocast_sharded_ranks_compute_what_replicated_ranks_do(tmp_
     casts), their norms and the embeddings in fp32. Gathering everything in bf16 would make the
     residual stream bf16 too, 7% off this gradient, 25 times bf16 autocast's own 0.3% from
     reordering the batch."""
-    fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "autocast": True,
-              "rollout_dtype": "bfloat16"}
+    fields = {
+        **FIELDS,
+        "estimator": "gae",
+        "kl_coef": 0.02,
+        "prompts_per_iteration": 2,
+        "autocast": True,
+        "rollout_dtype": "bfloat16",
+    }
     grads = {}
     for mode, fsdp in (("replicated", False), ("sharded", True)):
         (tmp_path / mode).mkdir()

@@ -6,28 +6,11 @@ import pytest
 import torch
 
 from fastppo.cli import main as fastppo_main
-from fastppo.trainer import PPOTrainer, TrainConfig
+from fastppo.trainer import PPOTrainer
 from fastppo.trainer.config import from_arguments
+from fastppo.trainer.optimizers import lr_factor
 from fastppo.trainer.tasks import vowels_reward
-
-
-def config(tmp_path, **fields):
-    """Three iterations into ``tmp_path/run``; no held-out evaluation unless asked for."""
-    return TrainConfig.from_flat({"out": str(tmp_path / "run"), "iterations": 3, "evaluate": False,
-                                  **fields}).validate()
-
-
-def untrained(tmp_path, **fields):
-    """A trainer on the vowels task from an untrained tiny model: learns in seconds."""
-    from fastppo.trainer.models import char_tokenizer, tiny_policy
-
-    tokenizer = char_tokenizer()
-    fields = {"task": "vowels", "lr": 1e-3, "prompts_per_iteration": 8, "samples_per_prompt": 4, **fields}
-    return PPOTrainer(config(tmp_path, **fields), policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
-
-
-def mean_reward(history, part):
-    return sum(h["reward_mean"] for h in part(history)) / len(part(history))
+from tests.trainer.runs import config, mean_reward, untrained
 
 
 def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
@@ -42,9 +25,22 @@ def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
     assert set(final) == {"iteration", "eval/greedy", "eval/mean@4", "eval/pass@4", "time_eval"}
     assert final["iteration"] == 3
     assert "eval/greedy" in rows[0] and "eval/greedy" not in rows[1]
-    for key in ("reward_mean", "reward_std", "approx_kl", "clipfrac", "entropy", "vf_loss", "response_length",
-                "stop_rate", "logprob_mismatch", "time_rollout", "time_forward", "time_update",
-                "tokens_per_s_generated", "tokens_per_s_trained"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "approx_kl",
+        "clipfrac",
+        "entropy",
+        "vf_loss",
+        "response_length",
+        "stop_rate",
+        "logprob_mismatch",
+        "time_rollout",
+        "time_forward",
+        "time_update",
+        "tokens_per_s_generated",
+        "tokens_per_s_trained",
+    ):
         assert all(key in r for r in rows), key
     assert json.loads((out / "config.json").read_text())["estimator"] == "gae"
     policy = AutoModelForCausalLM.from_pretrained(out / "policy")
@@ -72,7 +68,7 @@ def test_rollouts_through_fewer_slots_than_rows_learn(tmp_path):
     """An iteration's 32 rows through a sampler of 6 slots: the rows wait for free ones, and the
     sampler's log-probs still equal the trainer's."""
     trainer = untrained(tmp_path, rollout_batch_size=6, iterations=30, save=False)
-    assert trainer.sampler.max_batch_size == 6 and trainer.sampler.lean.cache.slots == 6
+    assert trainer.rollouts.sampler.max_batch_size == 6 and trainer.rollouts.sampler.lean.cache.slots == 6
     history = trainer.train()
     assert mean_reward(history, lambda h: h[-5:]) > mean_reward(history, lambda h: h[:5]) + 0.2
     assert max(h["logprob_mismatch"] for h in history) < 1e-4
@@ -132,16 +128,19 @@ def test_config_file_and_command_line(tmp_path):
     assert from_arguments(parser.parse_args(["--config", str(tmp_path / "c.json")])).run.iterations == 7
 
 
-@pytest.mark.parametrize("fields,match", [
-    (dict(lr=-1.0), "config field lr must be > 0"),
-    (dict(clip_eps=0.0), "config field clip_eps must be > 0"),
-    (dict(minibatches=3), "config field minibatches must be >= 1 and divide"),
-    (dict(estimator="ppo2"), "config field estimator must be one of"),
-    (dict(estimator="gae", critic=False), "config field critic must be on for estimator=gae"),
-    (dict(learning_rate=1.0), r"unknown config field\(s\): learning_rate"),
-    (dict(critic_init="reward_model"), "config field critic_init reward_model needs --reward-model"),
-    (dict(task="chess"), "config field task must be one of"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(lr=-1.0), "config field lr must be > 0"),
+        (dict(clip_eps=0.0), "config field clip_eps must be > 0"),
+        (dict(minibatches=3), "config field minibatches must be >= 1 and divide"),
+        (dict(estimator="ppo2"), "config field estimator must be one of"),
+        (dict(estimator="gae", critic=False), "config field critic must be on for estimator=gae"),
+        (dict(learning_rate=1.0), r"unknown config field\(s\): learning_rate"),
+        (dict(critic_init="reward_model"), "config field critic_init reward_model needs --reward-model"),
+        (dict(task="chess"), "config field task must be one of"),
+    ],
+)
 def test_bad_config_is_rejected_naming_the_field(tmp_path, fields, match):
     with pytest.raises(ValueError, match=match):
         config(tmp_path, **fields)
@@ -171,11 +170,14 @@ def test_user_prompts_and_reward_fields(tmp_path):
     assert seen["target"] == ["a"] * 32  # 4 prompts x 8 samples
 
 
-@pytest.mark.parametrize("reward,match", [
-    (lambda prompts, completions, **_: 1 / 0, "raised ZeroDivisionError"),
-    (lambda prompts, completions, **_: [1.0], "returned 1 scores for 128 completions"),
-    (lambda prompts, completions, **_: [float("nan")] * len(completions), "scores must be finite"),
-])
+@pytest.mark.parametrize(
+    "reward,match",
+    [
+        (lambda prompts, completions, **_: 1 / 0, "raised ZeroDivisionError"),
+        (lambda prompts, completions, **_: [1.0], "returned 1 scores for 128 completions"),
+        (lambda prompts, completions, **_: [float("nan")] * len(completions), "scores must be finite"),
+    ],
+)
 def test_reward_faults_are_clear(tmp_path, reward, match):
     trainer = PPOTrainer(config(tmp_path, save=False), reward_fn=reward)
     with pytest.raises((RuntimeError, ValueError), match=match):
@@ -199,24 +201,29 @@ def test_the_default_model_script_makes_a_loadable_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "scripts/make_default_model.py", "--steps", "5", "--out", str(tmp_path)],
-                            cwd=root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "scripts/make_default_model.py", "--steps", "5", "--out", str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "sampled accuracy" in result.stdout
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
 
 
-def test_adaptive_kl_controller():
-    from fastppo.trainer.kl_control import KLController
+def test_adaptive_kl_coefficient():
+    from fastppo.trainer.state import TrainerState
 
-    fixed = KLController(0.1)
-    fixed.update(5.0, 100)
-    assert fixed.coef == 0.1
-    adaptive = KLController(0.1, target=0.05, horizon=1000)
-    adaptive.update(1.0, 100)  # far above target: the error is clipped to +0.2
-    assert adaptive.coef == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
-    adaptive.update(0.0, 100)  # below target
-    assert adaptive.coef < 0.1 * 1.02
+    fixed = TrainerState(kl_coef=0.1)
+    fixed.adapt_kl(5.0, 100, target=None, horizon=1000)
+    assert fixed.kl_coef == 0.1
+    adaptive = TrainerState(kl_coef=0.1)
+    adaptive.adapt_kl(1.0, 100, target=0.05, horizon=1000)  # far above target: the error is clipped to +0.2
+    assert adaptive.kl_coef == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
+    adaptive.adapt_kl(0.0, 100, target=0.05, horizon=1000)  # below target
+    assert adaptive.kl_coef < 0.1 * 1.02
 
 
 def test_kl_in_the_loss_with_an_adaptive_coefficient(tmp_path):
@@ -233,17 +240,27 @@ def test_reward_model(tmp_path):
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
-    scorer = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    scorer = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     scorer.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     trainer = untrained(tmp_path, reward_model=str(tmp_path / "rm"), save=False)
     metrics = trainer.iteration(0)
     assert metrics["reward_std"] > 0 and torch.isfinite(torch.tensor(metrics["reward_mean"]))
     # a critic that starts from the reward model: its values at first are the reward model's scores
-    trainer = untrained(tmp_path, reward_model=str(tmp_path / "rm"), estimator="gae", critic_init="reward_model",
-                        save=False)
+    trainer = untrained(
+        tmp_path, reward_model=str(tmp_path / "rm"), estimator="gae", critic_init="reward_model", save=False
+    )
     ids = torch.tensor([[5, 6, 7]], device=trainer.device)
     expected = scorer.to(trainer.device)(input_ids=ids).logits[0, 0]
     torch.testing.assert_close(trainer.critic(ids, torch.ones_like(ids))[0, -1], expected, rtol=1e-4, atol=1e-5)
@@ -278,7 +295,7 @@ def test_gradient_accumulation_is_normalised_by_the_global_token_count(tmp_path)
         scored = trainer.rollout(0)
         rollout, scores = scored.rollout, scored.scores
         steps = []
-        trainer._step = lambda: steps.append([p.grad.clone() for p in trainer.policy.parameters()])
+        trainer.optimizers.step = lambda state: steps.append([p.grad.clone() for p in trainer.policy.parameters()])
         trainer.update(trainer.prepare(rollout, scores))
         assert len(steps) == 1
         results.append(steps[0])
@@ -300,8 +317,12 @@ def test_non_finite_gradients_skip_the_step(tmp_path):
 
 def test_cosine_schedule(tmp_path):
     trainer = untrained(tmp_path, lr_schedule="cosine", warmup_iterations=2, iterations=10, save=False)
-    factors = [trainer._lr_factor(i) for i in range(10)]
-    assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] < 0.1 and factors == sorted(factors[:2]) + sorted(factors[2:], reverse=True)
+    factors = [lr_factor(i, trainer.config.optim, trainer.config.run.iterations) for i in range(10)]
+    assert (
+        factors[:3] == [0.5, 1.0, 1.0]
+        and factors[-1] < 0.1
+        and factors == sorted(factors[:2]) + sorted(factors[2:], reverse=True)
+    )
 
 
 def test_saves_are_atomic_and_old_checkpoints_pruned(tmp_path):
@@ -336,9 +357,19 @@ def test_resume_is_exact(tmp_path, estimator, kl_coef):
     same metrics, the same learning rates, bitwise weights."""
     # the run's own model: a resumed trainer rebuilds its reference from the config, as a run does;
     # a warm-up and a cosine schedule, so a schedule restarted on resume would show
-    fields = dict(estimator=estimator, kl_coef=kl_coef, kl_target=0.01, minibatches=2, ppo_epochs=2,
-                  prompts_per_iteration=4, samples_per_prompt=4, lr_schedule="cosine", warmup_iterations=1,
-                  iterations=4, save_every=2)
+    fields = dict(
+        estimator=estimator,
+        kl_coef=kl_coef,
+        kl_target=0.01,
+        minibatches=2,
+        ppo_epochs=2,
+        prompts_per_iteration=4,
+        samples_per_prompt=4,
+        lr_schedule="cosine",
+        warmup_iterations=1,
+        iterations=4,
+        save_every=2,
+    )
     straight = PPOTrainer(config(tmp_path / "a", **fields))
     straight.train()
     killed = PPOTrainer(config(tmp_path / "b", **fields))
@@ -355,30 +386,43 @@ def test_resume_is_exact(tmp_path, estimator, kl_coef):
     resumed, start = PPOTrainer.resume(tmp_path / "b" / "run")
     assert start == 2
     resumed.train(start)
-    rows = [[json.loads(line) for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
-            for d in ("a", "b")]
+    rows = [
+        [json.loads(line) for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
+        for d in ("a", "b")
+    ]
     assert untimed(rows[0]) == untimed(rows[1])
     lr = straight.config.optim.lr
-    assert [row["lr"] for row in rows[1]] == pytest.approx([lr * straight._lr_factor(i) for i in range(4)])
+    assert [row["lr"] for row in rows[1]] == pytest.approx(
+        [lr * lr_factor(i, straight.config.optim, straight.config.run.iterations) for i in range(4)]
+    )
     assert len({row["lr"] for row in rows[1]}) == 3  # 1, 0.75 and 0.25 of lr: the resumed half is not a restart
     for a, b in zip(straight.policy.state_dict().values(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b)
 
 
-def test_a_checkpoint_without_its_world_file_resumes_counting_its_random_states(tmp_path, monkeypatch):
-    """Checkpoints written before world.json existed: their ranks are their random states."""
-    from fastppo.trainer.checkpoint import WORLD_FILE, WorldSizeMismatch, write_manifest
+def test_a_checkpoint_of_an_older_format_is_refused_naming_its_format(tmp_path, capsys):
+    """fastppo 0.1 wrote the trainer state as loose keys and no format number: it is refused in one
+    line, never half-loaded or skipped for a still older checkpoint."""
+    from fastppo.trainer.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointFormat, write_manifest
 
     PPOTrainer(config(tmp_path, iterations=2, save_every=1)).train()
     run = tmp_path / "run"
     for number in (1, 2):
-        (run / f"checkpoint-{number}" / WORLD_FILE).unlink()
+        path = run / f"checkpoint-{number}" / STATE_FILE
+        saved = torch.load(path, weights_only=False)
+        old = {k: v for k, v in saved.items() if k not in ("format", "trainer_state")}
+        torch.save({**old, **saved["trainer_state"]}, path)
+        (path.parent / MANIFEST_FILE).unlink()
         write_manifest(run / f"checkpoint-{number}")
-    trainer, start = PPOTrainer.resume(run, {"iterations": 3})
-    assert start == 2
-    monkeypatch.setattr(trainer.ranks, "world", 2)
-    with pytest.raises(WorldSizeMismatch, match=r"written by 1 rank\(s\); resume with as many, not 2"):
-        trainer.load_checkpoint(run / "checkpoint-2")
+    with pytest.raises(
+        CheckpointFormat,
+        match=r"checkpoint-2 is a checkpoint of format 1 \(fastppo 0.1\); this "
+        r"fastppo reads format 2 only",
+    ):
+        PPOTrainer.resume(run, {"iterations": 3})
+    capsys.readouterr()
+    assert fastppo_main(["train", "--resume", str(run), "--iterations", "3"]) == 2  # before any model loads
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_resume_refuses_changed_math_and_skips_a_broken_checkpoint(tmp_path):
@@ -401,7 +445,7 @@ def test_a_signal_checkpoints_and_says_how_to_resume(tmp_path):
     import os
     import signal
 
-    from fastppo.trainer.ppo import TrainingInterrupted
+    from fastppo.trainer.signals import TrainingInterrupted
 
     trainer = untrained(tmp_path, iterations=10)
     real = trainer.iteration
@@ -442,7 +486,7 @@ def test_a_reward_crash_leaves_the_last_checkpoint_resumable(tmp_path):
 
     calls = []
     trainer = untrained(tmp_path, iterations=4, save_every=1)
-    trainer.rewards = Rewards([("flaky", flaky)])
+    trainer.rollouts.rewards = Rewards([("flaky", flaky)])
     with pytest.raises(RuntimeError, match="raised ConnectionError"):
         trainer.train()
     run = tmp_path / "run"
@@ -458,8 +502,20 @@ def test_ctrl_c_on_the_command_checkpoints_and_exits_non_zero(tmp_path):
     import time
 
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "fastppo", "train", "--iterations", "100000", "--save-every", "100000",
-               "--device", "cpu", "--out", str(run)]
+    command = [
+        sys.executable,
+        "-m",
+        "fastppo",
+        "train",
+        "--iterations",
+        "100000",
+        "--save-every",
+        "100000",
+        "--device",
+        "cpu",
+        "--out",
+        str(run),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):

@@ -69,12 +69,17 @@ def _attribute_keys(trees: list) -> dict:
         for node in ast.walk(tree):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
-                    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) \
-                            and isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str):
+                    if (
+                        isinstance(target, ast.Subscript)
+                        and isinstance(target.value, ast.Attribute)
+                        and isinstance(target.slice, ast.Constant)
+                        and isinstance(target.slice.value, str)
+                    ):
                         keys.setdefault(target.value.attr, set()).add(target.slice.value)
                     if isinstance(target, ast.Attribute) and isinstance(node.value, ast.Dict):
                         keys.setdefault(target.attr, set()).update(
-                            k.value for k in node.value.keys if isinstance(k, ast.Constant))
+                            k.value for k in node.value.keys if isinstance(k, ast.Constant)
+                        )
     return keys
 
 
@@ -88,14 +93,21 @@ def _local_dict_keys(function: ast.AST, name: str) -> Optional[set]:
                     if isinstance(node.value, ast.Dict) and None not in node.value.keys:
                         built = True
                         keys.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-                    elif isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "dict" \
-                            and not node.value.args:
+                    elif (
+                        isinstance(node.value, ast.Call)
+                        and getattr(node.value.func, "id", None) == "dict"
+                        and not node.value.args
+                    ):
                         built = True
                         keys.update(k.arg for k in node.value.keywords if k.arg)
                     else:
                         return None
-                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
-                        and target.value.id == name and isinstance(target.slice, ast.Constant):
+                if (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == name
+                    and isinstance(target.slice, ast.Constant)
+                ):
                     keys.add(target.slice.value)
     return keys if built else None
 
@@ -160,8 +172,9 @@ def _origin_matches(origin: str, target: Target) -> bool:
     return module == target.module or target.module.startswith(module + ".")
 
 
-def _scan_file(relative: Path, tree, module: str, is_package: bool, targets: list, attribute_keys: dict,
-               report: dict) -> None:
+def _scan_file(
+    relative: Path, tree, module: str, is_package: bool, targets: list, attribute_keys: dict, report: dict
+) -> None:
     origins = _imports(tree, module, is_package)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     functions = {}  # each node -> its enclosing function
@@ -177,8 +190,11 @@ def _scan_file(relative: Path, tree, module: str, is_package: bool, targets: lis
         for target in targets:
             objects = instances.get(target.name, ())
             if isinstance(f, ast.Name):
-                if f.id in target.registry_names or f.id == target.name and \
-                        _origin_matches(origins.get(f.id, f"{module}.{f.id}"), target):
+                if (
+                    f.id in target.registry_names
+                    or f.id == target.name
+                    and _origin_matches(origins.get(f.id, f"{module}.{f.id}"), target)
+                ):
                     found.append(target)
                 elif target.instance is not None and f.id in objects:
                     found.append(target.instance)
@@ -188,8 +204,11 @@ def _scan_file(relative: Path, tree, module: str, is_package: bool, targets: lis
                     found.append(target)
                 elif isinstance(owner, ast.Name) and owner.id == "self" and f.attr in target.registry_names:
                     found.append(target)
-                elif target.class_method == f.attr and isinstance(owner, ast.Name) and \
-                        _origin_matches(origins.get(owner.id, f"{module}.{owner.id}"), target):
+                elif (
+                    target.class_method == f.attr
+                    and isinstance(owner, ast.Name)
+                    and _origin_matches(origins.get(owner.id, f"{module}.{owner.id}"), target)
+                ):
                     found.append(target.instance)
                 elif target.instance is not None and f.attr in objects:
                     found.append(target.instance)
@@ -207,8 +226,13 @@ def _scan_file(relative: Path, tree, module: str, is_package: bool, targets: lis
                 if name != target.name:
                     continue
                 for assigned in node.targets:
-                    label = assigned.id if isinstance(assigned, ast.Name) else \
-                        assigned.attr if isinstance(assigned, ast.Attribute) else None
+                    label = (
+                        assigned.id
+                        if isinstance(assigned, ast.Name)
+                        else assigned.attr
+                        if isinstance(assigned, ast.Attribute)
+                        else None
+                    )
                     if label:
                         instances.setdefault(target.name, set()).add(label)
 

@@ -22,12 +22,12 @@ import typing
 from pathlib import Path
 
 import torch
-
-import fastppo.integrations.openrlhf as ours
-from fastppo.integrations.peers import parse_version
 from peer_call_sites import Target
 from peer_compare import Case, reference
 from peer_inputs import GAE_GRID, labels, leaf, log_probs, logits, mask, normal, with_garbage, zero_masked
+
+import fastppo.integrations.openrlhf as ours
+from fastppo.integrations.peers import parse_version
 
 PEER = ours.OPENRLHF
 
@@ -69,8 +69,7 @@ def _parameters(cls) -> dict:
 
 def _half(label, build, seed, dtype, large=False, transform=None, deviation=None):
     """Half-precision inputs: OpenRLHF computes in them, fastppo in fp32 (``fp32-compute``)."""
-    return reference(label, build, seed, dtype, "fp32-compute", large=large, transform=transform,
-                     deviation=deviation)
+    return reference(label, build, seed, dtype, "fp32-compute", large=large, transform=transform, deviation=deviation)
 
 
 def _finite_logits(args, kwargs):
@@ -80,20 +79,38 @@ def _finite_logits(args, kwargs):
 
 def logprob_cases():
     cases, seed = [], 0
-    for shape, kind, dtype, temperature in itertools.product([(7, 33), (2, 5, 17), (3, 1000)],
-                                                             ["random", "peaked", "neg-inf", "large"],
-                                                             [torch.float32, torch.bfloat16], [1.0, 0.7]):
+    for shape, kind, dtype, temperature in itertools.product(
+        [(7, 33), (2, 5, 17), (3, 1000)],
+        ["random", "peaked", "neg-inf", "large"],
+        [torch.float32, torch.bfloat16],
+        [1.0, 0.7],
+    ):
         seed += 1
 
         def build(g, shape=shape, kind=kind, dtype=dtype, temperature=temperature):
             z = leaf(logits(g, *shape, kind=kind).to(dtype))
             return (z, labels(g, *shape[:-1], V=shape[-1]), temperature), {}, [z]
+
         if temperature != 1.0 and dtype == torch.float32 and kind != "large":
-            cases.append(Case(f"{shape} {kind} T={temperature}", build, seed, deviation="logits-left-alone",
-                              peer_inputs=_clone_logits, check=_logits_untouched))
+            cases.append(
+                Case(
+                    f"{shape} {kind} T={temperature}",
+                    build,
+                    seed,
+                    deviation="logits-left-alone",
+                    peer_inputs=_clone_logits,
+                    check=_logits_untouched,
+                )
+            )
         else:
-            case = _half(f"{shape} {kind} {dtype} T={temperature}", build, seed, dtype, large=kind == "large",
-                         transform=_clone_logits if temperature != 1.0 else None)
+            case = _half(
+                f"{shape} {kind} {dtype} T={temperature}",
+                build,
+                seed,
+                dtype,
+                large=kind == "large",
+                transform=_clone_logits if temperature != 1.0 else None,
+            )
             cases.append(case)
     return cases
 
@@ -111,24 +128,35 @@ def _logits_untouched(peer_args, our_args):
 
 def entropy_cases():
     cases, seed = [], 100
-    for shape, kind, dtype in itertools.product([(7, 33), (2, 5, 17), (3, 1000)],
-                                                ["random", "peaked", "neg-inf", "large"],
-                                                [torch.float32, torch.bfloat16]):
+    for shape, kind, dtype in itertools.product(
+        [(7, 33), (2, 5, 17), (3, 1000)], ["random", "peaked", "neg-inf", "large"], [torch.float32, torch.bfloat16]
+    ):
         seed += 1
 
         def build(g, shape=shape, kind=kind, dtype=dtype):
             z = leaf(logits(g, *shape, kind=kind).to(dtype))
             return (z,), {}, [z]
+
         finite = _finite_logits if kind == "neg-inf" else None
-        cases.append(_half(f"{shape} {kind} {dtype}", build, seed, dtype, large=kind == "large", transform=finite,
-                           deviation="neg-inf-logits" if finite else None))
+        cases.append(
+            _half(
+                f"{shape} {kind} {dtype}",
+                build,
+                seed,
+                dtype,
+                large=kind == "large",
+                transform=finite,
+                deviation="neg-inf-logits" if finite else None,
+            )
+        )
     return cases
 
 
 def masked_mean_cases():
     cases, seed = [], 200
-    for m_kind, dim, garbage in itertools.product(["random", "full", "empty-row", "all-masked", "spans", "none"],
-                                                  [None, -1, 0], [False, True]):
+    for m_kind, dim, garbage in itertools.product(
+        ["random", "full", "empty-row", "all-masked", "spans", "none"], [None, -1, 0], [False, True]
+    ):
         if garbage and m_kind in ("none", "full"):
             continue
         seed += 1
@@ -138,9 +166,17 @@ def masked_mean_cases():
             x = normal(g, 5, 9, scale=2.0)
             x = leaf(with_garbage(x, m, g) if garbage else x)
             return (x, m, dim), {}, [x]
+
         if garbage:
-            cases.append(Case(f"{m_kind} dim={dim} garbage", build, seed, deviation="masked-positions-ignored",
-                              peer_inputs=lambda a, k: ((zero_masked(a[0], a[1]),) + tuple(a[1:]), k)))
+            cases.append(
+                Case(
+                    f"{m_kind} dim={dim} garbage",
+                    build,
+                    seed,
+                    deviation="masked-positions-ignored",
+                    peer_inputs=lambda a, k: ((zero_masked(a[0], a[1]),) + tuple(a[1:]), k),
+                )
+            )
         else:
             cases.append(Case(f"{m_kind} dim={dim}", build, seed))
     return cases
@@ -151,8 +187,12 @@ def kl_cases(peer_kl):
     names = list(inspect.signature(peer_kl).parameters)
     with_old = "log_probs_old" in names
     for estimator, spread, dtype, unbiased, positional in itertools.product(
-            ["k1", "k2", "k3", "k4"], [0.5, 4.0, 40.0, 150.0], [torch.float32, torch.bfloat16],
-            [False, True] if with_old else [False], [False, True]):
+        ["k1", "k2", "k3", "k4"],
+        [0.5, 4.0, 40.0, 150.0],
+        [torch.float32, torch.bfloat16],
+        [False, True] if with_old else [False],
+        [False, True],
+    ):
         seed += 1
 
         def build(g, estimator=estimator, spread=spread, dtype=dtype, unbiased=unbiased, positional=positional):
@@ -166,9 +206,15 @@ def kl_cases(peer_kl):
             if with_old:
                 kwargs.update(log_probs_old=old, unbiased_gradient=unbiased)
             return (new, base), kwargs, [new, base]
+
         label = f"{estimator} spread={spread} {dtype} unbiased={unbiased} positional={positional}"
-        if estimator == "k3" and spread >= 40 and PEER.has("kl-clamped") and not unbiased \
-                and PEER.release < parse_version("0.11.2"):
+        if (
+            estimator == "k3"
+            and spread >= 40
+            and PEER.has("kl-clamped")
+            and not unbiased
+            and PEER.release < parse_version("0.11.2")
+        ):
             cases.append(Case(label, build, seed, deviation="finite-k3-gradient", peer_inputs=_bounded_k3))
         else:
             cases.append(Case(label, build, seed))
@@ -191,37 +237,55 @@ def gae_cases():
         def build(g, m_kind=m_kind, gamma=gamma, lambd=lambd):
             m = None if m_kind == "none" else mask(g, 4, 19, m_kind)
             return (normal(g, 4, 19), normal(g, 4, 19), m, gamma, lambd), {}, []
+
         cases.append(Case(f"{m_kind} gamma={gamma} lambd={lambd}", build, seed))
     return cases
 
 
 def _policy_options(parameters: dict) -> list:
     """Constructor keyword sets for this release's ``PolicyLoss``, every option it has."""
-    clips = [{"clip_eps": 0.2}, {"clip_eps": 0.1}] if "clip_eps" in parameters else \
-        [{}, {"clip_eps_low": 0.1, "clip_eps_high": 0.3}]
+    clips = (
+        [{"clip_eps": 0.2}, {"clip_eps": 0.1}]
+        if "clip_eps" in parameters
+        else [{}, {"clip_eps_low": 0.1, "clip_eps_high": 0.3}]
+    )
     duals = [{}, {"dual_clip": 3.0}, {"dual_clip": 0.5}] if "dual_clip" in parameters else [{}]
     levels = [{"token_level_loss": True}, {"token_level_loss": False}]
     corrections = [{}]
     if "is_correction_level" in parameters:
-        corrections += [dict(is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
-                             is_correction_threshold=[0.5, 5.0] if gating == "ratio" else [0, 0.05])
-                        for level, mode, gating in itertools.product(["token", "seq"], ["mask", "clip"],
-                                                                     ["ratio", "binary_kl", "tv"])]
-        corrections += [dict(is_correction_level="token", is_correction_gating="tv",
-                             is_correction_threshold=[0.5, 5.0]), dict(is_correction_level="sideways")]
+        corrections += [
+            dict(
+                is_correction_level=level,
+                is_correction_mode=mode,
+                is_correction_gating=gating,
+                is_correction_threshold=[0.5, 5.0] if gating == "ratio" else [0, 0.05],
+            )
+            for level, mode, gating in itertools.product(
+                ["token", "seq"], ["mask", "clip"], ["ratio", "binary_kl", "tv"]
+            )
+        ]
+        corrections += [
+            dict(is_correction_level="token", is_correction_gating="tv", is_correction_threshold=[0.5, 5.0]),
+            dict(is_correction_level="sideways"),
+        ]
     elif "vllm_is_correction_type" in parameters:
-        corrections += [dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 2.0],
-                             vllm_is_correction_type=kind) for kind in ("tis", "icepop", "mis", "seq-mask-tis")]
+        corrections += [
+            dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 2.0], vllm_is_correction_type=kind)
+            for kind in ("tis", "icepop", "mis", "seq-mask-tis")
+        ]
         corrections += [dict(enable_vllm_is_correction=False, vllm_is_correction_type="nonsense")]
     elif "use_icepop" in parameters:
-        corrections += [dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 2.0], use_icepop=icepop)
-                        for icepop in (False, True)]
+        corrections += [
+            dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 2.0], use_icepop=icepop)
+            for icepop in (False, True)
+        ]
     elif "enable_vllm_is_correction" in parameters:
-        corrections += [dict(enable_vllm_is_correction=enable, vllm_is_truncated_threshold=2.0)
-                        for enable in (False, True)]
+        corrections += [
+            dict(enable_vllm_is_correction=enable, vllm_is_truncated_threshold=2.0) for enable in (False, True)
+        ]
     elif "vllm_is_truncated_threshold" in parameters:
         corrections += [dict(vllm_is_truncated_threshold=2.0)]
-    return [{**c, **d, **l, **r} for c, d, l, r in itertools.product(clips, duals, levels, corrections)]
+    return [{**c, **d, **level, **r} for c, d, level, r in itertools.product(clips, duals, levels, corrections)]
 
 
 def _policy_cases(peer_cls):
@@ -230,19 +294,36 @@ def _policy_cases(peer_cls):
     global_batch = "dp_size" in forward
     rollout = "rollout_log_probs" in forward
     cases, seed = [], 500
-    infos = [{}, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 6},
-             {"dp_size": 1, "batch_num_tokens": torch.tensor(0.0), "global_batch_size": 0}] if global_batch else [{}]
+    infos = (
+        [
+            {},
+            {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 6},
+            {"dp_size": 1, "batch_num_tokens": torch.tensor(0.0), "global_batch_size": 0},
+        ]
+        if global_batch
+        else [{}]
+    )
     options = _policy_options(parameters)
-    for index, (m_kind, spread) in enumerate(itertools.product(
-            ["random", "empty-row", "all-masked", "spans", "none"], [0.3, 3.0, 30.0, 120.0])):
+    for index, (m_kind, spread) in enumerate(
+        itertools.product(["random", "empty-row", "all-masked", "spans", "none"], [0.3, 3.0, 30.0, 120.0])
+    ):
         for option_index, option in enumerate(options):
             info = infos[(index + option_index) % len(infos)]
             seed += 1
             build = _policy_build(option, m_kind, spread, info, rollout)
             label = f"{option} {m_kind} spread={spread} info={info}"
             if spread > 20 and not PEER.has("policy-ratio-clamped") and m_kind != "all-masked":
-                cases.append(Case(label, build, seed, deviation="ratio-clamped", peer_inputs=_clamped_ratio,
-                                  peer_result=_loss_from_first, untransformed=True))
+                cases.append(
+                    Case(
+                        label,
+                        build,
+                        seed,
+                        deviation="ratio-clamped",
+                        peer_inputs=_clamped_ratio,
+                        peer_result=_loss_from_first,
+                        untransformed=True,
+                    )
+                )
             else:
                 cases.append(Case(label, build, seed))
     for option in options[::7]:  # positional constructor arguments, bound as the release binds them
@@ -254,13 +335,23 @@ def _policy_cases(peer_cls):
         for level in (True, False):
             seed += 1
             build = _policy_build({**negative, "token_level_loss": level}, "full", 1.0, {}, rollout)
-            cases.append(Case(f"{negative} token_level={level} negative weights", build, seed,
-                              deviation="non-negative-weights", peer_result=_nan_loss))
+            cases.append(
+                Case(
+                    f"{negative} token_level={level} negative weights",
+                    build,
+                    seed,
+                    deviation="non-negative-weights",
+                    peer_result=_nan_loss,
+                )
+            )
     for option in options:
         seed += 1
         build = _policy_build(option, "random", 1.0, {}, rollout, garbage=True)
-        cases.append(Case(f"{option} garbage", build, seed, deviation="masked-positions-ignored",
-                          peer_inputs=_zero_masked_policy))
+        cases.append(
+            Case(
+                f"{option} garbage", build, seed, deviation="masked-positions-ignored", peer_inputs=_zero_masked_policy
+            )
+        )
     return cases
 
 
@@ -281,8 +372,9 @@ def _policy_build(option, m_kind, spread, info, rollout, garbage=False, position
         if positional:  # every parameter up to the last one set, in the release's order, by position
             names = list(parameters)
             last = max((names.index(name) for name in option), default=-1)
-            init = (tuple(option.get(name, parameters[name]) for name in names[:last + 1]), {})
+            init = (tuple(option.get(name, parameters[name]) for name in names[: last + 1]), {})
         return (init, new, old, adv), kwargs, [new]
+
     return build
 
 
@@ -291,8 +383,9 @@ def _negative_weights(parameters: dict):
     if "is_correction_level" in parameters:
         return dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[-2.0, -1.0])
     if "vllm_is_correction_type" in parameters:
-        return dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[-2.0, -1.0],
-                    vllm_is_correction_type="tis")
+        return dict(
+            enable_vllm_is_correction=True, vllm_is_truncated_threshold=[-2.0, -1.0], vllm_is_correction_type="tis"
+        )
     if "use_icepop" in parameters:
         return dict(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[-2.0, -1.0])
     if "enable_vllm_is_correction" in parameters:
@@ -333,12 +426,19 @@ def _zero_masked_policy(args, kwargs):
 
 def _value_cases(peer_cls):
     forward = list(inspect.signature(peer_cls.forward).parameters)
-    infos = [{}, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 6},
-             {"batch_num_tokens": 0, "global_batch_size": torch.tensor(0)}] if "dp_size" in forward else [{}]
+    infos = (
+        [
+            {},
+            {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 6},
+            {"batch_num_tokens": 0, "global_batch_size": torch.tensor(0)},
+        ]
+        if "dp_size" in forward
+        else [{}]
+    )
     cases, seed = [], 700
-    for clip, level, m_kind, info in itertools.product([None, 0.2, 100.0], [True, False],
-                                                       ["random", "empty-row", "all-masked", "spans", "none"],
-                                                       range(len(infos))):
+    for clip, level, m_kind, info in itertools.product(
+        [None, 0.2, 100.0], [True, False], ["random", "empty-row", "all-masked", "spans", "none"], range(len(infos))
+    ):
         seed += 1
 
         def build(g, clip=clip, level=level, m_kind=m_kind, info=info):
@@ -347,14 +447,17 @@ def _value_cases(peer_cls):
             old = values.detach() + normal(g, 4, 10, scale=0.5)
             init = ((), {"clip_eps": clip, "token_level_loss": level})
             return (init, values, old, normal(g, 4, 10)), {"action_mask": m, **infos[info]}, [values]
+
         cases.append(Case(f"clip={clip} token_level={level} {m_kind} info={infos[info]}", build, seed))
     return cases
 
 
 def _module_call(cls):
     """Construct ``cls`` from the first argument ``(args, kwargs)`` and call the object on the rest."""
+
     def call(init, *args, **kwargs):
         return cls(*init[0], **init[1])(*args, **kwargs)
+
     return call
 
 
@@ -367,13 +470,25 @@ def functions(release: str, root: Path) -> list:
         ("log_probs_from_logits", peer.utils.log_probs_from_logits, ours.log_probs_from_logits, logprob_cases()),
         ("compute_entropy", peer.utils.compute_entropy, ours.compute_entropy, entropy_cases()),
         ("masked_mean", peer.utils.masked_mean, ours.masked_mean, masked_mean_cases()),
-        ("compute_approx_kl", peer.utils.compute_approx_kl, ours.compute_approx_kl,
-         kl_cases(peer.utils.compute_approx_kl)),
+        (
+            "compute_approx_kl",
+            peer.utils.compute_approx_kl,
+            ours.compute_approx_kl,
+            kl_cases(peer.utils.compute_approx_kl),
+        ),
         ("get_advantages_and_returns", peer.gae, ours.get_advantages_and_returns, gae_cases()),
-        ("PolicyLoss", _module_call(peer.loss.PolicyLoss), _module_call(ours.PolicyLoss),
-         _policy_cases(peer.loss.PolicyLoss)),
-        ("ValueLoss", _module_call(peer.loss.ValueLoss), _module_call(ours.ValueLoss),
-         _value_cases(peer.loss.ValueLoss)),
+        (
+            "PolicyLoss",
+            _module_call(peer.loss.PolicyLoss),
+            _module_call(ours.PolicyLoss),
+            _policy_cases(peer.loss.PolicyLoss),
+        ),
+        (
+            "ValueLoss",
+            _module_call(peer.loss.ValueLoss),
+            _module_call(ours.ValueLoss),
+            _value_cases(peer.loss.ValueLoss),
+        ),
     ]
     return rows
 
@@ -386,16 +501,26 @@ def targets(release: str, root: Path, arities: dict) -> tuple:
         peer_returns, our_returns = arities.get(name.split(".")[-1]) or (None, None)
         if "." in name:  # the experience maker's method, called as self.get_advantages_and_returns(...)
             method = name.split(".")[1]
-            found.append(Target(module, method, _without_self(peer.gae, root), inspect.signature(drop_in),
-                                peer_returns, our_returns, registry_names=(method,)))
+            found.append(
+                Target(
+                    module,
+                    method,
+                    _without_self(peer.gae, root),
+                    inspect.signature(drop_in),
+                    peer_returns,
+                    our_returns,
+                    registry_names=(method,),
+                )
+            )
             continue
         original = getattr(modules[module], name)
         if inspect.isclass(original):
             call = Target(module, name, _forward(original), _forward(drop_in), *(arities.get(name) or (None, None)))
             found.append(Target(module, name, _constructor(original), _constructor(drop_in), instance=call))
         else:
-            found.append(Target(module, name, inspect.signature(original), inspect.signature(drop_in),
-                                peer_returns, our_returns))
+            found.append(
+                Target(module, name, inspect.signature(original), inspect.signature(drop_in), peer_returns, our_returns)
+            )
     return "openrlhf", found
 
 

@@ -18,11 +18,19 @@ from typing import Callable, Optional
 import torch
 
 # (rtol, atol) for values by the drop-in's result dtype; gradients by relative error of the whole.
-VALUE_TOLERANCE = {torch.float64: (1e-9, 1e-12), torch.float32: (2e-5, 2e-6), torch.bfloat16: (8e-3, 1e-5),
-                   torch.float16: (2e-3, 1e-6)}
+VALUE_TOLERANCE = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (2e-5, 2e-6),
+    torch.bfloat16: (8e-3, 1e-5),
+    torch.float16: (2e-3, 1e-6),
+}
 # Gradients: ||g - g_peer|| <= rtol * ||g_peer|| + atol, by the leaf's dtype.
-GRADIENT_TOLERANCE = {torch.float32: (2e-5, 1e-6), torch.bfloat16: (1e-2, 1e-4), torch.float16: (2e-3, 1e-5),
-                      torch.float64: (2e-5, 1e-9)}
+GRADIENT_TOLERANCE = {
+    torch.float32: (2e-5, 1e-6),
+    torch.bfloat16: (1e-2, 1e-4),
+    torch.float16: (2e-3, 1e-5),
+    torch.float64: (2e-5, 1e-9),
+}
 FLOAT_TOLERANCE = (2e-5, 2e-6)  # metrics returned as Python floats
 CLEARER_ERRORS = (ValueError, TypeError, NotImplementedError)  # what a drop-in may raise where a peer fails
 LARGE_LOGITS = (1e-3, 1e-3)  # fp32 resolves log p + H to ~4e-7 x max|logit| (DESIGN's numerics policy)
@@ -36,9 +44,10 @@ class Case:
     ``peer_inputs(args, kwargs) -> (args, kwargs)`` is its transform of the peer's copy of the
     inputs and ``peer_result`` of the peer's result (``peer_result(transformed, other)`` when
     ``untransformed`` is set: the peer is then called again, on the inputs as built or as
-    ``other_inputs`` makes them, for a deviation that touches only part of a result); ``valid_at`` (the position of the mask among
-    the arguments) restricts per-token comparisons to valid positions; ``check(peer_args,
-    our_args)`` runs after both calls (a message, or None); ``slack`` widens the tolerances (an
+    ``other_inputs`` makes them, for a deviation that touches only part of a result); ``valid_at``
+    (the position of the mask among the arguments) restricts per-token comparisons to valid
+    positions; ``check(peer_args, our_args)`` runs after both calls (a message, or None); ``slack``
+    widens the tolerances (an
     extra relative and absolute error), as fp32 allows for logits in the hundreds."""
 
     label: str
@@ -152,7 +161,9 @@ def _same_tensor(peer, ours, valid, where, slack) -> Optional[str]:
     if peer.dtype != ours.dtype:
         return f"{where}: dtype {peer.dtype} from the peer, {ours.dtype} from fastppo"
     if not ours.is_floating_point():
-        return None if torch.equal(peer, ours) else f"{where}: {peer.tolist()} from the peer, {ours.tolist()} from fastppo"
+        return (
+            None if torch.equal(peer, ours) else f"{where}: {peer.tolist()} from the peer, {ours.tolist()} from fastppo"
+        )
     rtol, atol = (base + extra for base, extra in zip(VALUE_TOLERANCE[ours.dtype], slack))
     p, o = peer.detach().double(), ours.detach().double()
     if valid is not None and valid.shape == p.shape:
@@ -160,8 +171,10 @@ def _same_tensor(peer, ours, valid, where, slack) -> Optional[str]:
     differ = ~torch.isclose(o, p, rtol=rtol, atol=atol, equal_nan=True)
     if not bool(differ.any()):
         return None
-    return (f"{where}: {int(differ.sum())} of {differ.numel()} values differ, e.g. {p[differ][0].item()!r} "
-            f"from the peer, {o[differ][0].item()!r} from fastppo")
+    return (
+        f"{where}: {int(differ.sum())} of {differ.numel()} values differ, e.g. {p[differ][0].item()!r} "
+        f"from the peer, {o[differ][0].item()!r} from fastppo"
+    )
 
 
 def _differentiable(out) -> list:
@@ -191,8 +204,10 @@ def _gradients(peer_out, our_out, peer_leaves, our_leaves, seed: int, valid, sla
         if valid is not None and valid.shape == g.shape:
             g_ref, g = g_ref[valid], g[valid]
         if not torch.equal(torch.isnan(g_ref), torch.isnan(g)):
-            return f"gradient of input {i}: NaN at different positions (peer {int(torch.isnan(g_ref).sum())}, " \
-                   f"fastppo {int(torch.isnan(g).sum())})"
+            return (
+                f"gradient of input {i}: NaN at different positions (peer {int(torch.isnan(g_ref).sum())}, "
+                f"fastppo {int(torch.isnan(g).sum())})"
+            )
         g_ref, g = torch.nan_to_num(g_ref, nan=0.0), torch.nan_to_num(g, nan=0.0)
         scale = float(g_ref.norm())
         error = float((g - g_ref).norm())
@@ -218,8 +233,19 @@ def cast(result, dtype):
     return result.to(dtype) if isinstance(result, torch.Tensor) and result.is_floating_point() else result
 
 
-def reference(label, build, seed, dtype, half_deviation, *, result_dtype=None, large=False, transform=None,
-              deviation=None, entropy_only=False) -> Case:
+def reference(
+    label,
+    build,
+    seed,
+    dtype,
+    half_deviation,
+    *,
+    result_dtype=None,
+    large=False,
+    transform=None,
+    deviation=None,
+    entropy_only=False,
+) -> Case:
     """A case on logits (or log-probs) of ``dtype``. In half precision the peer computes in it and
     fastppo in fp32 (the module's ``half_deviation``), and logits in the hundreds (``large``) are
     beyond what fp32 resolves exactly: then the peer runs on the same values in float64 and its
@@ -235,13 +261,21 @@ def reference(label, build, seed, dtype, half_deviation, *, result_dtype=None, l
 
     def rounded(result):
         return cast(result, result_dtype) if precise else result
+
     name = half_deviation if dtype != torch.float32 else deviation
     slack = LARGE_LOGITS if large else (0.0, 0.0)
     if not precise and transform is None:
         return Case(label, build, seed)
     if entropy_only and transform is not None:
-        return Case(label, build, seed, deviation=name, peer_inputs=peer_inputs, untransformed=True,
-                    other_inputs=upcast if precise else None, peer_result=lambda both, plain: rounded((plain[0], both[1])),
-                    slack=slack)
+        return Case(
+            label,
+            build,
+            seed,
+            deviation=name,
+            peer_inputs=peer_inputs,
+            untransformed=True,
+            other_inputs=upcast if precise else None,
+            peer_result=lambda both, plain: rounded((plain[0], both[1])),
+            slack=slack,
+        )
     return Case(label, build, seed, deviation=name, peer_inputs=peer_inputs, peer_result=rounded, slack=slack)
-

@@ -10,8 +10,9 @@ import torch
 
 MASKS = ("random", "full", "empty-row", "all-masked", "spans", "one-token")
 # (mask kind, gamma, lambda) for the GAE cases of every peer
-GAE_GRID = tuple(itertools.product(("random", "full", "spans", "empty-row", "one-token"), (1.0, 0.99, 0.5),
-                                   (1.0, 0.95, 0.0)))
+GAE_GRID = tuple(
+    itertools.product(("random", "full", "spans", "empty-row", "one-token"), (1.0, 0.99, 0.5), (1.0, 0.95, 0.0))
+)
 
 
 def mask(g: torch.Generator, B: int, T: int, kind: str, dtype=torch.float32) -> torch.Tensor:
@@ -31,7 +32,7 @@ def mask(g: torch.Generator, B: int, T: int, kind: str, dtype=torch.float32) -> 
             while t < T:
                 run = int(torch.randint(1, max(2, T // 3), (1,), generator=g))
                 gap = int(torch.randint(1, max(2, T // 4), (1,), generator=g))
-                m[row, t:t + run] = 1
+                m[row, t : t + run] = 1
                 t += run + gap
     else:
         m = (torch.rand(B, T, generator=g) > 0.3).float()
