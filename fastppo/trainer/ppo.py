@@ -103,9 +103,8 @@ class PPOTrainer:
         try:
             if main:
                 start_run_directory(out, self.config, start)
-                print(
-                    *summary(self.config, self.policy, self.rollouts, self.longest_prompt, self.ranks.world), sep="\n"
-                )
+                lines = summary(self.config, self.policy, self.rollouts, self.longest_prompt, self.ranks.world)
+                print(*lines, sep="\n", flush=True)
             history, stop, saved_at = [], Signals(), time.monotonic()
             with stop_on_signals(stop), RunLog(out, main) as log, progress(start, run.iterations, main) as bar:
                 for i in bar:

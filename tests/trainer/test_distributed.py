@@ -215,7 +215,10 @@ def test_two_rank_resume_is_exact(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-@pytest.mark.parametrize("nodes, sharded", [(1, False), (2, False), pytest.param(2, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "nodes, sharded",
+    [pytest.param(1, False, marks=pytest.mark.slow), (2, False), pytest.param(2, True, marks=pytest.mark.slow)],
+)
 def test_torchrun_end_to_end(tmp_path, nodes, sharded):
     """The real launcher: two ranks on one node, or two one-rank "nodes" meeting through torchrun's
     c10d rendezvous (as on a cluster, with both nodes on this machine), with or without --fsdp."""

@@ -233,7 +233,7 @@ def _memory_worker(rank, port, out_dir, fields):
     leave()
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("reshard_after_forward", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rollout_copy(
     tmp_path, reshard_after_forward
 ):
