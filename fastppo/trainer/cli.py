@@ -123,7 +123,7 @@ def summary(out: Path, held_out: int, k: int) -> list:
     """The end-of-run lines, from the whole run's ``metrics.jsonl`` (a resumed run's too): the mean
     reward of the first and last 5 iterations, and the held-out scores at the first and the last
     evaluation, each reward function's as well when there are several."""
-    from .checkpoint import read_metrics
+    from .run_directory import read_metrics
 
     rows = [row for _, row in read_metrics(out / "metrics.jsonl")]
     trained = [row for row in rows if "reward_mean" in row]

@@ -27,7 +27,7 @@ def plot_run(run_dir: Path, out: Path = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .checkpoint import read_metrics
+    from .run_directory import read_metrics
 
     metrics = Path(run_dir) / "metrics.jsonl"
     if not metrics.is_file():

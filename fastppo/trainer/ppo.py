@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, data, evaluation, inputs, tasks
+from . import checkpoint, data, evaluation, inputs, run_directory, tasks
 from .batch import Batch, explained_variance, lay_out, loss_mask, prepare, warn_truncated
 from .build import build_models
 from .config import TrainConfig
@@ -58,7 +58,7 @@ class PPOTrainer:
                 "--prompts needs --reward (or --reward-model): the task's reward does not know your prompts"
             )
         # before any loading (a run that cannot write loses no time) and before touching the directory
-        self.lock = self.ranks.on_main(lambda: checkpoint.claim_run_directory(config.run, resuming))
+        self.lock = self.ranks.on_main(lambda: run_directory.claim_run_directory(config.run, resuming))
         # what the user wrote, read before the model loads: a wrong file or reward costs no wait
         sources = data.sources(config, prompts)
         if reward_fn is None:
@@ -231,11 +231,11 @@ class PPOTrainer:
         rng = self.ranks.gather(random_states(self.device))
         if self.models.sharded or self.ranks.main:  # sharded: every rank writes its shards
             writers = self.ranks if self.models.sharded else None
-            checkpoint.save_atomically(
+            run_directory.save_atomically(
                 out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng), writers
             )
         if self.ranks.main:
-            checkpoint.prune_checkpoints(out, self.config.run.keep_checkpoints)
+            run_directory.prune_checkpoints(out, self.config.run.keep_checkpoints)
         self.ranks.barrier()
 
     def save(self, out: Path) -> None:

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from . import checkpoint, inputs, plot
+from . import inputs, plot, run_directory
 
 
 def start_run_directory(out: Path, config, start: int) -> None:
@@ -15,17 +15,17 @@ def start_run_directory(out: Path, config, start: int) -> None:
     0), the config and, for a new run, its pinned inputs written, and for a resumed run the log
     rows from past its checkpoint dropped (a run that went on after it)."""
     if start == 0 and config.run.overwrite and out.is_dir():
-        checkpoint.check_run_directory(out, overwrite=True)  # still a run directory, as at start-up
-        checkpoint.clear_run_directory(out)
+        run_directory.check_run_directory(out, overwrite=True)  # still a run directory, as at start-up
+        run_directory.clear_run_directory(out)
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_text_atomically(out / "config.json", json.dumps(config.flat(), indent=1))
+    run_directory.write_text_atomically(out / "config.json", json.dumps(config.flat(), indent=1))
     if start == 0:
-        checkpoint.write_text_atomically(out / inputs.INPUTS_FILE, inputs.pinned(config.flat()))
+        run_directory.write_text_atomically(out / inputs.INPUTS_FILE, inputs.pinned(config.flat()))
     if start:
         for log in ("metrics.jsonl", "completions.jsonl"):
             if log == "metrics.jsonl" or (out / log).is_file():
-                kept = checkpoint.metrics_before(out / log, start)
-                checkpoint.write_text_atomically(out / log, "".join(line + "\n" for line in kept))
+                kept = run_directory.metrics_before(out / log, start)
+                run_directory.write_text_atomically(out / log, "".join(line + "\n" for line in kept))
 
 
 def progress(start: int, iterations: int, main: bool):

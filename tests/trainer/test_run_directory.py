@@ -9,9 +9,10 @@ import pytest
 
 from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
-from fastppo.trainer.checkpoint import MANIFEST_FILE, WORLD_FILE, clear_leftovers, save_atomically
+from fastppo.trainer.checkpoint import WORLD_FILE
 from fastppo.trainer.errors import UsageError
 from fastppo.trainer.optimizers import lr_factor
+from fastppo.trainer.run_directory import MANIFEST_FILE, clear_leftovers, save_atomically
 from fastppo.trainer.run_lock import LOCK_FILE
 from tests.trainer.runs import untrained
 
@@ -233,7 +234,7 @@ def test_extending_a_finished_cosine_run_continues_the_stretched_schedule(tmp_pa
 
 
 def test_a_resume_drops_the_metrics_rows_of_the_iterations_it_repeats(tmp_path):
-    from fastppo.trainer.checkpoint import metrics_before
+    from fastppo.trainer.run_directory import metrics_before
 
     rows = tmp_path / "metrics.jsonl"
     rows.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in range(5)))

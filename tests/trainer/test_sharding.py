@@ -173,17 +173,17 @@ def test_a_sharded_lora_run_saves_the_adapter_and_the_merged_model_of_the_unshar
 
 def _killed_worker(rank, port, out_dir, fields):
     """Trains with a checkpoint each iteration; rank 0 dies while checkpoint-2 is being made whole."""
-    from fastppo.trainer import checkpoint
+    from fastppo.trainer import run_directory
 
     rank_environment(rank, port)
-    commit = checkpoint._commit
+    commit = run_directory._commit
 
     def dying_commit(tmp, old, target):
         if target.name == "checkpoint-2":
             os._exit(9)  # every shard is written, the manifest and the rename are not
         commit(tmp, old, target)
 
-    checkpoint._commit = dying_commit
+    run_directory._commit = dying_commit
     PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate()).train()
 
 

@@ -326,7 +326,7 @@ def test_cosine_schedule(tmp_path):
 
 
 def test_saves_are_atomic_and_old_checkpoints_pruned(tmp_path):
-    from fastppo.trainer.checkpoint import save_atomically
+    from fastppo.trainer.run_directory import save_atomically
 
     trainer = untrained(tmp_path, iterations=6, save_every=2, keep_checkpoints=1)
     trainer.train()
@@ -403,7 +403,8 @@ def test_resume_is_exact(tmp_path, estimator, kl_coef):
 def test_a_checkpoint_of_an_older_format_is_refused_naming_its_format(tmp_path, capsys):
     """fastppo 0.1 wrote the trainer state as loose keys and no format number: it is refused in one
     line, never half-loaded or skipped for a still older checkpoint."""
-    from fastppo.trainer.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointFormat, write_manifest
+    from fastppo.trainer.checkpoint import STATE_FILE, CheckpointFormat
+    from fastppo.trainer.run_directory import MANIFEST_FILE, write_manifest
 
     PPOTrainer(config(tmp_path, iterations=2, save_every=1)).train()
     run = tmp_path / "run"
