@@ -119,9 +119,11 @@ def save_state(directory: Path, next_iteration: int, models, optimizers, state, 
     )
 
 
-def read_state(directory: Path) -> dict:
-    """The saved ``STATE_FILE`` of a checkpoint of this format, else :class:`CheckpointFormat`."""
-    saved = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+def read_state(directory: Path, lazily: bool = False) -> dict:
+    """The saved ``STATE_FILE`` of a checkpoint of this format, else :class:`CheckpointFormat`.
+    ``lazily``: its tensors (the AdamW moments, as large as the fp32 weights twice over) are
+    mapped from the file, not read, for a check that needs only the table."""
+    saved = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False, mmap=lazily)
     written = saved.get("format", 1) if isinstance(saved, dict) else None
     if written != CHECKPOINT_FORMAT:
         raise CheckpointFormat(
@@ -260,7 +262,7 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
             warnings.warn(f"skipping {checkpoints.pop(0)[1]}: it does not load ({error})")
     if not checkpoints:
         raise UsageError(f"--resume {run_dir}: no complete checkpoint to resume from")
-    read_state(checkpoints[0][1])  # its format
+    read_state(checkpoints[0][1], lazily=True)  # its format
     check_world_size(checkpoints[0][1], world_size())  # every checkpoint of a run has its world size
     if config.run.iterations <= checkpoints[0][0]:
         raise UsageError(

@@ -69,10 +69,8 @@ class PPOTrainer:
 
             transformers_logging.disable_progress_bar()
         self.models = models = build_models(config, self.ranks, policy, tokenizer)
-        self.prompts, self.eval_prompts = data.configured(
-            config, models.tokenizer, context_length(models.policy), sources
-        )
-        every = [p for p in (self.prompts, self.eval_prompts) if p is not None]
+        prompts, self.eval_prompts = data.configured(config, models.tokenizer, context_length(models.policy), sources)
+        every = [p for p in (prompts, self.eval_prompts) if p is not None]
         fields = list(dict.fromkeys(k for p in every for k in p.field_names()))  # each reward call gets all
         rewards = tasks.configured_rewards(
             config, reward_fn, lambda path: RewardModel(path, models.device, models.precision.frozen)
@@ -80,13 +78,14 @@ class PPOTrainer:
         for loaded in every:
             rewards.check_fields(loaded.fields, loaded.origins)
         self.longest_prompt = max(len(ids) for p in every for ids in p.ids)
-        self.rollouts = Rollouts(config, models, rewards, self.prompts, fields, self.ranks, self.longest_prompt)
+        self.rollouts = Rollouts(config, models, rewards, prompts, fields, self.ranks, self.longest_prompt)
         self.optimizers = Optimizers(models.policy, models.critic, config.optim, config.run.iterations)
         self.state = TrainerState(kl_coef=config.algo.kl_coef)
         self.evaluations = []  # {"iteration", held-out metrics} of each evaluation
         self.examples = []  # the last iteration's rows as text, for completions.jsonl
 
-    # the models, by their usual names
+    # the models and the training prompts, by their usual names
+    prompts = property(lambda self: self.rollouts.prompts)
     policy = property(lambda self: self.models.policy)
     critic = property(lambda self: self.models.critic)
     tokenizer = property(lambda self: self.models.tokenizer)
