@@ -166,3 +166,34 @@ def test_the_real_model_contenders_generate_exactly_the_imposed_lengths(monkeypa
     assert {c.status for c in case.contenders} == {
         f"unavailable: converting {smollm2.GGUF} failed (ValueError: no such tensor type)"
     }
+
+
+def test_the_chat_workload_asks_with_worked_examples_and_its_answers_pass_the_verifier():
+    from fastppo.bench import chat_workload
+    from fastppo.rewards import gsm8k_reward
+
+    rows = chat_workload.rows(6, seed=1)
+    assert rows == chat_workload.rows(6, seed=1) and rows != chat_workload.rows(6, seed=2)
+    for row in rows:
+        system, user = row["prompt"]
+        assert system["role"] == "system" and "####" in system["content"] and user["role"] == "user"
+        assert 1 <= user["content"].count("Solution:") <= 2 and user["content"].count("Problem:") >= 2
+    answers = [row["answer"] for row in rows]
+    assert gsm8k_reward(None, [f"so it is\n{a}" for a in answers], answers) == [1.0] * 6
+    assert gsm8k_reward(None, ["#### -1"] * 6, answers) == [0.0] * 6
+
+
+@pytest.mark.slow
+def test_versus_trl_runs_the_chat_workload(tmp_path, capsys):
+    pytest.importorskip("trl")
+    from fastppo.trainer.models import load_policy, tiny_policy
+
+    _, tokenizer = load_policy(None)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | lower }} {% endfor %}"
+    tiny_policy(tokenizer, seed=0).save_pretrained(tmp_path / "chat")
+    tokenizer.save_pretrained(tmp_path / "chat")
+    argv = ["--versus-trl", "--workload", "chat", "--model", str(tmp_path / "chat"), "--device", "cpu"]
+    argv += ["--iterations", "2", "--prompts", "1", "--samples", "2", "--max-new-tokens", "4"]
+    assert bench_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "chat workload (prompts of 150-300 tokens, gsm8k verifier)" in printed and "| TRL GRPOTrainer |" in printed

@@ -37,6 +37,12 @@ def main(argv=None) -> int:
     versus.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
     versus.add_argument("--samples", type=int, default=8, help="samples per prompt")
     versus.add_argument("--max-new-tokens", type=int, default=8)
+    versus.add_argument(
+        "--workload",
+        choices=("arithmetic", "chat"),
+        default="arithmetic",
+        help="the shipped task's short prompts, or chat prompts of 150-300 tokens with a verifier reward",
+    )
     versus.add_argument("--lr", type=float, default=5e-4)
     versus.add_argument(
         "--bf16",
@@ -108,6 +114,7 @@ def _versus_trl(args) -> int:
         lr=args.lr,
         iterations=args.iterations or 40,
         bf16=args.bf16,
+        workload=args.workload,
     )
     return _report(args, result, versus_markdown(result, machine(device)))
 

@@ -12,6 +12,13 @@ default (old log-probs from the update), gradient checkpointing, a bf16 rollout 
 On the shipped tiny model and on a mid-size random Llama (12 layers, hidden 768; full runs only).
 Memory is the peak allocated during an iteration above what was allocated before it.
 
+``trainer_options`` also times the update phase alone, one prepared batch under each forward
+layout: one padded row per sample (the baseline, what the update did before the shared prefix),
+padded rows in micro-batches of similar length, each prompt encoded once for its samples, and that
+in micro-batches; each row notes the token slots its forwards computed. On the shipped tiny model,
+and in full runs on SmolLM2-135M-Instruct with the chat workload (``chat_workload.py``) when it is
+installed.
+
 Bytes are the policy's weights, read at least once by every phase (a floor, not a model of the
 traffic); the rate column is rows x max_new_tokens per second (a ceiling on generated tokens).
 """
@@ -120,15 +127,94 @@ def _options_case(device, label: str, shape: dict, policy_factory=None) -> Case:
     ]
     if not lora:
         contenders.append(Contender("LoRA rank 8 (+ bf16 rollout copy)", status="peft not installed"))
-    rows = shape["prompts_per_iteration"] * shape["samples_per_prompt"]
+    return _options(label, shape, make, contenders, policy_factory)
+
+
+def _options(label: str, fields: dict, make, contenders: list, policy_factory=None) -> Case:
+    """A ``trainer_options`` case of runs shaped by ``fields``; its rate: rows x max_new_tokens."""
+    rows = fields["prompts_per_iteration"] * fields["samples_per_prompt"]
     return Case(
         "trainer_options",
-        f"{label}, {rows} rows x {shape['max_new_tokens']} tokens",
+        f"{label}, {rows} rows x up to {fields['max_new_tokens']} tokens",
         make,
         contenders,
         bytes_fwd=_weights(policy_factory),
-        items=rows * shape["max_new_tokens"],
+        items=rows * fields["max_new_tokens"],
     )
+
+
+LAYOUTS = {  # contender -> (shared prefix, max_tokens_per_microbatch)
+    "before: one padded row per sample": (False, None),
+    "padded rows, micro-batches by length": (False, "budget"),
+    "default: each prompt encoded once": (True, None),
+    "prompt once, micro-batches": (True, "budget"),
+}
+
+
+def _update_tokens(trainer, batch) -> int:
+    """Token slots (padding included) the update's forwards compute on ``batch``: one pass."""
+    from ..trainer.batch import forward_parts
+
+    models, config, total = trainer.models, trainer.config, 0
+    for index in batch.minibatches(config.algo.minibatches):
+        mb = batch.rows(index)
+        total += sum(mb.rows(part).layout(models.shared_prefix).tokens for part in forward_parts(mb, models, config))
+    return total
+
+
+def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=None) -> Case:
+    from ..trainer.layout import SharedPrefix, key_cost, mask_format_of
+
+    def make():
+        trainer = _trainer(device, fields, policy_factory)
+        scored = trainer.rollout(0)
+        return {"trainer": trainer, "batch": trainer.prepare(scored.rollout, scored.scores)}
+
+    def laid_out(x, shared, tokens):
+        trainer = x["trainer"]
+        policy = trainer.policy
+        trainer.models.shared_prefix = SharedPrefix(mask_format_of(policy), key_cost(policy)) if shared else None
+        trainer.config.algo.max_tokens_per_microbatch = budget if tokens else None
+        return trainer
+
+    def update(x, shared, tokens):  # a fresh copy each call: the update fills in its old log-probs
+        return laid_out(x, shared, tokens).update(dataclasses.replace(x["batch"]))
+
+    def note(x, shared, tokens):
+        trainer, batch = laid_out(x, shared, tokens), x["batch"]
+        real = int((batch.prompt_lens + batch.lens).sum())
+        return f"{_update_tokens(trainer, batch):,} token slots; rows hold {real:,}"
+
+    contenders = [
+        Contender(
+            name,
+            lambda x, layout=layout: update(x, *layout),
+            baseline=name.startswith("before"),
+            note=lambda x, layout=layout: note(x, *layout),
+        )
+        for name, layout in LAYOUTS.items()
+    ]
+    return _options(
+        f"update phase, {label}, micro-batches of {budget} tokens", fields, make, contenders, policy_factory
+    )
+
+
+def _smollm2_chat(device) -> list:
+    """The update layouts on SmolLM2-135M-Instruct and the chat workload, when it is installed."""
+    from . import chat_workload, smollm2
+
+    try:
+        model = str(smollm2.smollm2())
+    except smollm2.Unavailable:
+        return []
+    fields = {
+        **chat_workload.train_fields(tempfile.mkdtemp(prefix="fastppo-bench-chat-")),
+        "model": model,
+        "prompts_per_iteration": 2,
+        "kl_coef": 0.0,
+        "lr": 1e-6,
+    }
+    return [_layouts_case(device, "SmolLM2-135M-Instruct, chat prompts", fields, 2048)]
 
 
 def trainer_cases(device: torch.device, quick: bool) -> list:
@@ -137,8 +223,9 @@ def trainer_cases(device: torch.device, quick: bool) -> list:
 
 def trainer_options_cases(device: torch.device, quick: bool) -> list:
     tiny = dict(prompts_per_iteration=16, samples_per_prompt=8, max_new_tokens=8)
-    cases = [_options_case(device, "shipped tiny model", tiny)]
+    cases = [_options_case(device, "shipped tiny model", tiny), _layouts_case(device, "shipped tiny model", tiny, 256)]
     if not quick:
         mid = dict(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=16)
         cases.append(_options_case(device, "random Llama 12 layers x 768", mid, _mid_size_llama))
+        cases += _smollm2_chat(device)
     return cases

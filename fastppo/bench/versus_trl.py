@@ -9,6 +9,10 @@ which fastppo uses), dropout off, temperature 1, token-mean loss over the batch 
 ``generate()``; fastppo with its KV-cached sampler. Each iteration is timed from the first
 rollout token to the end of the optimizer step (TRL: from ``on_step_begin`` to ``on_step_end``).
 
+Two workloads: ``arithmetic``, the shipped task's short prompts; ``chat``, what a practitioner
+runs (``chat_workload.py``: chat prompts of 150-300 tokens, long-tail answers, the gsm8k verifier),
+where most of the tokens an update processes are copies of the prompts unless it shares them.
+
 Reported per trainer: seconds per iteration (median over the iterations after the first two, which
 pay for warm-up), generated tokens per second, and the reward reached at equal wall-clock: the
 mean reward of the last 5 iterations each trainer had finished when the slower one's run would
@@ -22,9 +26,15 @@ import time
 import torch
 
 
-def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16) -> list:
+def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload) -> list:
     from ..trainer import PPOTrainer, TrainConfig
+    from . import chat_workload
 
+    chat = (
+        chat_workload.train_fields(tempfile.mkdtemp(prefix="fastppo-versus-trl-chat-"), samples, max_new_tokens)
+        if workload == "chat"
+        else {}
+    )
     config = TrainConfig.from_flat(
         {
             "model": model,
@@ -40,6 +50,7 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
             "estimator": "grpo",
             "kl_coef": 0.0,
             **({"autocast": True, "rollout_dtype": "bfloat16"} if bf16 else {}),
+            **chat,
         }
     ).validate()
     trainer = PPOTrainer(config)
@@ -59,20 +70,28 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
     return rows
 
 
-def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16) -> list:
+def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload) -> list:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from ..rewards import gsm8k_reward
     from ..trainer import tasks
     from ..trainer.models import load_policy
+    from . import chat_workload
 
     policy, tokenizer = load_policy(model)
-    task = tasks.TASKS["arithmetic"]
-    rows, reward = task.prompts(seed=seed), task.reward
+    if workload == "chat":
+        rows = chat_workload.rows(256)
 
-    def score(prompts, completions, **_):
-        return reward(prompts, completions)
+        def score(prompts, completions, answer, **_):  # TRL hands conversational completions as messages
+            return gsm8k_reward(prompts, [c[-1]["content"] if isinstance(c, list) else c for c in completions], answer)
+    else:
+        task = tasks.TASKS["arithmetic"]
+        rows, reward = task.prompts(seed=seed), task.reward
+
+        def score(prompts, completions, **_):
+            return reward(prompts, completions)
 
     score.__name__ = "reward"
     starts, ends = [], []
@@ -123,6 +142,9 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
     ]
 
 
+WORKLOADS = {"arithmetic": "arithmetic task", "chat": "chat workload (prompts of 150-300 tokens, gsm8k verifier)"}
+
+
 def _summary(name: str, rows: list, cutoff: float) -> dict:
     steady = [r["seconds"] for r in rows[2:]] or [r["seconds"] for r in rows]
     elapsed, finished = 0.0, []
@@ -157,8 +179,9 @@ def compare(
     iterations: int = 30,
     seed: int = 0,
     bf16: bool = None,
+    workload: str = "arithmetic",
 ) -> dict:
-    """Both trainers for ``iterations`` on the arithmetic task; a summary row each (see the module).
+    """Both trainers for ``iterations`` on ``workload``; a summary row each (see the module).
     ``bf16`` (default: on CUDA): both in mixed precision, fastppo with bf16 autocast and a bf16
     rollout copy, TRL with ``bf16=True``; else both in fp32."""
     device = torch.device("cpu") if device is None else device
@@ -171,6 +194,7 @@ def compare(
         iterations=iterations,
         seed=seed,
         bf16=bf16,
+        workload=workload,
     )
     runs = {"fastppo train": _fastppo_run(model, device, **shape), "TRL GRPOTrainer": _trl_run(model, device, **shape)}
     cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
@@ -190,7 +214,8 @@ def markdown(result: dict, machine: str) -> str:
     lines = [
         f"## fastppo train vs TRL GRPOTrainer: {result['model']}",
         "",
-        f"{machine}; arithmetic task, {s['prompts']} prompts x {s['samples']} samples, up to "
+        f"{machine}; {WORKLOADS[s.get('workload', 'arithmetic')]}, {s['prompts']} prompts x "
+        f"{s['samples']} samples, up to "
         f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, "
         f"{'bf16 mixed precision' if s['bf16'] else 'fp32'}, one run. "
         f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "

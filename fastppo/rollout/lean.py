@@ -47,7 +47,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _windows(config) -> list:
+def windows(config) -> list:
     """Per layer, the sliding-window length or None for full attention."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -139,7 +139,7 @@ class LlamaLikeDecoder(LeanDecoder):
             config.num_hidden_layers,
             config.num_key_value_heads,
             model.model.layers[0].self_attn.head_dim,
-            _windows(config),
+            windows(config),
         )
 
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from . import host_memory, sharding
 from .errors import UsageError
+from .layout import SharedPrefix
 from .lora import LoRA
 from .models import (
     Critic,
@@ -38,6 +39,9 @@ class Models:
     lora: Optional[LoRA]
     rollout_weights: RolloutWeights  # what the sampler decodes with
     sharded: bool
+    # how the forwards encode each prompt once for its samples (``shared_prefix.py``); None: padded rows
+    shared_prefix: Optional[SharedPrefix] = None
+    padded_because: Optional[str] = None
 
     @property
     def device(self) -> torch.device:

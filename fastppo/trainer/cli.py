@@ -158,7 +158,7 @@ def _plan(args) -> int:
     from . import data, tasks
     from .distributed import world_size
     from .models import DEFAULT_MODEL
-    from .plan import GiB, device_memory, memory_plan, render, runtime_bytes
+    from .plan import GiB, device_memory, fitting_microbatch, memory_plan, render, runtime_bytes
 
     config = from_arguments(args)
     _check_plan_options(args)
@@ -223,17 +223,30 @@ def _plan(args) -> int:
         end="",
     )
     if sum(line.bytes for line in lines) > available:
-        print(_what_would_fit(config, total, available))
+        budget = fitting_microbatch(
+            config,
+            model_config,
+            prompt_tokens=tokens,
+            device_type=device_type,
+            available=available,
+            world_size=world,
+            reward_model_config=reward_config,
+            runtime=runtime,
+        )
+        print(_what_would_fit(config, total, available, budget))
     return 0
 
 
-def _what_would_fit(config, total, available: int) -> str:
+def _what_would_fit(config, total, available: int, budget) -> str:
     """The options (each alone, then all of them) that would bring the plan's ``total(**changes)``
-    under ``available``, with their totals."""
+    under ``available``, with their totals; ``budget``: the micro-batch tokens that would fit
+    (:func:`~fastppo.trainer.plan.fitting_microbatch`), or None."""
     from .plan import GiB
 
     r = config.rollout
     candidates = [("--gradient-checkpointing", {"gradient_checkpointing": True})]
+    if budget is not None:
+        candidates.append((f"--max-tokens-per-microbatch {budget}", {"max_tokens_per_microbatch": budget}))
     if config.lora.lora_rank is None:
         candidates.append(("--lora-rank 16", {"lora_rank": 16}))
     rows = r.prompts_per_iteration * r.samples_per_prompt

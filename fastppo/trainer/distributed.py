@@ -70,6 +70,14 @@ class Ranks:
             dist.all_reduce(total, group=self.group)
         return total
 
+    def most(self, count: int) -> int:
+        """The largest ``count`` over ranks."""
+        if self.world == 1:
+            return count
+        top = torch.tensor(count, device=self.device())
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        return int(top)
+
     def mean_of(self, metrics: dict) -> dict:
         """Each float metric averaged over ranks."""
         if self.world == 1:

@@ -112,6 +112,12 @@ class ModelConfig:
         "forward",
         False,
     )
+    shared_prefix: bool = _doc(
+        "encode each prompt once for all its samples in every forward of the update (exact: the "
+        "samples attend to the prompt's keys and values); off, or where a model cannot take it, "
+        "each sample is a padded row of its own",
+        True,
+    )
 
 
 @dataclass
@@ -329,6 +335,13 @@ class AlgoConfig:
     minibatches: int = _doc("minibatches per pass; must divide the rows of a rollout", 1)
     grad_accumulation: int = _doc(
         "minibatches per optimizer step, normalised by their total token count; must divide minibatches", 1
+    )
+    max_tokens_per_microbatch: Optional[int] = _doc(
+        "split each minibatch's forwards into micro-batches of at most this many prompt and "
+        "response tokens, similar lengths together (gradients accumulate; the loss is the same); "
+        "default: one forward per minibatch, or on CUDA the most the memory plan fits",
+        None,
+        bound=at_least(1),
     )
     recompute_old_logprobs: bool = _doc(
         "compute the old log-probs in a separate no-grad pass even when the "

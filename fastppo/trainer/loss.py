@@ -34,11 +34,12 @@ def minibatch_loss(
     if whole is None:
         whole = tokens if agg == "token-mean" else denominator(mb.mask, agg, c.rollout.max_new_tokens)
     cap = c.rollout.rollout_is_cap
+    layout = mb.layout(models.shared_prefix)
     if a.sequence_ratio and not on_policy:  # on-policy every sequence ratio is 1: GSPO is the token loss
-        loss, stats = sequence_loss(mb, models, config, kl)
+        loss, stats = sequence_loss(mb, layout, models, config, kl)
     else:
         with models.precision.autocast():
-            hidden = response_hidden(models.policy, mb)  # (B, R, H)
+            hidden = response_hidden(models.policy, layout)  # (B, R, H)
         weight, bias = head_params(models.policy, hidden)
         loss, stats, old = ppo_loss_from_hidden(
             hidden,
@@ -72,19 +73,19 @@ def minibatch_loss(
         loss = loss * (denominator(mb.mask, agg).clamp(min=1.0) / whole.clamp(min=1.0))
     if models.critic is not None:
         with models.precision.autocast():
-            values = response_values(models.critic, mb)
+            values = response_values(models.critic, layout)
         vf, vf_stats = value_loss(values, mb.values, mb.returns, mb.mask, clip_eps=a.vf_clip, num_tokens=tokens)
         loss = loss + a.vf_coef * vf
         stats.update(vf_stats)
     return loss, stats
 
 
-def sequence_loss(mb: Batch, models, config, kl: dict) -> tuple:
+def sequence_loss(mb: Batch, layout, models, config, kl: dict) -> tuple:
     """GSPO's loss off-policy: each response's token log-probs from the fused op from hidden
     states, then :func:`~fastppo.ops.sequence_ppo_loss` over them, a mean over the responses."""
     a = config.algo
     with models.precision.autocast():
-        hidden = response_hidden(models.policy, mb)  # (B, R, H)
+        hidden = response_hidden(models.policy, layout)  # (B, R, H)
     weight, bias = head_params(models.policy, hidden)
     logp, entropy = token_logprobs_from_hidden(
         hidden, weight, response_labels(mb), bias=bias, temperature=config.rollout.temperature, return_entropy=True

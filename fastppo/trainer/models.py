@@ -213,8 +213,10 @@ class Critic(nn.Module):
             head.bias.copy_(score.bias[:1] if score.bias is not None else torch.zeros(1))
         return cls(model.base_model, head)
 
-    def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids, attention_mask, position_ids=None):
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         # (B, L), a new tensor rather than a view of the head's (B, L, 1) output (FSDP warns of those)
         return hidden @ self.head.weight[0] + self.head.bias[0]
 

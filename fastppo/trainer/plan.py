@@ -11,7 +11,8 @@ counted from the options, each line with its dtype:
 - measured: on the CPU, the process itself (Python, torch, transformers: its resident memory
   before any model loads), which with freed tensor memory returned at once (``host_memory.py``)
   is what a run holds besides the lines above;
-- estimated: activations kept for the backward per layer and token, ``(8 hidden + 4
+- estimated: activations kept for the backward per layer and token of one forward (each prompt
+  once for its samples with the shared prefix; ``forward_tokens``), ``(8 hidden + 4
   intermediate + 2 kv_dim)`` values of a Llama-like block, measured from the tensors autograd
   saves (with checkpointing, each block's input plus one block recomputed at a time), one
   block's worth more for the backward's working gradients, and the fused loss head's fp32
@@ -188,16 +189,17 @@ def memory_plan(
     )
     lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
-    tokens, responses = mb_rows * length, mb_rows * r.max_new_tokens
+    tokens, laid_out = forward_tokens(config, mb_rows, prompt_tokens)
+    responses = mb_rows * r.max_new_tokens
     block = (8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * compute * tokens
     models = 2 if config.uses_critic else 1
     outside = 2 * m.hidden * compute * tokens  # the embeddings' output and the final norm's
     if config.model.gradient_checkpointing:
         kept = m.layers * m.hidden * 4 * tokens + block + outside
-        how = f"{m.layers} block inputs + 1 block recomputed, {tokens:,} tokens per minibatch"
+        how = f"{m.layers} block inputs + 1 block recomputed, {tokens:,} tokens per forward ({laid_out})"
     else:
         kept = m.layers * block + outside
-        how = f"{m.layers} blocks x {tokens:,} tokens per minibatch"
+        how = f"{m.layers} blocks x {tokens:,} tokens per forward ({laid_out})"
     lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
     chunk = default_chunk_size(responses, m.vocab, device_type)
     half_grad = 2 * chunk * m.vocab if device_type == "cuda" else 0  # the chunk's logit gradient, bf16
@@ -214,6 +216,38 @@ def memory_plan(
     if runtime:
         lines.append(Line("runtime", runtime, "this process before any model: Python, torch, transformers"))
     return lines
+
+
+def forward_tokens(config, rows: int, prompt_tokens: int) -> tuple:
+    """``(tokens, how)``: the most tokens one forward of the update lays out for a minibatch of
+    ``rows``, every response at max_new_tokens (``layout.py``): each prompt once for its samples
+    (one more prompt where a minibatch cuts through a group), or a padded row per sample; no more
+    than the micro-batch budget (or one row, when a row is longer than it)."""
+    r, budget = config.rollout, config.algo.max_tokens_per_microbatch
+    row = prompt_tokens + r.max_new_tokens
+    if config.model.shared_prefix and r.samples_per_prompt > 1:
+        prompts = -(-rows // r.samples_per_prompt) + (rows % r.samples_per_prompt != 0)
+        tokens, how = prompts * prompt_tokens + rows * r.max_new_tokens, f"{prompts} prompts once, {rows} responses"
+    else:
+        tokens, how = rows * row, f"{rows} padded rows"
+    if budget is not None and budget < tokens:
+        tokens, how = max(budget, row), f"micro-batches of <= {budget:,} tokens"
+    return tokens, how
+
+
+def fitting_microbatch(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> int:
+    """The most tokens per forward (``--max-tokens-per-microbatch``) under which the plan of
+    ``config`` fits ``available`` bytes; None when it fits without a budget, or would not fit even
+    with one row per forward. ``plan``: :func:`memory_plan`'s other arguments."""
+    lines = memory_plan(config, model_config, prompt_tokens=prompt_tokens, device_type=device_type, **plan)
+    total = sum(line.bytes for line in lines)
+    if total <= available:
+        return None
+    rows = config.rollout.prompts_per_iteration * config.rollout.samples_per_prompt // config.algo.minibatches
+    tokens, _ = forward_tokens(config, rows, prompt_tokens)
+    activations = next(line.bytes for line in lines if line.name.startswith("activations"))
+    budget = int((available - (total - activations)) * tokens / activations)
+    return budget if budget >= prompt_tokens + config.rollout.max_new_tokens else None
 
 
 def runtime_bytes() -> int:

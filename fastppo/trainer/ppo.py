@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, data, evaluation, inputs, run_directory, tasks
-from .batch import Batch, explained_variance, lay_out, loss_mask, prepare, warn_truncated
+from .batch import Batch, explained_variance, forward_parts, lay_out, loss_mask, prepare, warn_truncated
 from .build import build_models
 from .config import TrainConfig
 from .distributed import Ranks
@@ -34,9 +34,11 @@ from .errors import UsageError
 from .loss import minibatch_loss, step_normalisers, step_stats
 from .models import RewardModel, context_length
 from .optimizers import Optimizers
+from .plan import device_memory, fitting_microbatch
 from .rollouts import Rollouts, Scored
 from .run_lock import RunLock
 from .run_log import RunLog, iteration_metrics, postfix, progress, start_run_directory
+from .shared_prefix import check_shared_prefix
 from .signals import Signals, TrainingInterrupted, stop_on_signals
 from .state import TrainerState, random_states
 from .summary import summary
@@ -78,6 +80,18 @@ class PPOTrainer:
         for loaded in every:
             rewards.check_fields(loaded.fields, loaded.origins)
         self.longest_prompt = max(len(ids) for p in every for ids in p.ids)
+        models.shared_prefix, models.padded_because = check_shared_prefix(
+            models, config.model.shared_prefix, self.longest_prompt + config.rollout.max_new_tokens, self.ranks
+        )
+        if config.algo.max_tokens_per_microbatch is None and models.device.type == "cuda":  # what fits, if needed
+            config.algo.max_tokens_per_microbatch = fitting_microbatch(
+                config,
+                models.policy.config,
+                prompt_tokens=self.longest_prompt,
+                device_type="cuda",
+                available=device_memory("cuda"),
+                world_size=self.ranks.world,
+            )
         self.rollouts = Rollouts(config, models, rewards, prompts, fields, self.ranks, self.longest_prompt)
         self.optimizers = Optimizers(models.policy, models.critic, config.optim, config.run.iterations)
         self.state = TrainerState(kl_coef=config.algo.kl_coef)
@@ -102,7 +116,7 @@ class PPOTrainer:
         try:
             if main:
                 start_run_directory(out, self.config, start)
-                lines = summary(self.config, self.policy, self.rollouts, self.longest_prompt, self.ranks.world)
+                lines = summary(self.config, self.models, self.rollouts, self.longest_prompt, self.ranks.world)
                 print(*lines, sep="\n", flush=True)
             history, stop, saved_at = [], Signals(), time.monotonic()
             with stop_on_signals(stop), RunLog(out, main) as log, progress(start, run.iterations, main) as bar:
@@ -180,7 +194,7 @@ class PPOTrainer:
             self.state.warned_truncated = True
             warn_truncated(truncated, c.rollout.max_new_tokens)
         batch = lay_out(rollout, mask, self.tokenizer.pad_token_id, self.device)
-        return prepare(batch, scores, self.models, c, self.state.kl_coef, group=self.ranks.group)
+        return prepare(batch, scores, self.models, c, self.state.kl_coef, self.ranks)
 
     def update(self, batch: Batch) -> dict:
         """``ppo_epochs`` passes of minibatch steps over ``batch``; without old log-probs (the
@@ -193,9 +207,14 @@ class PPOTrainer:
             batch.old_logprobs = torch.zeros_like(batch.sampler_logprobs)
         logs = []  # one per optimizer step
         for _ in range(a.ppo_epochs):
-            minibatches = torch.randperm(batch.mask.shape[0], device=self.device).chunk(a.minibatches)
+            minibatches = batch.minibatches(a.minibatches)
             for first in range(0, len(minibatches), a.grad_accumulation):
-                indices = minibatches[first : first + a.grad_accumulation]
+                # the step's minibatches, each in micro-batches of at most max_tokens_per_microbatch
+                indices = [
+                    index[part]
+                    for index in minibatches[first : first + a.grad_accumulation]
+                    for part in forward_parts(batch.rows(index), models, self.config, self.ranks)
+                ]
                 group = [batch.rows(index) for index in indices]
                 tokens, whole = step_normalisers(group, self.config, self.ranks)
                 self.optimizers.zero_grad()

@@ -42,17 +42,20 @@ from .errors import UsageError
 _FORWARD = "fastppo_last_hidden_state"  # the FSDP-registered forward of a sharded model
 
 
-def _backbone_hidden(model, input_ids, attention_mask):
+def _backbone_hidden(model, input_ids, attention_mask, position_ids=None):
     """(B, L, H): the backbone's last hidden states (after its final norm)."""
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    out = model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    return out.last_hidden_state
 
 
-def last_hidden_state(model, input_ids, attention_mask):
+def last_hidden_state(model, input_ids, attention_mask, position_ids=None):
     """(B, L, H): the model's last hidden states; for a sharded model, run as FSDP's forward of its
     root, so ``model.get_output_embeddings().weight`` is the gathered head until the backward (or
     :func:`reshard`) frees it."""
-    forward = getattr(model, _FORWARD, None)
-    return _backbone_hidden(model, input_ids, attention_mask) if forward is None else forward(input_ids, attention_mask)
+    forward = getattr(model, _FORWARD, None) or (lambda *inputs: _backbone_hidden(model, *inputs))
+    return forward(input_ids, attention_mask, position_ids)
 
 
 def blocks(model: nn.Module) -> list:

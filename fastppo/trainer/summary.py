@@ -7,10 +7,11 @@ from .models import DEFAULT_MODEL
 from .plan import GiB, memory_plan
 
 
-def summary(config, policy, rollouts, longest_prompt: int, world: int) -> list:
-    """The start-up lines of a run of ``config`` training ``policy`` on the prompts and rewards of
-    ``rollouts`` (:class:`~fastppo.trainer.rollouts.Rollouts`) over ``world`` ranks."""
-    c, r = config, config.rollout
+def summary(config, models, rollouts, longest_prompt: int, world: int) -> list:
+    """The start-up lines of a run of ``config`` training ``models`` (:class:`~fastppo.trainer.build.Models`)
+    on the prompts and rewards of ``rollouts`` (:class:`~fastppo.trainer.rollouts.Rollouts`) over
+    ``world`` ranks."""
+    c, r, policy = config, config.rollout, models.policy
     rewards, prompts, device_type = rollouts.rewards, rollouts.prompts, policy.device.type
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.parameters())
@@ -23,6 +24,17 @@ def summary(config, policy, rollouts, longest_prompt: int, world: int) -> list:
         + (f" x {world} ranks" if world > 1 else "")
         + f", up to {r.max_new_tokens} new tokens each, of {len(prompts)} prompts; the first, as the "
         f"sampler sees it: {prompts.texts[0]!r}",
+        "update forwards: "
+        + (
+            "each prompt encoded once for its samples"
+            if models.shared_prefix is not None
+            else f"one padded row per sample ({models.padded_because})"
+        )
+        + (
+            f", micro-batches of <= {c.algo.max_tokens_per_microbatch} tokens"
+            if c.algo.max_tokens_per_microbatch
+            else ""
+        ),
         f"memory plan for one {device_type} device: "
         f"{sum(line.bytes for line in plan) / GiB:.2f} GiB (the lines: fastppo train --plan)",
     ] + toy_defaults(c)

@@ -47,7 +47,7 @@ def drifted(tmp_path, **fields):
 
 def direct_logprobs(model, batch, temperature):
     """The response tokens' log-probs under ``model`` at ``temperature``, from the op itself."""
-    hidden = response_hidden(model, batch)
+    hidden = response_hidden(model, batch.layout())
     head = model.get_output_embeddings()
     labels = batch.response_ids.masked_fill(~batch.mask, -100)
     return fastppo.token_logprobs_from_hidden(hidden, head.weight, labels, bias=head.bias, temperature=temperature)

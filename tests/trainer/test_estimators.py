@@ -18,7 +18,7 @@ from tests.trainer.runs import TEMPERATURE, drifted, rolled_out, untrained
 def float64_logprobs(model, batch):
     """The response tokens' log-probs under a float64 copy of ``model``: (B, R)."""
     model = copy.deepcopy(model).double()
-    hidden = response_hidden(model, batch)
+    hidden = response_hidden(model, batch.layout())
     head = model.get_output_embeddings()
     logits = (hidden @ head.weight.T) / TEMPERATURE
     return logits.log_softmax(-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1), model
@@ -49,10 +49,7 @@ def test_minibatches_of_one_step_minimise_the_whole_batchs_aggregated_loss(tmp_p
     _, batch = rolled_out(trainer)
     # no response as long as the budget: the budget, not the longest response, is Dr. GRPO's width
     batch = Batch(
-        **{
-            k: v[:, :4] if k not in ("input_ids", "attention_mask") and v is not None else v
-            for k, v in batch.__dict__.items()
-        }
+        **{k: v[:, :4] if k != "input_ids" and v is not None and v.dim() == 2 else v for k, v in batch.__dict__.items()}
     )
     assert batch.mask.sum(1).unique().numel() > 1  # rows of several lengths: the modes differ
     grads = step_gradient(trainer, batch)
@@ -108,7 +105,7 @@ def test_clip_higher_and_dual_clip_reach_the_loss(tmp_path):
     batch.old_logprobs = batch.old_logprobs + 0.4 * torch.randn_like(batch.old_logprobs) * batch.mask
     tokens = batch.mask.sum()
     loss, _ = minibatch_loss(batch, trainer.models, trainer.config, trainer.state.kl_coef, tokens, on_policy=False)
-    hidden = response_hidden(trainer.policy, batch)
+    hidden = response_hidden(trainer.policy, batch.layout())
     logits = hidden @ trainer.policy.get_output_embeddings().weight.T
     options = dict(temperature=TEMPERATURE, num_tokens=int(tokens))
     expected, _ = fastppo.ppo_loss_from_logits(

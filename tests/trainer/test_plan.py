@@ -158,9 +158,10 @@ def test_a_plan_that_does_not_fit_names_what_would(capsys):
         "--device",
         "cuda",
     ]
-    assert fastppo_main([*argv, "--plan-device-memory", "80"]) == 0
+    assert fastppo_main([*argv, "--plan-device-memory", "30"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("  it would fit with: --gradient-checkpointing (") and "--minibatches 4" in last
+    assert "or --max-tokens-per-microbatch 537 (30.00 GiB)" in last  # the activations that fit
     assert fastppo_main([*argv, "--plan-device-memory", "1"]) == 0
     assert "shard it over more (--fsdp with torchrun)" in capsys.readouterr().out
     assert fastppo_main([*argv, "--plan-device-memory", "200"]) == 0
@@ -235,3 +236,37 @@ def test_a_cpu_run_returns_freed_memory_by_default_when_it_is_lora(tmp_path, rel
     tokenizer = char_tokenizer()
     PPOTrainer(config(tmp_path, task="vowels", **fields), policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
     assert released_memory == [True] * released
+
+
+def test_the_shared_prefix_and_a_micro_batch_budget_shrink_the_activations_and_the_budget_is_what_fits():
+    from transformers import AutoConfig
+
+    from fastppo.trainer.plan import GiB, fitting_microbatch
+
+    qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-1.5b")
+    fields = dict(prompts_per_iteration=8, samples_per_prompt=8, max_new_tokens=256)
+
+    def plan(**extra):
+        lines = memory_plan(config(Path("/unused"), **fields, **extra), qwen, prompt_tokens=1024, device_type="cuda")
+        return {line.name: line for line in lines}
+
+    shared, padded = plan(), plan(shared_prefix=False)
+    # 64 rows of 1024 + 256 padded; 8 prompts once + 64 responses of 256 shared
+    assert "81,920 tokens per forward (64 padded rows)" in padded["activations"].how
+    assert "24,576 tokens per forward (8 prompts once, 64 responses)" in shared["activations"].how
+    assert shared["activations"].bytes * 81_920 == padded["activations"].bytes * 24_576
+    total = sum(line.bytes for line in shared.values())
+    available = total - 10 * GiB
+    budget = fitting_microbatch(
+        config(Path("/unused"), **fields), qwen, prompt_tokens=1024, device_type="cuda", available=available
+    )
+    assert 1280 <= budget < 24_576
+    fitted = plan(max_tokens_per_microbatch=budget)
+    assert f"micro-batches of <= {budget:,} tokens" in fitted["activations"].how
+    assert available - GiB / 100 < sum(line.bytes for line in fitted.values()) <= available
+    assert (
+        fitting_microbatch(
+            config(Path("/unused"), **fields), qwen, prompt_tokens=1024, device_type="cuda", available=total
+        )
+        is None
+    )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastppo
-from fastppo.trainer.batch import response_hidden
+from fastppo.trainer.batch import response_hidden, response_values
 from fastppo.trainer.loss import minibatch_loss
 from tests.trainer.runs import TEMPERATURE, direct_logprobs, drifted, rolled_out, untrained
 
@@ -26,7 +26,7 @@ def test_gae_batch_is_whitened_gae_over_kl_shaped_rewards(tmp_path):
     torch.testing.assert_close(batch.ref_logprobs, ref)  # at the rollout temperature ...
     at_one = direct_logprobs(trainer.models.reference, batch, 1.0)
     assert (batch.ref_logprobs - at_one).abs().max() > 1e-2  # ... which the test can tell from 1
-    values = trainer.critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float() * mask
+    values = response_values(trainer.critic, batch.layout()) * mask
     torch.testing.assert_close(batch.values, values)
 
     # the penalty is -kl_coef * (logp - ref_logp) per token, the score added at the last token
@@ -75,7 +75,7 @@ def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path
     tokens = batch.mask.sum()
     loss, stats = minibatch_loss(batch, trainer.models, trainer.config, trainer.state.kl_coef, tokens, on_policy=False)
 
-    hidden = response_hidden(trainer.policy, batch)
+    hidden = response_hidden(trainer.policy, batch.layout())
     head = trainer.policy.get_output_embeddings()
     kl_in_loss = estimator != "gae"  # with a critic the KL is in the reward instead
     expected, expected_stats = fastppo.ppo_loss_from_logits(
@@ -94,7 +94,7 @@ def test_the_minimised_loss_is_the_ops_loss_with_the_configured_options(tmp_path
     )
     assert expected_stats["clipfrac"] > 0
     if estimator == "gae":
-        values = trainer.critic(batch.input_ids, batch.attention_mask).gather(1, batch.positions).float()
+        values = response_values(trainer.critic, batch.layout())
         vf, _ = fastppo.value_loss(
             values, batch.values, batch.returns, batch.mask, clip_eps=0.1, num_tokens=int(tokens)
         )
@@ -130,7 +130,7 @@ def test_on_policy_old_logprobs_are_the_updates_own_with_the_same_loss_and_gradi
         assert stats["rollout_is_weight"] == pytest.approx(float(weights[batch.mask].mean()), rel=1e-5)
         assert float(weights[batch.mask].min()) < 0.9
         advantages = advantages * weights
-    hidden = response_hidden(trainer.policy, batch)
+    hidden = response_hidden(trainer.policy, batch.layout())
     head = trainer.policy.get_output_embeddings()
     expected, expected_stats = fastppo.ppo_loss_from_logits(
         hidden @ head.weight.T,
