@@ -190,7 +190,9 @@ def test_versus_trl_runs_the_chat_workload(tmp_path, capsys):
 
     _, tokenizer = load_policy(None)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | lower }} {% endfor %}"
-    tiny_policy(tokenizer, seed=0).save_pretrained(tmp_path / "chat")
+    model = tiny_policy(tokenizer, seed=0)
+    model.config.max_position_embeddings = 1024  # a character per token: the prompts are 700-800 long
+    model.save_pretrained(tmp_path / "chat")
     tokenizer.save_pretrained(tmp_path / "chat")
     argv = ["--versus-trl", "--workload", "chat", "--model", str(tmp_path / "chat"), "--device", "cpu"]
     argv += ["--iterations", "2", "--prompts", "1", "--samples", "2", "--max-new-tokens", "4"]
