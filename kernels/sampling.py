@@ -7,8 +7,9 @@ fp32 values. Here each row is read once, in blocks of the vocabulary, and the dr
 ``argmax(z + g)`` with ``g = -log(-log(u))`` is an exact draw from ``softmax(z)``, with no
 normalisation and no second pass. In base-2 units (log2(e) folded into the scale, constants
 dropped from the argmax) the score is ``x * scale * log2(e) - log2(-log2(u))``: two
-flush-to-zero ``lg2`` instructions per element (``fastmath.py``). Greedy mode scores the logit
-itself (log-prob then at the given scale).
+flush-to-zero ``lg2`` instructions per element (``fastmath.py``), the inner one replaced by its
+series within 2**-6 of u = 1, where ``lg2``'s error would exceed the log itself (``_gumbel2``).
+Greedy mode scores the logit itself (log-prob then at the given scale).
 
 What the loop carries is per *lane*, not per row, so a block costs one cross-thread reduction
 (its max, for the log-sum-exp's reference point), not five:
@@ -40,7 +41,23 @@ from .fastmath import LN2, LOG2E, exp2, log2
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
 _SMALLEST_UNIFORM = tl.constexpr(2.0**-32)
+_NEAR_ONE = tl.constexpr(2.0**-6)  # below this distance from 1, -log2(u) comes from its series
 _NO_COLUMN = tl.constexpr(2**31 - 1)  # above every column: the neutral value of a min over columns
+
+
+@triton.jit
+def _gumbel2(u):
+    # u: uniforms in [0, 1) -> their Gumbel noise in base-2 units, -log2(-log2(u)). Near u = 1,
+    # lg2.approx's absolute error (up to 2**-22 on [0.5, 2]) exceeds -log2(u) itself
+    # (-log2(1 - 2**-24) = 8.6e-8 = 0.36 x 2**-22): it may round to 0 or below, and the noise to
+    # +inf or NaN, where exact noise is at most 23.5. So within _NEAR_ONE of 1 the inner log is
+    # the series of -ln(1 - d) with d = 1 - u (exact in fp32 for u >= 0.5), whose first omitted
+    # term is d**5 / 5: a relative error below 2**-26. The noise is then finite for every fp32
+    # uniform, and its distribution is the exact one's at fp32's resolution of u.
+    u = tl.maximum(u, _SMALLEST_UNIFORM)
+    d = 1.0 - u
+    series = d * (1.0 + d * (0.5 + d * (0.3333333333 + d * 0.25))) * LOG2E
+    return -log2(tl.where(d < _NEAR_ONE, series, -log2(u)))
 
 
 @triton.jit
@@ -115,7 +132,7 @@ def _sample_kernel(
             u0, u1, u2, u3 = tl.rand4x(seed, counters)  # (BLOCK_N, BLOCK_V // 4) each
             # Interleave so that column 4k + j takes output j of counter k.
             u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_N, BLOCK_V))
-            score = x * scale2 - log2(-log2(tl.maximum(u, _SMALLEST_UNIFORM)))
+            score = x * scale2 + _gumbel2(u)
         better = ok & (score > best)  # strictly: a later column with an equal score loses the tie
         best = tl.where(better, score, best)
         best_col = tl.where(better, cols[None, :], best_col)

@@ -5,7 +5,10 @@ The last op of a rollout step. The log-prob returned is always the full-vocabula
 behaviour policy PPO's ratio divides by. On CUDA, plain temperature sampling and greedy decoding
 run the fused Triton kernel (one read of the logits, no fp32 copies); top-k and top-p, which need
 a sort, and every CPU call run the PyTorch twin. Draws are Gumbel-max, keyed by ``seed``: no host
-sync, and the same seed on the same backend and device gives the same tokens.
+sync, and the same seed on the same backend and device gives the same tokens. The draw is exact
+up to fp32's resolution of the uniforms (steps of 2**-24 near 1, which cap the Gumbel noise at
+16.6 in natural units): each token's probability is its softmax's but for that cut of the noise's
+tail, and the kernel's noise stays finite and accurate there on the GPU's approximate log.
 """
 
 import math

@@ -7,8 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fastppo
+from fastppo.kernels import sampling as sampling_kernels
 from fastppo.kernels.sampling import sample_forward
 from tests.oracles import philox_uniform4
 
@@ -220,3 +223,37 @@ def test_top_p_samples_exactly_the_nucleus(top_p, nucleus):
     counts = torch.stack([(tokens == token).sum() for token in order[nucleus]]).double()
     torch.testing.assert_close(counts / draws, kept.double(), atol=0.03, rtol=0)
     torch.testing.assert_close(logprobs, logits[0, tokens].float() - torch.logsumexp(logits[0], 0))  # full-vocabulary
+
+
+@triton.jit
+def _approximate_log2(x):  # lg2.approx's worst case near 1: an absolute error up to 2**-22
+    return tl.floor(tl.log2(x) * 4194304.0 + 0.5) / 4194304.0
+
+
+@triton.jit
+def _noise_kernel(u_ptr, out_ptr, N: tl.constexpr, NAIVE: tl.constexpr):
+    u = tl.load(u_ptr + tl.arange(0, N))  # (N,)
+    if NAIVE:
+        noise = -sampling_kernels.log2(-sampling_kernels.log2(u))
+    else:
+        noise = sampling_kernels._gumbel2(u)
+    tl.store(out_ptr + tl.arange(0, N), noise)
+
+
+def test_gumbel_noise_is_finite_and_exact_near_u_1_under_the_gpus_approximate_log(monkeypatch):
+    """The kernel's own noise arithmetic at u = 1 - k 2**-24, with its log2 replaced by one that
+    errs as lg2.approx may (rounded to 2**-22, its documented absolute error near 1): the naive
+    -log2(-log2(u)) then gives +inf noise at k = 1, a column that wins whatever its logit; the
+    kernel's stays within 1e-4 of float64's for every k and across (0, 1)."""
+    monkeypatch.setattr(sampling_kernels, "log2", _approximate_log2)
+    k = torch.arange(1, 65, dtype=torch.float64)
+    spread = torch.linspace(0.001, 0.999, 64, dtype=torch.float64)
+    u = torch.cat([1 - k * 2.0**-24, 1 - 2.0**-6 + k * 2.0**-24, 1 - 2.0**-6 - k * 2.0**-24, spread]).float()
+    exact = -torch.log2(-torch.log2(u.double()))
+    out = {}
+    for naive in (True, False):
+        out[naive] = torch.empty_like(u)
+        _noise_kernel[(1,)](u, out[naive], N=u.numel(), NAIVE=naive)
+    assert math.isinf(out[True][0]) or math.isnan(out[True][0])  # the emulation reproduces the hazard
+    assert torch.isfinite(out[False]).all()
+    assert (out[False].double() - exact).abs().max() < 1e-4
