@@ -168,12 +168,13 @@ def prepare(batch: Batch, scores: Tensor, models, config, kl_coef: float, ranks=
         layout = part.layout(models.shared_prefix)
         with models.precision.autocast():
             for name, model in wanted.items():
-                if name == "values":
-                    getattr(batch, name)[index] = response_values(model, layout) * part.mask
-                    continue
                 lora_off = name == "ref_logprobs" and models.lora is not None
                 with models.lora.adapters_off() if lora_off else contextlib.nullcontext():
-                    getattr(batch, name)[index] = response_logprobs(model, part, layout, temperature)
+                    if name == "values":
+                        done = response_values(model, layout) * part.mask
+                    else:
+                        done = response_logprobs(model, part, layout, temperature)
+                getattr(batch, name)[index] = done
     for model in (models.policy, models.reference, models.critic):
         sharding.reshard(model)  # no backward follows these passes to free the gathered roots
     advantages, batch.returns = estimator.advantages(

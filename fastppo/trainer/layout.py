@@ -203,7 +203,10 @@ def key_cost(model) -> float:
     """The cost of one attended key in tokens: ``2 hidden`` multiply-adds (scores and values over
     all heads) over the multiply-adds of one token through a block (its parameters)."""
     config = model.config
-    embeddings = sum(m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m)
+    tables = {
+        id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m
+    }
+    embeddings = sum(tables.values())  # a tied LM head is the embedding table, counted once
     layers = getattr(config, "num_hidden_layers", None) or 1
     per_block = max(sum(p.numel() for p in model.parameters()) - embeddings, 1) / layers
     return 2 * config.hidden_size / per_block

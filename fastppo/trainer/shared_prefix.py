@@ -17,8 +17,9 @@ from . import sharding
 from .batch import Batch, response_hidden, response_values
 from .layout import SharedPrefix, key_cost, mask_format_of
 
-# the probe's rows: (prompt, response lengths); the second prompt packs beside the first
-PROBE = ((5, (3, 4)), (3, (2,)))
+# the probe's rows: (prompt, response lengths): units of 12, 5 and 3 tokens, so the second and the
+# third share a padded row (block-diagonal), and the first's samples sit at shifted positions
+PROBE = ((5, (3, 4)), (3, (2,)), (2, (1,)))
 
 
 def probe_batch(vocab: int, device) -> Batch:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastppo.trainer.batch import Batch, prepare
-from fastppo.trainer.layout import SharedPrefix, _first_fit, groups, mask_format_of, microbatches, units
+from fastppo.trainer.layout import SharedPrefix, _first_fit, groups, key_cost, mask_format_of, microbatches, units
 from fastppo.trainer.shared_prefix import check_shared_prefix, probe_batch
 from tests.oracles import relative_error
 from tests.trainer.runs import drifted, rolled_out
@@ -187,7 +187,8 @@ def test_models_that_cannot_share_a_prompt_run_padded_rows_and_say_why(tmp_path)
 def test_the_probe_shares_a_prompt_and_packs_two_units():
     batch = probe_batch(50, "cpu")
     layout = batch.layout(SHARED)
-    assert len(batch.groups()) == 2 and layout.tokens < batch.layout().tokens
+    assert len(batch.groups()) == 3 and layout.input_ids.shape == (2, 12)  # two units share a row
+    assert layout.tokens < batch.layout().tokens
 
 
 def test_the_shared_prefix_update_is_the_padded_update_on_the_triton_kernels_too(tmp_path, monkeypatch):
@@ -213,3 +214,16 @@ def test_the_shared_prefix_update_is_the_padded_update_on_the_triton_kernels_too
     padded = whole_gradient(trainer, batch, None)
     assert launched and padded.norm() > 0
     assert relative_error(shared, padded) <= 1e-5
+
+
+def test_a_keys_cost_is_the_blocks_own_whether_or_not_the_head_is_tied():
+    from fastppo.trainer.models import char_tokenizer, tiny_policy
+
+    untied = tiny_policy(char_tokenizer(), seed=0)
+    tied = tiny_policy(char_tokenizer(), seed=0)
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    block = sum(p.numel() for p in untied.model.layers[0].parameters())
+    norm = untied.model.norm.weight.numel() / untied.config.num_hidden_layers  # the final norm, shared out
+    assert key_cost(tied) == key_cost(untied) == pytest.approx(2 * 64 / (block + norm))
