@@ -12,6 +12,7 @@ code: the twins are imported with this module, the kernels on first use (importi
 slow, and it is absent off Linux).
 """
 
+import importlib.metadata
 import importlib.util
 import os
 from functools import lru_cache
@@ -42,7 +43,31 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                 f"backend='triton' needs CUDA tensors, got tensors on {device}; to run the kernels "
                 "on CPU set TRITON_INTERPRET=1 before triton is imported"
             )
+        if device.type != "cuda":
+            problem = interpreter_problem(_version("triton"), _version("numpy"))
+            if problem:
+                raise ValueError(f"backend='triton' on {device}: {problem}")
     return backend
+
+
+@lru_cache(maxsize=None)
+def _version(package: str) -> tuple:
+    release = importlib.metadata.version(package).split("+")[0]
+    return tuple(int(part) for part in release.split(".")[:2] if part.isdigit())
+
+
+def interpreter_problem(triton_version: tuple, numpy_version: tuple):
+    """Why the Triton interpreter cannot run the kernels with these releases, or None.
+
+    Before triton 3.7 the interpreter turns a loop bound, a one-element array, into a Python int,
+    which numpy 2.4 refuses: every kernel with a loop would fail with a TypeError from numpy.
+    """
+    if triton_version < (3, 7) and numpy_version >= (2, 4):
+        return (
+            f"the interpreter of triton {'.'.join(map(str, triton_version))} needs numpy < 2.4 "
+            f"(numpy {'.'.join(map(str, numpy_version))} is installed): install 'numpy<2.4' or triton >= 3.7"
+        )
+    return None
 
 
 @lru_cache(maxsize=1)

@@ -37,7 +37,8 @@ def reads_within_arguments():
         ]
         return args_hst, kwargs_hst
 
-    def load(ptrs, mask, other, cache_policy, is_volatile):
+    # The load's trailing arguments (cache hints, volatility) differ between triton releases.
+    def load(ptrs, mask, other, *hints, **named_hints):
         addresses = np.asarray(ptrs.data, dtype=np.uint64)[np.asarray(mask.data, dtype=bool)]
         if addresses.size and extents:
             inside = [((addresses >= lo) & (addresses <= hi)).sum() for lo, hi in extents]
@@ -48,7 +49,7 @@ def reads_within_arguments():
                 violations.append(
                     f"{outside.size} address(es) outside [{lo:#x}, {hi:#x}], down to {before} bytes before its start"
                 )
-        return original_load(ptrs, mask, other, cache_policy, is_volatile)
+        return original_load(ptrs, mask, other, *hints, **named_hints)
 
     builder.create_masked_load = load
     interpreter.GridExecutor._init_args_hst = init_args

@@ -82,6 +82,20 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
+def test_the_interpreter_of_triton_3_6_with_numpy_2_4_is_refused_by_name(monkeypatch):
+    from fastppo.ops import dispatch
+
+    assert dispatch.interpreter_problem((3, 6), (2, 3)) is None
+    assert dispatch.interpreter_problem((3, 7), (2, 4)) is None
+    problem = dispatch.interpreter_problem((3, 6), (2, 4))
+    assert "triton 3.6" in problem and "numpy < 2.4" in problem
+    if dispatch.TRITON_INSTALLED:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(dispatch, "_version", {"triton": (3, 6), "numpy": (2, 4)}.get)
+        with pytest.raises(ValueError, match=r"backend='triton' on cpu: the interpreter of triton 3\.6 needs numpy"):
+            resolve_backend("triton", torch.device("cpu"))
+
+
 def test_value_checks_on_request(monkeypatch):
     monkeypatch.setenv("FASTPPO_CHECK", "1")
     with pytest.raises(ValueError, match=r"outside \[0, 11\)"):
