@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a CUDA machine with torch, triton, transformers, pytest
 # and pytest-benchmark already installed and no network: it installs only this repository (no
-# dependencies, no downloads), prints the GPU, runs the test suite with the compiled Triton
-# kernels, runs the full bench, and writes into OUT_DIR (default bench/results/):
-#   gpu.txt      the GPU, driver and library versions
-#   tests.log    the test suite's output
-#   results.json every bench row and the machine
-#   results.md   the bench tables, printed again last
+# dependencies, no downloads), prints the GPU, runs the kernel check (bench/kernel_check.py: float64
+# oracles at full size, past 2**31 elements, misaligned and odd vocabularies, peaked rows in the
+# sampler, each kernel's bandwidth against a copy next to what `fastppo bench --sass` predicts, the
+# op from hidden states against its bare matmuls), the GPU tests and the op and kernel tests with
+# the compiled kernels, and the full bench, and writes into OUT_DIR (default bench/results/):
+#   gpu.txt            the GPU, driver and library versions
+#   kernel_check.md    the kernel check's table (kernel_check.jsonl: one JSON line per check)
+#   tests.log          the tests' output
+#   results.json       every bench row and the machine
+#   results.md         the bench tables, printed again last
 # Peers: the GPU image has no Liger-Kernel or TRL and no network. bash bench/fetch_peer_wheels.sh,
 # run beforehand where the index is reachable, leaves their wheels in bench/wheels/ (carry that
 # folder to the GPU machine); they are installed into a temporary folder after the tests, so the
 # bench measures them side by side, and their versions go into gpu.txt. Without the folder the
 # peers' rows say "not installed".
-# Usage: bash bench/gpu_check.sh [OUT_DIR]      Budget: well inside 8 minutes on an H200.
-# A dry run without a GPU: GPU_CHECK_BENCH_ARGS="--device cpu --quick" bash bench/gpu_check.sh /tmp/out
+# Usage: bash bench/gpu_check.sh [OUT_DIR]      Budget: its time limits add up to 7.5 minutes.
+# A dry run without a GPU (the kernel check in the interpreter at toy shapes, the GPU tests skipped):
+#   TRITON_INTERPRET=1 GPU_CHECK_DRY=1 GPU_CHECK_BENCH_ARGS="--device cpu --quick" bash bench/gpu_check.sh /tmp/out
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(mkdir -p "${1:-bench/results}" && cd "${1:-bench/results}" && pwd)
@@ -30,9 +35,21 @@ $python -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$out/
   git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
 } 2>&1 | tee "$out/gpu.txt"
 
+echo "== kernel check (float64 oracles at full size, bandwidth against a copy) =="
+if [ -n "${GPU_CHECK_DRY:-}" ]; then kernel_args=(--dry --budget-s 60); else kernel_args=(--budget-s 140); fi
+TRITON_DEFAULT_FP_FUSION=1 timeout 180 $python bench/kernel_check.py "$out" "${kernel_args[@]}" >"$out/kernel_check.log" 2>&1
+kernel_rc=$?
+tail -n 1 "$out/kernel_check.log"
+[ -f "$out/kernel_check.md" ] && cat "$out/kernel_check.md"
+
 echo "== tests (compiled kernels) =="
-timeout 240 $python -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -n 25
-tests_rc=${PIPESTATUS[0]}
+{
+  timeout 60 $python -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1
+  echo "gpu tests exit $?"
+  timeout 110 $python -m pytest -q -p no:cacheprovider -x tests/ops tests/kernels 2>&1
+  echo "op and kernel tests exit $?"
+} | tee "$out/tests.log" | grep -E "passed|failed|skipped|error|exit" | tail -n 8
+tests_rc=$(grep -c "tests exit [^0]" "$out/tests.log")
 
 if compgen -G "bench/wheels/*.whl" >/dev/null; then
   peers=$(mktemp -d)
@@ -50,11 +67,11 @@ fi
 
 echo "== bench (full shapes) =="
 # shellcheck disable=SC2086  (the arguments are meant to split)
-timeout 200 $python -m fastppo bench ${GPU_CHECK_BENCH_ARGS:---device cuda --time-budget 160} \
+timeout 90 $python -m fastppo bench ${GPU_CHECK_BENCH_ARGS:---device cuda --time-budget 70} \
   --json "$out/results.json" --markdown "$out/results.md" >"$out/bench.log" 2>&1
 bench_rc=$?
 if [ $bench_rc -eq 0 ]; then rm -f "$out/bench.log"; else tail -n 30 "$out/bench.log"; fi
 
 [ -f "$out/results.md" ] && cat "$out/results.md"
-echo "gpu_check: tests exit $tests_rc, bench exit $bench_rc"
-[ $tests_rc -eq 0 ] && [ $bench_rc -eq 0 ]
+echo "gpu_check: kernel check exit $kernel_rc, failed test runs $tests_rc, bench exit $bench_rc"
+[ $kernel_rc -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ $bench_rc -eq 0 ]

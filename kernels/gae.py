@@ -90,9 +90,12 @@ def _gae_kernel(
 
 
 def _tiling(B, T, block_t):
-    """(BLOCK_B, BLOCK_T, num_warps)."""
+    """(BLOCK_B, BLOCK_T, num_warps): tiles of up to 1024 positions, one row of a long rollout per
+    program. Two rows per program (2048-element tiles) halved the programs and lengthened each
+    trip's scan: 58% of copy against 71% on triton 3.6, 98% against 100% on 3.9, at [512, 8192]
+    (``fastppo bench --sass``)."""
     BLOCK_T = block_t or min(triton.next_power_of_2(max(T, 1)), 1024)
-    BLOCK_B = max(1, min(triton.next_power_of_2(max(B, 1)), 2048 // BLOCK_T))
+    BLOCK_B = max(1, min(triton.next_power_of_2(max(B, 1)), 1024 // BLOCK_T))
     return BLOCK_B, BLOCK_T, 4
 
 

@@ -47,10 +47,11 @@ _EXP2_FLOOR = tl.constexpr(126.0)
 
 
 @triton.jit
-def _row_offsets(rows, T, stride_b, stride_t):
+def _row_offsets(rows, T, stride_b, stride_t, UNIT: tl.constexpr):
     # rows: (BLOCK_N,) int64 -> offset of each row's first element in a (B, T, V) strided view
+    # whose row strides are given in units of UNIT elements (so the offsets are multiples of it)
     b = rows // T
-    return b * stride_b + (rows - b * T) * stride_t
+    return (b * stride_b + (rows - b * T) * stride_t) * UNIT
 
 
 @triton.jit
@@ -78,21 +79,28 @@ def _logprobs_fwd_kernel(
     stats_ptr,
     N,
     T,
-    V,
+    V_units,
     ignore_index,
     HAS_TEMP: tl.constexpr,
     HAS_STATS: tl.constexpr,
+    UNIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    V = V_units * UNIT
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
-    base = _row_offsets(rows, T, stride_b, stride_t)  # (BLOCK_N,)
+    base = _row_offsets(rows, T, stride_b, stride_t, UNIT)  # (BLOCK_N,)
     scale = _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP)  # (BLOCK_N,)
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     ignored = labels == ignore_index
     live = row_ok & ~ignored  # an ignored row's logits are never read
     V_live = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, V, 0)  # a tile of ignored rows skips the loop
+    # The label's logit is loaded before the loop, so its latency passes while the first tile's does.
+    in_range = (labels >= 0) & (labels < V)
+    x_label = tl.load(logits_ptr + base + tl.where(in_range, labels, 0) * stride_v, mask=live & in_range, other=0.0).to(
+        tl.float32
+    )
 
     # Everything below is in base-2 units: y = x * scale * log2(e), so exp(z - m) = exp2(y - m2).
     scale2 = scale * LOG2E  # (BLOCK_N,)
@@ -137,10 +145,6 @@ def _logprobs_fwd_kernel(
     lse = m_x * scale + log2_s * LN2  # natural units, from the same rounding of z as the label's
     entropy = (log2_s - w / s) * LN2
 
-    in_range = (labels >= 0) & (labels < V)
-    x_label = tl.load(logits_ptr + base + tl.where(in_range, labels, 0) * stride_v, mask=live & in_range, other=0.0).to(
-        tl.float32
-    )
     logp = tl.where(in_range, x_label * scale - lse, float("nan"))  # out-of-range labels are visible NaN
     tl.store(logp_ptr + rows, tl.where(ignored, 0.0, logp), mask=row_ok)
     tl.store(ent_ptr + rows, tl.where(ignored, 0.0, entropy), mask=row_ok)
@@ -172,17 +176,19 @@ def _logprobs_bwd_kernel(
     g_ent_ptr,
     N,
     T,
-    V,
+    V_units,
     ignore_index,
     HAS_TEMP: tl.constexpr,
     HAS_G_ENT: tl.constexpr,
+    UNIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    V = V_units * UNIT
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
-    base = _row_offsets(rows, T, stride_b, stride_t)
-    gbase = _row_offsets(rows, T, gstride_b, gstride_t)
+    base = _row_offsets(rows, T, stride_b, stride_t, UNIT)
+    gbase = _row_offsets(rows, T, gstride_b, gstride_t, UNIT)
     scale = _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP)
 
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -240,20 +246,36 @@ def _tiling(V, block_v):
     return BLOCK_N, BLOCK_V, 1 if small else _WARPS
 
 
-def _launch(logits, temperature, inv_temperature, block_v):
-    """What both launchers pass besides tensors: grid, runtime scalars, compile-time switches.
+def _unit(*sizes):
+    """The largest power of two up to 16 that divides every one of ``sizes``.
 
-    None when there are no rows. A per-row temperature tensor wins over the scalar, which
-    otherwise rides along as a runtime argument.
+    Triton marks an integer argument divisible by 16 or not at all, so rows of a vocabulary of
+    1000 (16-byte aligned in bf16: 2000 bytes apart) would be read 2 bytes at a time. The launchers
+    pass the row strides and V in units of this instead, and the kernels multiply by it as a
+    constant, which tells the compiler every row starts at a multiple of it.
+    """
+    unit = 16
+    while unit > 1 and any(size % unit for size in sizes):
+        unit //= 2
+    return unit
+
+
+def _launch(logits, temperature, inv_temperature, block_v, *other_row_strides):
+    """What both launchers pass besides tensors: grid, row strides and sizes, runtime scalars and
+    compile-time switches. None when there are no rows. A per-row temperature tensor wins over the
+    scalar, which otherwise rides along as a runtime argument.
     """
     B, T, V = logits.shape
     if B * T == 0:
         return None
     BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
+    row_strides = (*logits.stride()[:2], *other_row_strides)
+    unit = _unit(V, *row_strides)
     has_temp = temperature is not None
     temperature_args = (temperature, 1.0) if has_temp else (None, inv_temperature)
-    switches = dict(HAS_TEMP=has_temp, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)
-    return (triton.cdiv(B * T, BLOCK_N),), temperature_args, (B * T, T, V), switches
+    switches = dict(HAS_TEMP=has_temp, UNIT=unit, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)
+    strides = tuple(stride // unit for stride in row_strides)
+    return (triton.cdiv(B * T, BLOCK_N),), strides, temperature_args, (B * T, T, V // unit), switches
 
 
 def logprobs_forward(
@@ -265,10 +287,12 @@ def logprobs_forward(
         return
     if entropy is None:  # not wanted: the kernel computes it in its one pass anyway, into scratch
         entropy = lse.new_empty(lse.shape)
-    grid, temperature_args, sizes, switches = launch
+    grid, (stride_b, stride_t), temperature_args, sizes, switches = launch
     _logprobs_fwd_kernel[grid](
         logits,
-        *logits.stride(),
+        stride_b,
+        stride_t,
+        logits.stride(2),
         labels,
         *temperature_args,
         logp,
@@ -297,15 +321,19 @@ def logprobs_backward(
     block_v=None,
 ):
     """The launcher of ``fastppo/ops/launchers.py``; ``block_v`` overrides the vocabulary tile."""
-    launch = _launch(logits, temperature, inv_temperature, block_v)
+    launch = _launch(logits, temperature, inv_temperature, block_v, *grad.stride()[:2])
     if launch is None:
         return
-    grid, temperature_args, sizes, switches = launch
+    grid, (stride_b, stride_t, gstride_b, gstride_t), temperature_args, sizes, switches = launch
     _logprobs_bwd_kernel[grid](
         logits,
-        *logits.stride(),
+        stride_b,
+        stride_t,
+        logits.stride(2),
         grad,
-        *grad.stride(),
+        gstride_b,
+        gstride_t,
+        grad.stride(2),
         labels,
         *temperature_args,
         lse,

@@ -62,12 +62,24 @@ def _ppo_loss_fwd_kernel(
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
-    valid = (tl.load(valid_ptr + offs, mask=offs < N, other=0) != 0) & (offs < N)
+    # Every load is masked by the bounds alone, so each is a few wide vector loads issued together,
+    # before any arithmetic; masking by the loaded `valid` instead would make each load wait for
+    # it and split into scalar loads. What masked tokens hold (anything) is replaced right after.
+    inside = offs < N
+    valid = tl.load(valid_ptr + offs, mask=inside, other=0) != 0
+    logp = tl.load(logp_ptr + offs, mask=inside, other=0.0)
+    old = tl.load(old_ptr + offs, mask=inside, other=0.0)
+    adv = tl.load(adv_ptr + offs, mask=inside, other=0.0)
+    w = tl.load(weight_ptr + offs, mask=inside, other=0.0)
+    if HAS_REF:
+        ref = tl.load(ref_ptr + offs, mask=inside, other=0.0)
+    if HAS_ENTROPY:
+        ent = tl.load(ent_ptr + offs, mask=inside, other=0.0)
     m = valid.to(tl.float32)
-    logp = tl.where(valid, tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
-    old = tl.where(valid, tl.load(old_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
-    adv = tl.where(valid, tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
-    w = tl.where(valid, tl.load(weight_ptr + offs, mask=valid, other=0.0), 0.0)
+    logp = tl.where(valid, logp.to(tl.float32), 0.0)
+    old = tl.where(valid, old.to(tl.float32), 0.0)
+    adv = tl.where(valid, adv.to(tl.float32), 0.0)
+    w = tl.where(valid, w, 0.0)
 
     raw = logp - old
     lr = _clamp20(raw)
@@ -88,8 +100,7 @@ def _ppo_loss_fwd_kernel(
     grad = dpg
     kl = tl.zeros_like(pg)
     if HAS_REF:
-        ref = tl.where(valid, tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
-        d = logp - ref
+        d = logp - tl.where(valid, ref.to(tl.float32), 0.0)
         if KL_ESTIMATOR == 1:
             kl = d
             dkl = tl.full(d.shape, 1.0, tl.float32)
@@ -101,15 +112,15 @@ def _ppo_loss_fwd_kernel(
             kl = tl.exp(-dc) + dc - 1.0
             dkl = tl.where((d < -20.0) | (d > 20.0), 0.0, 1.0 - tl.exp(-dc))
         grad += kl_coef * dkl
-    tl.store(grad_ptr + offs, w * grad, mask=offs < N)
+    tl.store(grad_ptr + offs, w * grad, mask=inside)
 
-    ent = tl.zeros_like(pg)
+    entropy = tl.zeros_like(pg)
     if HAS_ENTROPY:
-        ent = tl.where(valid, tl.load(ent_ptr + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
+        entropy = tl.where(valid, ent.to(tl.float32), 0.0)
     row = partials_ptr + pid * _WIDTH  # one row of PARTIALS per program
     tl.store(row + _PG, tl.sum(w * pg))
     tl.store(row + _KL, tl.sum(w * kl))
-    tl.store(row + _ENTROPY, tl.sum(w * ent))
+    tl.store(row + _ENTROPY, tl.sum(w * entropy))
     tl.store(row + _CLIPPED, tl.sum((valid & clipped).to(tl.float32)))
     tl.store(row + _HALF_LR_SQ, tl.sum(m * 0.5 * lr * lr))
     tl.store(row + _RATIO, tl.sum(m * ratio))
@@ -119,7 +130,11 @@ def _ppo_loss_fwd_kernel(
     tl.store(row + _COUNT, tl.sum(m))
 
 
-_BLOCK = 1024
+# One warp per program: the nine partial sums reduce with warp shuffles alone, no shared memory and
+# no barrier, and 8 tokens per thread keep a program's loads to 13 vector loads issued together.
+# Against 4 warps x 1024 tokens (the same loads) a program's replayed latency is 4,400 cycles
+# instead of 7,400, and an SM holds 18 programs instead of 5 (``fastppo bench --sass``).
+_BLOCK, _WARPS = 256, 1
 
 
 def num_programs(N: int) -> int:
@@ -143,7 +158,7 @@ def ppo_loss_forward(
     grad,
     partials,
 ):
-    """The launcher of ``fastppo/ops/launchers.py``: one program per ``_BLOCK`` tokens."""
+    """The launcher of ``fastppo/ops/launchers.py``: one one-warp program per ``_BLOCK`` tokens."""
     N = logprobs.numel()
     if N == 0:
         return
@@ -167,5 +182,5 @@ def ppo_loss_forward(
         DUAL_CLIP=dual_clip > 0,
         KL_ESTIMATOR=kl_estimator,
         BLOCK=_BLOCK,
-        num_warps=4,
+        num_warps=_WARPS,
     )

@@ -212,3 +212,23 @@ def sequence_ppo_loss_oracle(
     if entropies:
         loss = loss - entropy_coef * torch.stack(entropies).sum() / len(terms)
     return loss
+
+
+def gae_oracle(rewards, values, mask, gamma, lam):
+    """The definition, literally: walk each row right to left over its valid positions."""
+    rewards, values, mask = rewards.cpu(), values.cpu(), mask.cpu()
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=torch.float64, device="cpu")
+    ret = torch.zeros(B, T, dtype=torch.float64, device="cpu")
+    for b in range(B):
+        next_value = next_adv = 0.0
+        for t in reversed(range(T)):
+            if not mask[b, t]:
+                continue
+            r, v = float(rewards[b, t]), float(values[b, t])
+            delta = r + gamma * next_value - v
+            adv[b, t] = delta + gamma * lam * next_adv
+            ret[b, t] = adv[b, t] + v
+            next_value, next_adv = v, float(adv[b, t])
+    device = torch.get_default_device()
+    return adv.to(device), ret.to(device)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastppo.bench import roofline, sass
+from fastppo.bench import roofline, sass, schedule
 from fastppo.ops.dispatch import TRITON_INSTALLED
 
 # Shaped like cuobjdump -sass output: a prologue, a loop from 0x0020 to 0x0070, an epilogue.
@@ -39,6 +39,75 @@ def test_the_hot_loop_is_the_backward_branch_and_its_mix_is_counted():
     whole = sass.mix(instructions)
     assert whole.load_bits == (64, 128) and whole.store_bits == (16,)
     assert sass.hot_loop(sass.parse(SNIPPET.replace("BRA 0x20", "BRA 0x80"))) is None
+
+
+# cuobjdump prints each instruction's high 64-bit word on the line below it; its top 23 bits are
+# the control bits. These are from a compiled log-prob kernel: an LDG that sets scoreboard 2, and a
+# MUFU.RCP that waits on scoreboard 0, sets it again, and stalls 2 cycles.
+CONTROLLED = """
+        /*00e0*/              @!P0 LDG.E.64 R2, desc[UR14][R2.64] ;   /* 0x0000000e02028981 */
+                                                                      /* 0x000ea2000c1e1b00 */
+        /*0190*/                   MUFU.RCP R0, R0 ;                  /* 0x0000000000007308 */
+                                                                      /* 0x001e240000001000 */
+"""
+
+
+def _ins(opcode, stall=1, sets=None, frees=None, waits=(), operands=""):
+    return sass.Instruction(0, opcode, operands, stall=stall, sets=sets, frees=frees, waits=waits)
+
+
+def test_control_bits_are_read_from_the_line_under_each_instruction():
+    load, rcp = sass.parse(CONTROLLED)
+    assert (load.opcode, load.stall, load.sets, load.frees, load.waits) == ("LDG.E.64", 1, 2, None, ())
+    assert (rcp.opcode, rcp.stall, rcp.sets, rcp.waits) == ("MUFU.RCP", 2, 0, (0,))
+    assert sass.parse(SNIPPET)[0].waits == ()  # no control line: nothing assumed
+
+
+def test_a_warp_waits_for_its_loads_and_counts_stalls_barriers_and_pipelined_copies():
+    dram = 1000
+    # Two independent loads issued together, then a use of both: one latency, not two.
+    together = [_ins("LDG.E.128", sets=0), _ins("LDG.E.128", sets=1), _ins("FADD", stall=4, waits=(0, 1))]
+    assert schedule.warp_cycles(together, dram) == pytest.approx(1 + dram + 4)
+    # A load whose address comes from another load: the latencies add up (ptxas serialised them).
+    chained = [_ins("LDG.E", sets=0), _ins("LDG.E", sets=1, waits=(0,)), _ins("FADD", waits=(1,))]
+    assert schedule.warp_cycles(chained, dram) == pytest.approx(2 * dram + 1)
+    # Stall counts and a barrier add up when nothing is pending.
+    assert schedule.warp_cycles([_ins("FFMA", stall=5), _ins("BAR.SYNC"), _ins("FFMA")], dram) == 5 + 21 + 1
+    # Copies to shared memory in flight: DEPBAR.LE SB0, 1 waits for all groups but the latest.
+    copies = [
+        _ins("LDGSTS.E.BYPASS.128"),
+        _ins("LDGDEPBAR", sets=0),
+        _ins("LDGSTS.E.BYPASS.128"),
+        _ins("LDGDEPBAR", sets=0),
+        _ins("DEPBAR.LE", operands="SB0, 0x1"),
+        _ins("FADD"),
+    ]
+    # The FADD issues when the first group lands (at dram), then the second lands at 2 + dram.
+    assert schedule.warp_cycles(copies, dram) == pytest.approx(2 + dram)
+    # Waiting for every group (SB0, 0x0), the FADD issues after the second lands.
+    every = copies[:4] + [_ins("DEPBAR.LE", operands="SB0, 0x0"), _ins("FADD")]
+    assert schedule.warp_cycles(every, dram) == pytest.approx(2 + dram + 2)
+    # The loop replayed trip after trip, around its prologue and epilogue.
+    code = [_ins("S2R"), _ins("LDG.E", sets=0), _ins("FADD", waits=(0,)), _ins("EXIT")]
+    assert [i.opcode for i in schedule.program(code, (1, 2), 3)] == ["S2R"] + ["LDG.E", "FADD"] * 3 + ["EXIT"]
+
+
+def test_each_instruction_occupies_its_pipe_at_the_pipes_rate():
+    code = [_ins("FFMA"), _ins("FFMA"), _ins("IMAD.WIDE"), _ins("ISETP.GE.AND"), _ins("MUFU.EX2"), _ins("SHFL.BFLY")]
+    code += [_ins("LDG.E.128"), _ins("ULDC.64"), _ins("NOP")]
+    cycles = schedule.pipe_cycles(code, warps=4)
+    assert cycles["dispatch"] == 4 * 8 / 4  # every instruction but the NOP
+    assert cycles["fma"] == 4 * 2 / 4 and cycles["imad"] == 4 / 2 and cycles["alu"] == 4 / 2
+    assert cycles["mufu"] == 4 / 0.5 and cycles["shfl"] == 4 / 1 and cycles["lsu"] == 4 / 1
+
+
+def test_resident_programs_are_limited_by_warps_registers_and_shared_memory():
+    gpu = roofline.GPU()
+    assert roofline.resident_programs(gpu, registers=32, shared_bytes=0, warps=4) == 16  # 64 warps
+    assert roofline.resident_programs(gpu, registers=32, shared_bytes=0, warps=1) == 32  # 32 programs
+    # 90 registers round up to 96 per thread: 3072 per warp, 21 warps, 5 programs of 4 warps.
+    assert roofline.resident_programs(gpu, registers=90, shared_bytes=0, warps=4) == 5
+    assert roofline.resident_programs(gpu, registers=32, shared_bytes=100 * 1024, warps=4) == 2
 
 
 def test_resources_are_read_from_res_usage():
@@ -82,11 +151,21 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
     names = {row["kernel"] for row in report["kernels"]}
     assert {"token_logprobs forward", "token_logprobs backward", "sample_tokens", "gae"} <= names
     for row in report["kernels"]:
-        assert row["registers"] > 0 and row["instructions_per_element"] > 0, row
-        assert 0 < row["copy_share"] <= 1 and row["bound"] in ("issue", "MUFU", "memory"), row
-        assert row["predicted_us"] == max(row["issue_us"], row["mufu_us"], row["memory_us"]), row
-    backward = next(r for r in report["kernels"] if r["kernel"] == "token_logprobs backward")
+        assert row["registers"] > 0 and row["instructions_per_element"] > 0 and row["resident"] >= 1, row
+        assert 0 < row["copy_share"] <= 1 and row["bound"].split()[0] in ("issue", "latency", "memory"), row
+        assert row["predicted_us"] == max(row["issue_us"], row["latency_us"], row["memory_us"]), row
+    rows = {(r["kernel"], r["shape"]): r for r in report["kernels"]}
+    backward = rows["token_logprobs backward", "bf16 [8192, 151936]"]
     assert backward["load_bits"] == [128] and 128 in backward["store_bits"]  # streamed 16 bytes at a time
+    # Rows of 1000 bf16 logits are 16-byte aligned, and the launcher says so (strides in units of 8).
+    small = rows["token_logprobs forward", "bf16 [65536, 1000]"]
+    assert small["load_bits"] == [128] and small["loads_per_trip"] == 4
+    # The PPO loss loads each of its 7 token tensors in a few vector loads, all issued up front.
+    loss = next(r for r in report["kernels"] if r["kernel"].startswith("ppo_loss forward"))
+    assert loss["loads_per_trip"] <= 13 and loss["shuffles"] > 0 and loss["barriers"] == 0
+    # The sampling loop is pipelined: a trip is shorter than the DRAM latency it hides.
+    greedy = next(r for r in report["kernels"] if r["kernel"] == "sample_tokens (greedy)")
+    assert greedy["trip_cycles"] < report["gpu"]["latency_us"] * report["gpu"]["clock_ghz"] * 1e3
     assert any(m["default"] for m in report["from_hidden"])
 
 
@@ -117,3 +196,28 @@ def test_sass_refuses_the_interpreter_in_one_line():
     )
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="the kernel check runs the Triton kernels")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bench/gpu_check.sh runs it for real on a GPU")
+def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):
+    # bench/kernel_check.py settles the model above on a GPU; --dry runs its own code on CPU at toy
+    # shapes, so a GPU's few minutes are not spent finding a typo.
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "bench/kernel_check.py", str(tmp_path), "--dry"],
+        cwd=root,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "kernel_check.jsonl").read_text().splitlines()]
+    sections = {line["section"] for line in lines}
+    assert {"logprobs_past_2_31", "misaligned", "peaked", "ppo_loss_vs_oracle", "gae_vs_oracle"} <= sections
+    assert {"bandwidth", "from_hidden"} <= sections
+    checks = [line for line in lines if line["ok"] is not None]
+    assert len(checks) >= 17 and all(line["ok"] for line in checks)
+    assert not any(line["name"] in ("raised", "skipped: past the time budget") for line in lines)
+    assert "| peaked |" in (tmp_path / "kernel_check.md").read_text()

@@ -24,7 +24,11 @@ def test_ci_runs_the_readme_test_command():
     assert ci_commands[1] == ".venv/bin/ruff format --check . && .venv/bin/ruff check ."
     assert ci_commands[2] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m slow"
     assert ci_commands[3] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m peers"
-    assert all("trl" in line or line == "done" for line in ci_commands[4:])
+    assert all("trl" in line or line == "done" for line in ci_commands[4:-2])
+    # Last, the kernel and op tests under the oldest triton pyproject.toml allows.
+    oldest = re.search(r'"triton>=([\d.]+)', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f'"triton=={oldest}.0"' in ci_commands[-2] and "--target .triton36" in ci_commands[-2]
+    assert ci_commands[-1].startswith("PYTHONPATH=.triton36 ") and "tests/kernels tests/ops" in ci_commands[-1]
 
 
 def test_the_documentation_s_tables_are_generated_from_the_code():

@@ -1,16 +1,20 @@
 """The kernels at the shapes ``fastppo bench --sass`` reports, launched as their launchers launch them.
 
-Argument types are declared here once, per kernel, for both uses of an sm_90 compile: this report
-and the compile check over every variant (``tests/kernels/sm90_compile.py``). Shapes are those of
+The report's cases are recorded from the real launchers on real tensors (``launches.py``), so
+they compile as the runtime specialises them. The argument types declared below serve the other
+sm_90 compile, the check over every variant (``tests/kernels/sm90_compile.py``). Shapes are those of
 a real RL step on a 150k-vocabulary model: 8192 tokens of log-probs, a 256-row sampling step,
 512 rollouts of 8192 positions for GAE, and the same 4M tokens for the PPO loss; plus one small
 vocabulary (1000) for the log-prob kernels' one-warp tiling.
 """
 
+import torch
 import triton
 
 from ..kernels import gae, logprobs, ppo_loss, sampling
+from ..kernels.layout import PARTIALS
 from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
+from .launches import launched
 from .roofline import KernelCase, from_hidden_model
 
 LOGPROB_ROWS = {
@@ -21,13 +25,13 @@ LOGPROB_ROWS = {
     "inv_temp": "fp32",
     "N": "i32",
     "T": "i32",
-    "V": "i32",
+    "V_units": "i32",
     "ignore_index": "i32",
     "lse_ptr": "*fp32",
     "ent_ptr": "*fp32",
 }
 # Alignment Triton sees at run time for 16-aligned rows (every real vocabulary).
-LOGPROB_ALIGNED = ("logits_ptr", "stride_b", "stride_t", "V")
+LOGPROB_ALIGNED = ("logits_ptr", "stride_b", "stride_t", "V_units")
 LOGPROB_BWD_ALIGNED = LOGPROB_ALIGNED + ("grad_ptr", "gstride_b", "gstride_t")
 
 
@@ -106,43 +110,33 @@ def sample_types(dtype: str) -> dict:
 SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V", "split_cols")
 
 
+def _empty(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype)  # never touched: the launcher is recorded, not run
+
+
 def logprob_cases(N: int = 8192, V: int = 151936) -> list:
     BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
-    tiles = {"stride_v": 1, "HAS_TEMP": False, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-    launch = dict(
-        num_warps=warps,
-        programs=triton.cdiv(N, BLOCK_N),
-        trips=triton.cdiv(V, BLOCK_V),
-        elements_per_trip=BLOCK_N * BLOCK_V,
-        loaded_per_trip=2 * BLOCK_N * BLOCK_V,
-        target=0.9,
-    )
+    logits, labels = _empty(1, N, V, dtype=torch.bfloat16), torch.zeros(1, N, dtype=torch.long)
+    logp, entropy, lse = _empty(N), _empty(N), _empty(N)
+    per_trip = dict(trips=triton.cdiv(V, BLOCK_V), elements_per_trip=BLOCK_N * BLOCK_V, target=0.9)
     shape = f"bf16 [{N}, {V}]"
-    cases = [
-        KernelCase(
-            "token_logprobs forward",
-            shape,
-            logprobs._logprobs_fwd_kernel,
-            logprob_fwd_types("bf16"),
-            {**tiles, "HAS_STATS": False},
-            bytes=2 * N * V + 20 * N,
-            aligned=LOGPROB_ALIGNED,
-            **launch,
-        )
-    ]
+    forward = launched(
+        logprobs,
+        "_logprobs_fwd_kernel",
+        lambda: logprobs.logprobs_forward(logits, labels, None, 1.0, -100, logp, entropy, lse),
+    )
+    cases = [KernelCase("token_logprobs forward", shape, forward, bytes=2 * N * V + 20 * N, **per_trip)]
     for g_ent in (False, True):
-        cases.append(
-            KernelCase(
-                f"token_logprobs backward{' (+ entropy grad)' if g_ent else ''}",
-                shape,
-                logprobs._logprobs_bwd_kernel,
-                logprob_bwd_types("bf16"),
-                {**tiles, "gstride_v": 1, "HAS_G_ENT": g_ent},
-                bytes=4 * N * V + (32 if g_ent else 16) * N,
-                aligned=LOGPROB_BWD_ALIGNED,
-                **launch,
-            )
+        grad_entropy = _empty(N) if g_ent else None
+        backward = launched(
+            logprobs,
+            "_logprobs_bwd_kernel",
+            lambda grad_entropy=grad_entropy: logprobs.logprobs_backward(
+                logits, logits, labels, None, 1.0, -100, lse, entropy, logp, grad_entropy
+            ),
         )
+        name = f"token_logprobs backward{' (+ entropy grad)' if g_ent else ''}"
+        cases.append(KernelCase(name, shape, backward, bytes=4 * N * V + (32 if g_ent else 16) * N, **per_trip))
     return cases
 
 
@@ -150,23 +144,23 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
     BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
     SPLITS = sampling._splits(B, V, BLOCK_N, BLOCK_V)
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
+    logits, tokens, logp = _empty(B, V, dtype=torch.bfloat16), _empty(B, dtype=torch.long), _empty(B)
     cases = []
     for greedy in (False, True):
+        launch = launched(
+            sampling,
+            "_sample_kernel",
+            lambda greedy=greedy: sampling.sample_forward(logits, 1.0, greedy, 7, tokens, logp),
+        )
         cases.append(
             KernelCase(
                 f"sample_tokens{' (greedy)' if greedy else ''}",
                 f"bf16 [{B}, {V}], {SPLITS} splits",
-                sampling._sample_kernel,
-                sample_types("bf16"),
-                {"stride_v": 1, "GREEDY": greedy, "SPLITS": SPLITS, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V},
-                num_warps=warps,
-                programs=triton.cdiv(B, BLOCK_N) * SPLITS,
+                launch,
                 trips=triton.cdiv(split_cols, BLOCK_V),
                 elements_per_trip=BLOCK_N * BLOCK_V,
-                loaded_per_trip=2 * BLOCK_N * BLOCK_V,
                 bytes=2 * B * V + 12 * B,
-                target=0.7,
-                aligned=SAMPLE_ALIGNED,
+                target=0.75 if greedy else 0.7,
             )
         )
     return cases
@@ -175,42 +169,40 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
 def gae_cases(B: int = 512, T: int = 8192) -> list:
     BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
     per_element = 4 + 4 + 1 + 4 + 4  # rewards, values, mask in; advantages, returns out
-    contiguous = {"srt": 1, "svt": 1, "smt": 1}  # what Triton specialises unit strides to
+    rewards, values, mask = _empty(B, T), _empty(B, T), _empty(B, T, dtype=torch.bool)
+    launch = launched(gae, "_gae_kernel", lambda: gae.gae(rewards, values, mask, 1.0, 0.95, _empty(B, T), _empty(B, T)))
     return [
         KernelCase(
             "gae",
             f"fp32 [{B}, {T}]",
-            gae._gae_kernel,
-            gae_types("fp32"),
-            {**contiguous, "BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T},
-            num_warps=warps,
-            programs=triton.cdiv(B, BLOCK_B),
+            launch,
             trips=triton.cdiv(T, BLOCK_T),
             elements_per_trip=BLOCK_B * BLOCK_T,
-            loaded_per_trip=9 * BLOCK_B * BLOCK_T,
             bytes=per_element * B * T,
             target=0.6,
-            aligned=GAE_ALIGNED,
         )
     ]
 
 
 def ppo_loss_cases(N: int = 512 * 8192) -> list:
-    BLOCK = ppo_loss._BLOCK
+    tokens = [_empty(N) for _ in range(6)]  # logp, old, advantages, weights, ref, entropy
+    valid, grad = _empty(N, dtype=torch.bool), _empty(N)
+    partials = _empty(ppo_loss.num_programs(N), len(PARTIALS))
+    launch = launched(
+        ppo_loss,
+        "_ppo_loss_fwd_kernel",
+        lambda: ppo_loss.ppo_loss_forward(*tokens[:4], valid, *tokens[4:], 0.2, 0.28, 3.0, 0.01, 3, grad, partials),
+    )
     read = 4 * 6 + 1  # logp, old, advantages, weights, ref, entropy; valid
     return [
         KernelCase(
             "ppo_loss forward (ref k3, entropy, dual clip)",
             f"fp32 [{N}]",
-            ppo_loss._ppo_loss_fwd_kernel,
-            PPO_LOSS_TYPES,
-            {"HAS_REF": True, "HAS_ENTROPY": True, "DUAL_CLIP": True, "KL_ESTIMATOR": 3, "BLOCK": BLOCK},
-            num_warps=4,
-            programs=ppo_loss.num_programs(N),
+            launch,
             trips=1,
-            elements_per_trip=BLOCK,
-            loaded_per_trip=read * BLOCK,
+            elements_per_trip=ppo_loss._BLOCK,
             bytes=(read + 4) * N,
+            target=0.85,
         )
     ]
 

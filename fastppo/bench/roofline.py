@@ -1,33 +1,37 @@
 """``fastppo bench --sass``: what each kernel's sm_90 machine code predicts on a GPU, without one.
 
-Every kernel is compiled at a realistic shape with the tiling its launcher picks, and its SASS
-is read (``sass.py``). From the instruction counts and the bytes the kernel must move, three
-times bound it from below:
+Every kernel is compiled as its launcher launches it at a realistic shape, specialised as the
+runtime would specialise it (``launches.py``), and its SASS is read (``sass.py``). Three times
+bound the kernel from below, and the largest is the prediction:
 
-* **issue**: warp instructions / (4 per clock per SM x busy SMs x clock). An SM issues at most
-  one instruction per scheduler (4) per clock; a kernel above its memory time here cannot reach
-  the bandwidth, whatever the memory system does. In the hot loop this reads as *instructions
-  per element* per thread: at 4.3 TB/s and 1.98 GHz on 132 SMs the budget for a 2-byte element
-  is 32 x 4 x 132 x 1.98e9 / 2.15e12 = 15.6.
-* **MUFU**: special-function lanes (exp2, log2, reciprocal) run at 16 per clock per SM.
-* **memory**: bytes / bandwidth, where the bandwidth is the copy bandwidth unless too few bytes
-  are in flight to cover the DRAM latency (Little's law: resident programs x bytes each loads per
-  trip / latency); this is what a grid of a few hundred programs runs into.
+* **issue**: each SM runs its share of the programs, and each program's instructions occupy the
+  dispatch and the pipes at their rates (``schedule.py``: fp32 FMA at full rate, IMAD and the
+  integer/compare ALU at half, shuffles and loads/stores at a quarter, MUFU and conversions at an
+  eighth). The busiest pipe binds, and the report names it.
+* **latency**: one program's time, replayed from the control bits ptxas scheduled (each trip of the
+  hot loop waits its loads' DRAM latency, then its reductions, shuffles and barriers), over the
+  programs resident per SM (from warps, registers and shared memory): what an SM achieves when its
+  resident programs' trips overlap perfectly and nothing else limits them. No loop here issues a
+  trip's loads before the previous trip's reductions, so this is the bound that prefetching moves.
+* **memory**: the fewest bytes the kernel must move over the copy bandwidth.
 
-The prediction is the largest of the three and the *share of copy* is the memory time at copy
-bandwidth over it. It is an estimate from compiled code: it ignores stalls on dependent
-instructions, the L2, the tail of a partial wave and clocks below boost, so a kernel predicted
-at 100% is necessary-but-not-sufficient evidence. ``bench/gpu_check.sh`` measures the real thing.
+The *share of copy* is the memory time over the prediction. It is an estimate from compiled code,
+and says so: the latencies of variable-latency instructions and of DRAM are assumptions (in
+``schedule.LATENCY`` and ``GPU.latency_us``); resident programs contend for the pipes, which the
+latency bound ignores; the tail of a partial wave, the L2 and clocks below boost are ignored.
+``bench/gpu_check.sh`` measures the real thing.
 
 The ops from hidden states and the LM head (log-probs and the PPO loss) are bound by their
 matmuls, whose cost is cuBLAS's, not SASS of ours: they get a FLOP/byte model of the launcher's
 chunk plan instead (``from_hidden_model``), against the three bare matmuls.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from .sass import compile_sm90, disassemble, hot_loop, mix
+from .launches import Launch, compile_launch
+from .sass import disassemble, hot_loop, mix
+from .schedule import global_loads, pipe_cycles, program, warp_cycles
 
 
 @dataclass(frozen=True)
@@ -40,84 +44,100 @@ class GPU:
     copy_tbs: float = 4.3  # device-to-device copy, bytes read + written, as measured on an H200
     matmul_tflops: float = 788.0  # dense bf16, 8192^3 products of random data, as measured on an H200
     latency_us: float = 0.8  # DRAM latency under load, an assumption
-    issue_per_clock: int = 4  # warp instructions per SM per clock
-    mufu_per_clock: int = 16  # special-function lanes per SM per clock
+    launch_us: float = 2.5  # GPU time of a small kernel launched back to back, an assumption
     max_warps: int = 64  # resident per SM
     max_programs: int = 32
     registers: int = 65536  # per SM
+    register_granule: int = 256  # registers are allocated per warp in multiples of this
     shared_bytes: int = 228 * 1024
 
 
 @dataclass(frozen=True)
 class KernelCase:
-    """A kernel variant at one shape: what to compile, how it is launched, and what it must move."""
+    """A kernel as its launcher launches it at one shape, and what it must move."""
 
     name: str
     shape: str
-    kernel: object
-    types: dict
-    constexprs: dict
-    num_warps: int
-    programs: int
+    launch: Launch
     trips: int  # hot-loop iterations per program
     elements_per_trip: int  # elements a program handles per trip (per program when there is no loop)
-    loaded_per_trip: int  # bytes a program loads per trip: what it has in flight
     bytes: int  # the fewest bytes the kernel must move
     target: Optional[float] = None  # the share of copy bandwidth aimed for
-    aligned: tuple = field(default_factory=tuple)
+
+
+def resident_programs(gpu: GPU, registers: int, shared_bytes: int, warps: int) -> int:
+    """Programs of ``warps`` warps one SM holds at once, given each thread's registers."""
+    per_warp = -(-registers * 32 // gpu.register_granule) * gpu.register_granule
+    return max(
+        1,
+        min(
+            gpu.max_warps // warps,
+            gpu.max_programs,
+            gpu.registers // max(1, per_warp) // warps,
+            gpu.shared_bytes // max(1, shared_bytes),
+        ),
+    )
 
 
 def estimate(case: KernelCase, gpu: GPU) -> dict:
     """Compile ``case``, read its SASS, and predict its time on ``gpu``: one table row."""
-    compiled = compile_sm90(case.kernel, case.types, case.constexprs, case.num_warps, case.aligned)
+    launch = case.launch
+    compiled = compile_launch(launch)
     instructions, res = disassemble(compiled.asm["cubin"])
+    # Triton allocates its shared memory dynamically at launch; res-usage shows only the static part.
+    shared_bytes = max(res.shared_bytes, compiled.metadata.shared)
     loop = hot_loop(instructions)
     # Without a loop the whole body is what runs per program, once.
     first, last = loop if loop else (0, len(instructions) - 1)
-    hot, once = mix(instructions[first : last + 1]), mix(instructions[:first] + instructions[last + 1 :])
+    body, rest = instructions[first : last + 1], instructions[:first] + instructions[last + 1 :]
+    hot = mix(body)
     trips = case.trips if loop else 1
-    threads = 32 * case.num_warps
-    per_thread = case.elements_per_trip / threads  # elements one thread handles per trip
+    warps = launch.num_warps
+    per_thread = case.elements_per_trip / (32 * warps)  # elements one thread handles per trip
 
     clock = gpu.clock_ghz * 1e9
-    busy_sms = min(gpu.sms, case.programs)
-    warp_instructions = case.programs * case.num_warps * (once.instructions + trips * hot.instructions)
-    mufu_lanes = 32 * case.programs * case.num_warps * (once.mufu + trips * hot.mufu)
-    t_issue = warp_instructions / (gpu.issue_per_clock * busy_sms * clock)
-    t_mufu = mufu_lanes / (gpu.mufu_per_clock * busy_sms * clock)
+    programs = launch.programs
+    per_sm = programs / min(gpu.sms, programs)  # programs each busy SM runs
+    resident = resident_programs(gpu, res.registers, shared_bytes, warps)
 
-    per_sm = min(
-        gpu.max_warps // case.num_warps,
-        gpu.max_programs,
-        gpu.registers // max(1, res.registers * threads),
-        gpu.shared_bytes // max(1, res.shared_bytes),
-    )
-    in_flight = min(case.programs, gpu.sms * per_sm) * case.loaded_per_trip
-    bandwidth = min(gpu.copy_tbs * 1e12, in_flight / (gpu.latency_us * 1e-6))
-    t_copy = case.bytes / (gpu.copy_tbs * 1e12)
-    t_memory = case.bytes / bandwidth
-    bound, t = max((("issue", t_issue), ("MUFU", t_mufu), ("memory", t_memory)), key=lambda x: x[1])
+    trip_pipes, once_pipes = pipe_cycles(body, warps), pipe_cycles(rest, warps)
+    pipes = {name: per_sm * (once_pipes[name] + trips * trip_pipes[name]) for name in trip_pipes}
+    busiest = max(pipes, key=pipes.get)
+    t_issue = pipes[busiest] / clock
+
+    dram = gpu.latency_us * 1e-6 * clock
+    program_cycles = warp_cycles(program(instructions, loop, trips), dram)
+    # A trip's share of it in steady state: two trips in a row, less one.
+    trip_cycles = warp_cycles(body * 2, dram) - warp_cycles(body, dram) if loop else program_cycles
+    t_latency = per_sm / min(resident, per_sm) * program_cycles / clock
+
+    t_memory = case.bytes / (gpu.copy_tbs * 1e12)
+    bound, t = max((("issue", t_issue), ("latency", t_latency), ("memory", t_memory)), key=lambda x: x[1])
     return {
         "kernel": case.name,
         "shape": case.shape,
-        "warps": case.num_warps,
-        "programs": case.programs,
+        "warps": warps,
+        "programs": programs,
         "registers": res.registers,
         "spill_bytes": res.local_bytes,
-        "shared_bytes": res.shared_bytes,
-        "load_bits": hot.load_bits or once.load_bits,
-        "store_bits": hot.store_bits or once.store_bits,
+        "shared_bytes": shared_bytes,
+        "resident": resident,
+        "load_bits": hot.load_bits or mix(rest).load_bits,
+        "store_bits": hot.store_bits or mix(rest).store_bits,
         "loop_instructions": hot.instructions if loop else None,
         "instructions_per_element": hot.instructions / per_thread,
+        "loads_per_trip": global_loads(body),
         "barriers": hot.barriers,
         "shuffles": hot.shuffles,
         "mufu_per_element": hot.mufu / per_thread,
+        "trip_cycles": trip_cycles,
+        "busiest_pipe": busiest,
         "issue_us": t_issue * 1e6,
-        "mufu_us": t_mufu * 1e6,
+        "latency_us": t_latency * 1e6,
         "memory_us": t_memory * 1e6,
         "predicted_us": t * 1e6,
-        "bound": bound,
-        "copy_share": t_copy / t,
+        "bound": bound if bound != "issue" else f"issue ({busiest})",
+        "copy_share": t_memory / t,
         "target": case.target,
     }
 
@@ -134,16 +154,22 @@ def from_hidden_model(
     element_bytes: int = 2,
 ) -> dict:
     """Predicted time of the chunked ops from hidden states, forward and backward, against the
-    three bare matmuls of the same shapes, each step bound by FLOPs or by bytes.
+    three bare matmuls of the same shapes: every pass over memory the launcher makes, each bound
+    by FLOPs or by bytes, and every small launch at ``gpu.launch_us``.
 
     Per chunk of n rows: the logits ``(n, V)`` fp32 come out of a matmul (twice with
     ``recompute``: ``token_logprobs_from_hidden`` rebuilds them in its backward; ``ppo_loss_from_hidden``
     knows its gradients in the forward and does not), the log-prob kernel reads them, its backward
     reads them again and writes their gradient (in half directly with ``half_grad``, else fp32 in
-    place and then a cast to half), and two matmuls follow: ``grad_hidden = g @ W`` and
-    ``grad_weight (+)= g.T @ h``. With ``in_place`` the fp32 ``(V, H)`` accumulator is the weight
-    gradient matmul's output (read and written once per chunk); without, each chunk's product is
-    written, then read with the accumulator and the sum written back.
+    place and then a cast to half), and two matmuls follow: ``grad_hidden = g @ W`` (fp32 out, then
+    copied into the half gradient) and ``grad_weight (+)= g.T @ h`` (after the ignored rows of ``h``
+    are zeroed, a pass over ``(n, H)``). With ``in_place`` the fp32 ``(V, H)`` accumulator is the
+    weight gradient matmul's output: the first chunk writes it, the others read and write it.
+    Without, it is zero-filled, and each chunk's product is written, then read with the
+    accumulator and the sum written back. Once per call: the accumulator's cast to half, and
+    autograd's scaling of that half gradient by the upstream gradient. Small launches per chunk:
+    the log-probs' copy, the partial sums' zero-fill, the entropy weights, the hidden gradient's
+    copy, the row zeroing (and, recomputing, the backward's own few).
     """
     flops, bw, e = gpu.matmul_tflops * 1e12, gpu.copy_tbs * 1e12, element_bytes
 
@@ -151,14 +177,21 @@ def from_hidden_model(
         return max(f / flops, b / bw)
 
     total = 0.0
-    for r0 in range(0, N, chunk):
+    for index, r0 in enumerate(range(0, N, chunk)):
         n = min(chunk, N - r0)
         logits = step(2 * n * H * V, n * H * e + V * H * e + 4 * n * V)
         kernels = step(0, 4 * n * V) + (step(0, (4 + e) * n * V) if half_grad else step(0, (8 + 4 + e) * n * V))
-        grad_hidden = step(2 * n * H * V, n * V * e + V * H * e + 4 * n * H)
-        accumulate = 8 * V * H if in_place else 4 * V * H + 12 * V * H
+        grad_hidden = step(2 * n * H * V, n * V * e + V * H * e + 4 * n * H) + step(0, (4 + e) * n * H)
+        if in_place:
+            accumulate = 4 * V * H if index == 0 else 8 * V * H
+        else:
+            accumulate = 4 * V * H + 12 * V * H
+        zero_rows = step(0, 2 * e * n * H)
         grad_weight = step(2 * n * H * V, n * V * e + n * H * e + accumulate)
-        total += (2 if recompute else 1) * logits + kernels + grad_hidden + grad_weight
+        small = (5 + (3 if recompute else 0)) * gpu.launch_us * 1e-6
+        total += (2 if recompute else 1) * logits + kernels + grad_hidden + zero_rows + grad_weight + small
+    zero_fill = 0.0 if in_place else step(0, 4 * V * H)
+    total += zero_fill + step(0, (4 + e) * V * H) + step(0, 2 * e * V * H)  # cast, then autograd's scale
     bare = 3 * step(2 * N * H * V, 0)
     return {
         "N": N,
@@ -181,30 +214,36 @@ def markdown(rows: list, plans: list, gpu: GPU, meta: dict) -> str:
         f"{meta['date']}, commit {meta['commit']}, triton {meta['triton']} compiling for sm_90 on a CPU.",
         "",
         f"{gpu.name}: {gpu.sms} SMs at {gpu.clock_ghz} GHz, {gpu.copy_tbs} TB/s copy, {gpu.matmul_tflops:.0f} "
-        f"TFLOP/s bf16 matmul, {gpu.latency_us} us DRAM latency. Instructions are SASS per thread in the "
-        "hot loop; loads/stores are the widths of the global accesses (bits). Predicted time = the largest "
-        "of issue, MUFU and memory time; copy share = the time at copy bandwidth over it.",
+        f"TFLOP/s bf16 matmul, {gpu.latency_us} us DRAM latency under load (assumed). Each kernel is compiled "
+        "as its launcher launches it on real tensors (the runtime's specialization). Instructions are SASS per "
+        "thread in the hot loop; loads are global load instructions per warp per trip; resident = programs an "
+        "SM holds at once. Predicted = the largest of: issue (the busiest pipe at its rate), latency (one "
+        "program's trips as ptxas scheduled them, DRAM latency included, over the resident programs) and "
+        "memory (the bytes at copy bandwidth); copy share = memory over predicted.",
         "",
-        "| kernel | shape | warps x programs | regs | spills | smem | ld/st bits | instr/elem | bar | shfl | "
-        "issue us | memory us | predicted us | bound | copy share | target |",
-        "| --- " * 16 + "|",
+        "| kernel | shape | warps x programs | regs | resident | ld/st bits | instr/elem | loads/trip | bar | "
+        "shfl | trip cycles | issue us | latency us | memory us | predicted us | bound | copy share | target |",
+        "| --- " * 18 + "|",
     ]
     for r in rows:
         bits = f"{','.join(map(str, r['load_bits']))}/{','.join(map(str, r['store_bits']))}"
         target = f"{r['target']:.0%}" if r["target"] else ""
+        spills = f" (+{r['spill_bytes']} B spilled)" if r["spill_bytes"] else ""
         lines.append(
-            f"| {r['kernel']} | {r['shape']} | {r['warps']} x {r['programs']} | {r['registers']} | "
-            f"{r['spill_bytes']} | {r['shared_bytes']} | {bits} | {r['instructions_per_element']:.1f} | "
-            f"{r['barriers']} | {r['shuffles']} | {r['issue_us']:.0f} | {r['memory_us']:.0f} | "
-            f"{r['predicted_us']:.0f} | {r['bound']} | {r['copy_share']:.0%} | {target} |"
+            f"| {r['kernel']} | {r['shape']} | {r['warps']} x {r['programs']} | {r['registers']}{spills} | "
+            f"{r['resident']} | {bits} | {r['instructions_per_element']:.1f} | {r['loads_per_trip']} | "
+            f"{r['barriers']} | {r['shuffles']} | {r['trip_cycles']:.0f} | {r['issue_us']:.0f} | "
+            f"{r['latency_us']:.0f} | {r['memory_us']:.0f} | {r['predicted_us']:.0f} | {r['bound']} | "
+            f"{r['copy_share']:.0%} | {target} |"
         )
     if plans:
         lines += [
             "",
             "## From hidden states: a FLOP/byte model of the chunk plan",
             "",
-            "Each step of each chunk takes max(FLOPs / matmul rate, bytes / copy bandwidth); "
-            "bare = the three matmuls (logits, hidden and weight gradients) alone.",
+            "Each pass over memory takes max(FLOPs / matmul rate, bytes / copy bandwidth), and each small "
+            f"launch {gpu.launch_us} us (assumed); bare = the three matmuls (logits, hidden and weight "
+            "gradients) alone.",
             "",
             "| op | N x H x V | chunk rows | logit grad | weight grad | predicted ms | bare matmuls ms | ratio |",
             "| --- " * 8 + "|",

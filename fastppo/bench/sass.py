@@ -6,6 +6,12 @@ tests) and turns a cubin into the numbers a kernel engineer reads first: registe
 (spills), shared memory, and per region of code the instruction mix: global load and store
 widths, barriers, warp shuffles, special-function (MUFU) instructions.
 
+Each instruction also carries the control bits ptxas encodes beside it (the top 23 bits of its
+128-bit word, documented by Jia et al., "Dissecting the NVIDIA Volta GPU Architecture via
+Microbenchmarking", 2018, and unchanged through Hopper): the cycles to stall before the next
+instruction, the scoreboard a variable-latency instruction (a load, a MUFU, a shuffle) sets when
+its result is ready, and the scoreboards an instruction waits on. ``schedule.py`` replays them.
+
 The *hot loop* is the region of the widest backward branch (SASS addresses ``[target, branch]``):
 each fastppo kernel has one loop, over vocabulary or time blocks, and everything else runs once
 per program. A kernel with no loop has no hot loop; its whole body is the per-program cost.
@@ -14,7 +20,7 @@ per program. A kernel with no loop has no hot loop; its whole body is the per-pr
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +57,22 @@ class Instruction:
     address: int
     opcode: str  # e.g. "LDG.E.128", predicate stripped
     operands: str
+    stall: int = 1  # cycles before the warp issues its next instruction
+    sets: Optional[int] = None  # the scoreboard (0-5) released when the result is written
+    frees: Optional[int] = None  # the scoreboard released when the sources have been read
+    waits: tuple = ()  # the scoreboards that must be released before this issues
+
+
+def control(high_word: int) -> dict:
+    """The scheduling fields of an instruction's control bits (the high 64-bit word's top 23 bits)."""
+    bits = high_word >> 41
+    sets, frees = (bits >> 5) & 7, (bits >> 8) & 7  # 7: none
+    return {
+        "stall": bits & 15,
+        "sets": None if sets == 7 else sets,
+        "frees": None if frees == 7 else frees,
+        "waits": tuple(b for b in range(6) if (bits >> (11 + b)) & 1),
+    }
 
 
 @dataclass(frozen=True)
@@ -73,6 +95,7 @@ class Mix:
 
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_HIGH_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")  # the line under an instruction
 _WIDTH = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
 
 
@@ -89,7 +112,17 @@ def disassemble(cubin: bytes) -> tuple:
 
 
 def parse(sass: str) -> list:
-    return [Instruction(int(a, 16), op, rest.strip()) for a, op, rest in _LINE.findall(sass)]
+    """The instructions of cuobjdump -sass output, with their control bits where it prints them."""
+    instructions = []
+    for line in sass.splitlines():
+        found = _LINE.search(line)
+        if found:
+            address, opcode, operands = found.groups()
+            instructions.append(Instruction(int(address, 16), opcode, operands.strip()))
+        elif instructions and _HIGH_WORD.match(line):
+            high = int(_HIGH_WORD.match(line).group(1), 16)
+            instructions[-1] = replace(instructions[-1], **control(high))
+    return instructions
 
 
 def resources(res_usage: str) -> Resources:

@@ -56,13 +56,19 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
-def add_matmul_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
+def add_matmul_fp32(acc: Tensor, a: Tensor, b: Tensor, first: bool = False) -> None:
     """``acc += a @ b`` with ``acc`` fp32 as the matmul's own output (beta = 1): no product tensor,
-    no separate add; half operands stay half on CUDA."""
+    no separate add; half operands stay half on CUDA. ``first``: ``acc = a @ b``, so the
+    accumulator needs no zero-fill (a whole ``(V, H)`` fp32 pass) before the first chunk."""
     if a.is_cuda and a.dtype == b.dtype != torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if first:
+            torch.mm(a, b, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif first:
+        torch.mm(a.float(), b.float(), out=acc)  # .float() is free for fp32
     else:
-        acc.addmm_(a.float(), b.float())  # .float() is free for fp32
+        acc.addmm_(a.float(), b.float())
 
 
 def matmul_weight(weight: Tensor) -> Tensor:
@@ -89,7 +95,8 @@ class InputGrads:
         self.hidden, self.weight = hidden, weight
         f32 = dict(dtype=torch.float32, device=weight.device)
         self.hidden_grad = torch.empty_like(hidden) if need_hidden else None  # (N, H)
-        self.weight_grad = torch.zeros(weight.shape, **f32) if need_weight else None  # (V, H)
+        self.weight_grad = torch.empty(weight.shape, **f32) if need_weight else None  # (V, H), first chunk writes
+        self.weight_grad_written = False
         self.bias_grad = torch.zeros(weight.shape[0], **f32) if need_bias else None  # (V,)
 
     @staticmethod
@@ -113,9 +120,14 @@ class InputGrads:
             self.hidden_grad[r0:r1] = matmul_fp32(grad_logits, weight)  # (n, V) @ (V, H)
         if self.weight_grad is not None:
             hidden = torch.where(used.unsqueeze(1), hidden, 0.0)  # (n, H)
-            add_matmul_fp32(self.weight_grad, grad_logits.t(), hidden)  # (V, n) @ (n, H)
+            add_matmul_fp32(
+                self.weight_grad, grad_logits.t(), hidden, first=not self.weight_grad_written
+            )  # (V, n) @ (n, H)
+            self.weight_grad_written = True
 
     def results(self) -> tuple:
+        if self.weight_grad is not None and not self.weight_grad_written:
+            self.weight_grad.zero_()  # no rows: no chunk wrote it
         # Three distinct empty tensors: custom-op outputs may not alias each other.
         return (
             self.hidden_grad if self.hidden_grad is not None else self.hidden.new_empty(0),

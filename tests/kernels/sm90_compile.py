@@ -29,7 +29,7 @@ def build(kernel, types: dict, constexprs: dict, num_warps: int, aligned=()):
 def logprob_kernels():
     for V, dtype, has_temp in itertools.product((1, 17, 1000, 151936), ("bf16", "fp32"), (False, True)):
         BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
-        tiles = {"stride_v": 1, "HAS_TEMP": has_temp, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
+        tiles = {"stride_v": 1, "HAS_TEMP": has_temp, "UNIT": 1, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
         for has_stats in (False, True) if dtype == "fp32" else (False,):  # fp32 chunks from hidden states
             ptx = build(
                 logprobs._logprobs_fwd_kernel,
@@ -84,7 +84,7 @@ def ppo_loss_kernels():
                 "KL_ESTIMATOR": estimator,
                 "BLOCK": ppo_loss._BLOCK,
             },
-            4,
+            ppo_loss._WARPS,
         )
 
 
@@ -99,7 +99,10 @@ def sampling_kernels():
             sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps, aligned=signatures.SAMPLE_ALIGNED
         )
         if V >= 1000:
-            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "sampling logits loads are not vectorised"
+            # pipelined into shared memory 16 bytes at a time (tl.range's stages), or loaded so
+            assert re.search(r"cp\.async\.\w+\.shared\.global[^;]*, 0x10\b|ld\.global(\.\w+)*\.v4\.b32", ptx), (
+                "sampling logits loads are not vectorised"
+            )
         if splits > 1:
             types = {k: v for k, v in signatures.sample_types(dtype).items() if k not in ("seed", "V", "split_cols")}
             build(sampling._combine_kernel, types, {"stride_v": 1, "SPLITS": splits, "BLOCK_N": 32}, 1)

@@ -128,5 +128,36 @@ def test_temperature_and_ignore_index_are_runtime_arguments():
 
     for kernel in (kernels._logprobs_fwd_kernel, kernels._logprobs_bwd_kernel):
         constexprs = set(kernel.fn.__annotations__)
-        assert {"inv_temp", "ignore_index", "N", "T", "V"}.isdisjoint(constexprs)
-        assert constexprs <= {"HAS_TEMP", "HAS_G_ENT", "HAS_STATS", "BLOCK_N", "BLOCK_V"}
+        assert {"inv_temp", "ignore_index", "N", "T", "V_units"}.isdisjoint(constexprs)
+        # UNIT, the power of two (1 to 16) dividing the row strides and V, takes five values at most.
+        assert constexprs <= {"HAS_TEMP", "HAS_G_ENT", "HAS_STATS", "UNIT", "BLOCK_N", "BLOCK_V"}
+
+
+def test_the_row_unit_is_the_largest_power_of_two_up_to_16_dividing_every_row_stride_and_v():
+    from fastppo.kernels import logprobs as kernels
+
+    assert kernels._unit(1000, 1000 * 7, 1000) == 8
+    assert kernels._unit(151936, 151936) == 16
+    assert kernels._unit(1000, 1004 * 7, 1004) == 4
+    assert kernels._unit(17, 17) == 1
+    assert kernels._unit(64, 0, 64) == 16  # an expanded dimension (stride 0) constrains nothing
+
+
+@pytest.mark.parametrize("width", [1000, 1004, 1001])  # row units 8, 4 and 1 for V = 1000
+def test_rows_read_in_units_agree_with_the_twin(width):
+    # V = 1000 inside rows `width` apart: the launchers pass strides and V in units of 8, 4 or 1.
+    from fastppo.kernels import logprobs as kernels
+
+    logits = (torch.randn(2, 3, width) * 3).bfloat16()[:, :, :1000]
+    labels = torch.tensor([0, 999, 5, -100, 998, 17])
+    results = {}
+    for name, impl in (("triton", kernels), ("torch", logprobs_torch)):
+        out = [torch.empty(6) for _ in range(3)]
+        impl.logprobs_forward(logits, labels, None, 1.0, -100, *out)
+        grad = torch.zeros(2, 3, width, dtype=torch.bfloat16)
+        impl.logprobs_backward(logits, grad[:, :, :1000], labels, None, 1.0, -100, out[2], out[1], torch.ones(6), None)
+        results[name] = (out, grad.float())
+    for a, b in zip(results["triton"][0], results["torch"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=2**-7, atol=1e-6)
+    assert (results["triton"][1][:, :, 1000:] == 0).all()  # nothing written past a row's V

@@ -6,27 +6,7 @@ import torch
 import fastppo
 from fastppo.ops import gae_torch
 from fastppo.ops.dispatch import TRITON_INSTALLED
-from tests.oracles import relative_error
-
-
-def gae_oracle(rewards, values, mask, gamma, lam):
-    """The definition, literally: walk each row right to left over its valid positions."""
-    rewards, values, mask = rewards.cpu(), values.cpu(), mask.cpu()
-    B, T = rewards.shape
-    adv = torch.zeros(B, T, dtype=torch.float64, device="cpu")
-    ret = torch.zeros(B, T, dtype=torch.float64, device="cpu")
-    for b in range(B):
-        next_value = next_adv = 0.0
-        for t in reversed(range(T)):
-            if not mask[b, t]:
-                continue
-            r, v = float(rewards[b, t]), float(values[b, t])
-            delta = r + gamma * next_value - v
-            adv[b, t] = delta + gamma * lam * next_adv
-            ret[b, t] = adv[b, t] + v
-            next_value, next_adv = v, float(adv[b, t])
-    device = torch.get_default_device()
-    return adv.to(device), ret.to(device)
+from tests.oracles import gae_oracle, relative_error
 
 
 def random_mask(B, T, *, p_hole=0.2):

@@ -130,6 +130,19 @@ def test_weight_gradient_accumulates_in_place_in_fp32(dtype):
     add_matmul_fp32(acc, a, b)
     assert acc.data_ptr() == where and acc.dtype == torch.float32
     torch.testing.assert_close(acc, expected)
+    # The first chunk writes the accumulator: whatever it held (here NaN) is not added.
+    acc.fill_(float("nan"))
+    add_matmul_fp32(acc, a, b, first=True)
+    assert acc.data_ptr() == where
+    torch.testing.assert_close(acc, a.float() @ b.float())
+
+
+def test_the_weight_gradient_of_no_rows_is_zero(backend, device):
+    hidden = torch.randn(0, 8, device=device, requires_grad=True)
+    weight = torch.randn(11, 8, device=device, requires_grad=True)
+    logp = fastppo.token_logprobs_from_hidden(hidden, weight, torch.zeros(0, dtype=torch.long), backend=backend)
+    logp.sum().backward()
+    assert weight.grad is not None and (weight.grad == 0).all()
 
 
 def test_the_logit_gradient_buffer_is_the_logits_unless_the_matmuls_take_half():
