@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .fastmath import LN2, LOG2E, exp2, log2
+from .layout import row_unit
 
 # Where exp2 underflows to 0 (flush to zero): differences below it are clamped before use.
 _EXP2_FLOOR = tl.constexpr(126.0)
@@ -246,20 +247,6 @@ def _tiling(V, block_v):
     return BLOCK_N, BLOCK_V, 1 if small else _WARPS
 
 
-def _unit(*sizes):
-    """The largest power of two up to 16 that divides every one of ``sizes``.
-
-    Triton marks an integer argument divisible by 16 or not at all, so rows of a vocabulary of
-    1000 (16-byte aligned in bf16: 2000 bytes apart) would be read 2 bytes at a time. The launchers
-    pass the row strides and V in units of this instead, and the kernels multiply by it as a
-    constant, which tells the compiler every row starts at a multiple of it.
-    """
-    unit = 16
-    while unit > 1 and any(size % unit for size in sizes):
-        unit //= 2
-    return unit
-
-
 def _launch(logits, temperature, inv_temperature, block_v, *other_row_strides):
     """What both launchers pass besides tensors: grid, row strides and sizes, runtime scalars and
     compile-time switches. None when there are no rows. A per-row temperature tensor wins over the
@@ -270,7 +257,7 @@ def _launch(logits, temperature, inv_temperature, block_v, *other_row_strides):
         return None
     BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
     row_strides = (*logits.stride()[:2], *other_row_strides)
-    unit = _unit(V, *row_strides)
+    unit = row_unit(V, *row_strides)
     has_temp = temperature is not None
     temperature_args = (temperature, 1.0) if has_temp else (None, inv_temperature)
     switches = dict(HAS_TEMP=has_temp, UNIT=unit, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .fastmath import LN2, LOG2E, exp2, log2
+from .layout import row_unit
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
 _SMALLEST_UNIFORM = tl.constexpr(2.0**-32)
@@ -94,14 +95,18 @@ def _sample_kernel(
     inv_temp,
     seed,
     B,
-    V,
+    V_units,
     split_cols,
     GREEDY: tl.constexpr,
     SPLITS: tl.constexpr,
+    UNIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    # stride_b and V come in units of UNIT elements (``layout.row_unit``): rows start at multiples of it.
+    V = V_units * UNIT
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_start = rows * stride_b * UNIT  # (BLOCK_N,) offset of each row's first logit
     row_ok = rows < B
     split = tl.program_id(1)
     v_begin = split * split_cols  # a multiple of BLOCK_V
@@ -119,7 +124,7 @@ def _sample_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,) int32: V < 2**31
         ok = row_ok[:, None] & (cols < v_end)[None, :]
         x = tl.load(
-            logits_ptr + rows[:, None] * stride_b + cols[None, :].to(tl.int64) * stride_v, mask=ok, other=float("-inf")
+            logits_ptr + row_start[:, None] + cols[None, :].to(tl.int64) * stride_v, mask=ok, other=float("-inf")
         ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
 
         m_new = tl.maximum(m_x, tl.max(x, axis=1))
@@ -143,7 +148,7 @@ def _sample_kernel(
     top, col = _first_best(best, best_col)  # (BLOCK_N,) each
     s_row = tl.sum(s, axis=1)
     if SPLITS == 1:
-        _finish(logits_ptr, rows, row_ok, stride_b, stride_v, m_x, s_row, col, inv_temp, tokens_ptr, logp_ptr)
+        _finish(logits_ptr, rows, row_ok, stride_b * UNIT, stride_v, m_x, s_row, col, inv_temp, tokens_ptr, logp_ptr)
     else:
         part = (rows * SPLITS + split) * 3  # (B, SPLITS, 3) fp32: m_x, s, best; (B, SPLITS) int64 columns
         tl.store(part_ptr + part, m_x, mask=row_ok)
@@ -223,19 +228,26 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, b
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
     part = logprobs.new_empty((B, SPLITS, 3) if SPLITS > 1 else (0,))  # fp32 m_x, s, best
     part_col = tokens.new_empty((B, SPLITS) if SPLITS > 1 else (0,))  # int64 columns
-    pointers = (logits, *logits.stride(), tokens, logprobs, part, part_col)
+    outputs = (tokens, logprobs, part, part_col)
+    unit = row_unit(V, logits.stride(0))
     _sample_kernel[(triton.cdiv(B, BLOCK_N), SPLITS)](
-        *pointers,
+        logits,
+        logits.stride(0) // unit,
+        logits.stride(1),
+        *outputs,
         inv_temperature,
         seed,
         B,
-        V,
+        V // unit,
         split_cols,
         GREEDY=greedy,
         SPLITS=SPLITS,
+        UNIT=unit,
         BLOCK_N=BLOCK_N,
         BLOCK_V=BLOCK_V,
         num_warps=num_warps,
     )
     if SPLITS > 1:
-        _combine_kernel[(triton.cdiv(B, 32),)](*pointers, inv_temperature, B, SPLITS=SPLITS, BLOCK_N=32, num_warps=1)
+        _combine_kernel[(triton.cdiv(B, 32),)](
+            logits, *logits.stride(), *outputs, inv_temperature, B, SPLITS=SPLITS, BLOCK_N=32, num_warps=1
+        )

@@ -1,11 +1,11 @@
 """The kernels at the shapes ``fastppo bench --sass`` reports, launched as their launchers launch them.
 
-The report's cases are recorded from the real launchers on real tensors (``launches.py``), so
-they compile as the runtime specialises them. The argument types declared below serve the other
-sm_90 compile, the check over every variant (``tests/kernels/sm90_compile.py``). Shapes are those of
-a real RL step on a 150k-vocabulary model: 8192 tokens of log-probs, a 256-row sampling step,
-512 rollouts of 8192 positions for GAE, and the same 4M tokens for the PPO loss; plus one small
-vocabulary (1000) for the log-prob kernels' one-warp tiling.
+Each case is recorded from the real launcher on real tensors (``launches.py``), so it compiles as
+the runtime specialises it, as the compile check over every variant does
+(``tests/kernels/sm90_compile.py``). Shapes are those of a real RL step on a 150k-vocabulary
+model: 8192 tokens of log-probs, a 256-row sampling step, 512 rollouts of 8192 positions for GAE,
+and the same 4M tokens for the PPO loss; plus one small vocabulary (1000) for the log-prob
+kernels' one-warp tiling.
 """
 
 import torch
@@ -16,98 +16,6 @@ from ..kernels.layout import PARTIALS
 from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
 from .launches import launched
 from .roofline import KernelCase, from_hidden_model
-
-LOGPROB_ROWS = {
-    "stride_b": "i64",
-    "stride_t": "i64",
-    "labels_ptr": "*i64",
-    "temp_ptr": "*fp32",
-    "inv_temp": "fp32",
-    "N": "i32",
-    "T": "i32",
-    "V_units": "i32",
-    "ignore_index": "i32",
-    "lse_ptr": "*fp32",
-    "ent_ptr": "*fp32",
-}
-# Alignment Triton sees at run time for 16-aligned rows (every real vocabulary).
-LOGPROB_ALIGNED = ("logits_ptr", "stride_b", "stride_t", "V_units")
-LOGPROB_BWD_ALIGNED = LOGPROB_ALIGNED + ("grad_ptr", "gstride_b", "gstride_t")
-
-
-def logprob_fwd_types(dtype: str) -> dict:
-    return {**LOGPROB_ROWS, "logits_ptr": f"*{dtype}", "logp_ptr": "*fp32", "stats_ptr": "*fp32"}
-
-
-def logprob_bwd_types(dtype: str) -> dict:
-    return {
-        **LOGPROB_ROWS,
-        "logits_ptr": f"*{dtype}",
-        "grad_ptr": f"*{dtype}",
-        "gstride_b": "i64",
-        "gstride_t": "i64",
-        "g_lp_ptr": "*fp32",
-        "g_ent_ptr": "*fp32",
-    }
-
-
-def gae_types(values: str) -> dict:
-    return {
-        "rewards_ptr": "*fp32",
-        "srb": "i64",
-        "srt": "i64",
-        "values_ptr": f"*{values}",
-        "svb": "i64",
-        "svt": "i64",
-        "mask_ptr": "*i1",
-        "smb": "i64",
-        "smt": "i64",
-        "adv_ptr": "*fp32",
-        "ret_ptr": "*fp32",
-        "B": "i32",
-        "T": "i32",
-        "gamma": "fp32",
-        "gamma_lam": "fp32",
-    }
-
-
-GAE_ALIGNED = ("rewards_ptr", "srb", "values_ptr", "svb", "mask_ptr", "smb", "adv_ptr", "ret_ptr", "T")
-
-PPO_LOSS_TYPES = {
-    "logp_ptr": "*fp32",
-    "old_ptr": "*fp32",
-    "adv_ptr": "*fp32",
-    "weight_ptr": "*fp32",
-    "valid_ptr": "*i1",
-    "ref_ptr": "*fp32",
-    "ent_ptr": "*fp32",
-    "grad_ptr": "*fp32",
-    "partials_ptr": "*fp32",
-    "N": "i32",
-    "clip_low": "fp32",
-    "clip_high": "fp32",
-    "dual_clip": "fp32",
-    "kl_coef": "fp32",
-}
-
-
-def sample_types(dtype: str) -> dict:
-    return {
-        "logits_ptr": f"*{dtype}",
-        "stride_b": "i64",
-        "tokens_ptr": "*i64",
-        "logp_ptr": "*fp32",
-        "part_ptr": "*fp32",
-        "part_col_ptr": "*i64",
-        "inv_temp": "fp32",
-        "seed": "i64",
-        "B": "i32",
-        "V": "i32",
-        "split_cols": "i32",
-    }
-
-
-SAMPLE_ALIGNED = ("logits_ptr", "stride_b", "V", "split_cols")
 
 
 def _empty(*shape, dtype=torch.float32):

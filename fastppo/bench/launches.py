@@ -50,9 +50,9 @@ class _Recorder:
         return launch
 
 
-def launched(module, kernel_name: str, run) -> Launch:
-    """The first launch of ``module.<kernel_name>`` that ``run()`` (a call of a launcher) makes.
-    Every kernel of ``module`` is recorded instead of run while ``run`` runs."""
+def launches(module, run) -> dict:
+    """The first launch of each kernel of ``module`` that ``run()`` (a call of a launcher) makes, by
+    kernel name. Every kernel of ``module`` is recorded instead of run while ``run`` runs."""
     from triton.runtime.jit import JITFunction
 
     kernels = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
@@ -61,9 +61,15 @@ def launched(module, kernel_name: str, run) -> Launch:
         for name, recorder in recorders.items():
             patches.enter_context(mock.patch.object(module, name, recorder))
         run()
-    if not recorders[kernel_name].launches:
+    return {name: recorder.launches[0] for name, recorder in recorders.items() if recorder.launches}
+
+
+def launched(module, kernel_name: str, run) -> Launch:
+    """The first launch of ``module.<kernel_name>`` that ``run()`` makes."""
+    recorded = launches(module, run)
+    if kernel_name not in recorded:
         raise RuntimeError(f"the launcher did not launch {kernel_name}")
-    return recorders[kernel_name].launches[0]
+    return recorded[kernel_name]
 
 
 def compile_launch(launch: Launch):

@@ -1,8 +1,8 @@
 """Compile a Triton kernel for Hopper (sm_90) on a machine without a GPU, and read its machine code.
 
 Triton's wheel ships its NVIDIA backend, ptxas and cuobjdump, so Triton IR -> PTX -> cubin ->
-SASS runs on a CPU. This module does the compiling (shared with the sm_90 compile check in the
-tests) and turns a cubin into the numbers a kernel engineer reads first: registers, local memory
+SASS runs on a CPU (``launches.py`` compiles). This module turns a cubin into the numbers a kernel
+engineer reads first: registers, local memory
 (spills), shared memory, and per region of code the instruction mix: global load and store
 widths, barriers, warp shuffles, special-function (MUFU) instructions.
 
@@ -25,22 +25,6 @@ from pathlib import Path
 from typing import Optional
 
 HOPPER_ARCH = 90
-ALIGNED = [["tt.divisibility", 16]]  # what Triton infers for 16-aligned pointers and strides
-
-
-def compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, aligned=()):
-    """``triton.compile`` of ``kernel`` for sm_90: ``types`` maps each runtime argument to a Triton
-    type string (``"*bf16"``, ``"i64"``), ``constexprs`` the rest; ``aligned`` names arguments
-    Triton may assume 16-divisible, as it does at run time for aligned pointers and strides."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(kernel.arg_names)
-    signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
-    attrs = {(names.index(n),): ALIGNED for n in aligned}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", HOPPER_ARCH, 32), options={"num_warps": num_warps})
 
 
 def _tool(name: str) -> str:

@@ -2,10 +2,11 @@
 
 Triton's NVIDIA backend and ptxas ship in the triton wheel, so the whole pipeline (Triton IR,
 LLVM, PTX, cubin) runs on a CPU machine. That catches what the interpreter cannot: code the
-compiler rejects, and loads that are not vectorised. Run as a script, without TRITON_INTERPRET
-(under the interpreter the kernels are not compilable objects); prints one line per variant and
-exits non-zero on the first failure. The variants include every one ``fastppo bench --sass``
-reports, so that report then reads them from Triton's cache.
+compiler rejects, and loads that are not vectorised. Each variant is what a launcher launches on
+real tensors (recorded, not run: ``fastppo/bench/launches.py``), specialised as the runtime would
+specialise it, so alignment, unit strides and constants are the ones a GPU run compiles with.
+Run as a script, without TRITON_INTERPRET (under the interpreter the kernels are not compilable
+objects); prints one line per variant and exits non-zero on the first failure.
 """
 
 import itertools
@@ -15,97 +16,91 @@ import sys
 
 assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
 
-from fastppo.bench import kernel_cases as signatures  # noqa: E402
-from fastppo.bench.sass import compile_sm90  # noqa: E402
+import torch  # noqa: E402
+
+from fastppo.bench.launches import compile_launch, launches  # noqa: E402
 from fastppo.kernels import gae, logprobs, ppo_loss, sampling  # noqa: E402
+from fastppo.kernels.layout import PARTIALS  # noqa: E402
+
+# 16 bytes per access: a vector load or store of 4 32-bit words, or an asynchronous copy of 16 bytes.
+WIDE_LOAD = r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.\w+\.shared\.global[^;]*, 0x10\b"
+WIDE_STORE = r"st\.global(\.\w+)*\.v4\.b32"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def build(kernel, types: dict, constexprs: dict, num_warps: int, aligned=()):
-    compiled = compile_sm90(kernel, types, constexprs, num_warps, aligned)
-    print(f"ok  {kernel.__name__} {constexprs} warps={num_warps}")
-    return compiled.asm["ptx"]
+def build(module, run) -> dict:
+    """PTX of every kernel ``run()`` (a launcher call) launches in ``module``, compiled for sm_90."""
+    ptx = {}
+    for name, launch in launches(module, run).items():
+        ptx[name] = compile_launch(launch).asm["ptx"]
+        constants = {k: v for k, v in launch.kwargs.items() if k != "num_warps"}
+        print(f"ok  {name} {constants} warps={launch.num_warps}")
+    return ptx
+
+
+def empty(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype)  # never touched: the launch is recorded, not run
 
 
 def logprob_kernels():
-    for V, dtype, has_temp in itertools.product((1, 17, 1000, 151936), ("bf16", "fp32"), (False, True)):
-        BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
-        tiles = {"stride_v": 1, "HAS_TEMP": has_temp, "UNIT": 1, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-        for has_stats in (False, True) if dtype == "fp32" else (False,):  # fp32 chunks from hidden states
+    N = 64
+    for V, dtype, has_temp in itertools.product((1, 17, 1000, 151936), DTYPES, (False, True)):
+        logits, labels = empty(1, N, V, dtype=DTYPES[dtype]), torch.zeros(N, dtype=torch.long)
+        temperature = torch.ones(N) if has_temp else None
+        out = [empty(N) for _ in range(3)]
+        for stats in (None, empty(N, 3)) if dtype == "fp32" else (None,):  # fp32 chunks from hidden states
             ptx = build(
-                logprobs._logprobs_fwd_kernel,
-                signatures.logprob_fwd_types(dtype),
-                {**tiles, "HAS_STATS": has_stats},
-                warps,
-                aligned=signatures.LOGPROB_ALIGNED,
+                logprobs, lambda: logprobs.logprobs_forward(logits, labels, temperature, 1.0, -100, *out, stats)
             )
             if V >= 1000:
-                # 16-byte loads of the logits when rows are 16-element aligned (every real vocabulary)
-                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "forward logits loads are not vectorised"
-        for has_g_ent in (False, True):
+                # 16-byte loads of the logits whenever rows are 16-byte aligned (V = 1000 in bf16 too)
+                assert re.search(WIDE_LOAD, ptx["_logprobs_fwd_kernel"]), "forward logits loads are not vectorised"
+        for g_ent in (None, torch.ones(N)):
             build(
-                logprobs._logprobs_bwd_kernel,
-                signatures.logprob_bwd_types(dtype),
-                {**tiles, "gstride_v": 1, "HAS_G_ENT": has_g_ent},
-                warps,
-                aligned=signatures.LOGPROB_BWD_ALIGNED,
+                logprobs,
+                lambda g_ent=g_ent: logprobs.logprobs_backward(
+                    logits, logits, labels, temperature, 1.0, -100, out[2], out[1], torch.ones(N), g_ent
+                ),
             )
 
 
 def gae_kernels():
-    for (B, T), values, contiguous in itertools.product(
-        ((512, 8192), (3, 5), (100, 37)), ("bf16", "fp32"), (False, True)
-    ):
-        BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
-        unit_strides = {"srt": 1, "svt": 1, "smt": 1} if contiguous else {}
-        ptx = build(
-            gae._gae_kernel,
-            signatures.gae_types(values),
-            {**unit_strides, "BLOCK_B": BLOCK_B, "BLOCK_T": BLOCK_T},
-            warps,
-            aligned=signatures.GAE_ALIGNED if contiguous else (),
-        )
+    for (B, T), values, contiguous in itertools.product(((512, 8192), (3, 5), (100, 37)), DTYPES, (False, True)):
+        # Not contiguous: time-major storage, so each row is read with a stride of B.
+        rewards = empty(B, T) if contiguous else empty(T, B).t()
+        value = empty(B, T, dtype=DTYPES[values]) if contiguous else empty(T, B, dtype=DTYPES[values]).t()
+        mask = torch.ones(B, T, dtype=torch.bool)
+        ptx = build(gae, lambda: gae.gae(rewards, value, mask, 1.0, 0.95, empty(B, T), empty(B, T)))["_gae_kernel"]
         if contiguous and T >= 1024:
             # forward-ordered blocks of contiguous rows: 16-byte loads and stores
-            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "GAE loads are not vectorised"
-            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx), "GAE stores are not vectorised"
+            assert re.search(WIDE_LOAD, ptx), "GAE loads are not vectorised"
+            assert re.search(WIDE_STORE, ptx), "GAE stores are not vectorised"
 
 
 def ppo_loss_kernels():
+    N = 4096
+    tokens = [empty(N) for _ in range(4)]  # logp, old, advantages, weights
+    valid, grad = torch.ones(N, dtype=torch.bool), empty(N)
+    partials = empty(ppo_loss.num_programs(N), len(PARTIALS))
     for ref, ent, dual, estimator in itertools.product((False, True), (False, True), (False, True), (1, 2, 3)):
         if not ref and estimator != 1:
             continue  # without a reference the estimator is never read
-        build(
-            ppo_loss._ppo_loss_fwd_kernel,
-            signatures.PPO_LOSS_TYPES,
-            {
-                "HAS_REF": ref,
-                "HAS_ENTROPY": ent,
-                "DUAL_CLIP": dual,
-                "KL_ESTIMATOR": estimator,
-                "BLOCK": ppo_loss._BLOCK,
-            },
-            ppo_loss._WARPS,
-        )
+        ref_logp, entropy = (empty(N) if ref else None), (empty(N) if ent else None)
+        args = (*tokens, valid, ref_logp, entropy, 0.2, 0.28, 3.0 if dual else 0.0, 0.01, estimator, grad, partials)
+        ptx = build(ppo_loss, lambda args=args: ppo_loss.ppo_loss_forward(*args))["_ppo_loss_fwd_kernel"]
+        # masked by the bounds alone, the token loads are vector loads
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "PPO loss loads are not vectorised"
 
 
 def sampling_kernels():
     for (B, V), dtype, greedy in itertools.product(
-        ((64, 1), (64, 1000), (256, 151936), (1024, 151936)), ("bf16", "fp32"), (False, True)
+        ((64, 1), (64, 1000), (256, 151936), (1024, 151936)), DTYPES, (False, True)
     ):
-        BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
-        splits = sampling._splits(B, V, BLOCK_N, BLOCK_V)
-        tiles = {"stride_v": 1, "GREEDY": greedy, "SPLITS": splits, "BLOCK_N": BLOCK_N, "BLOCK_V": BLOCK_V}
-        ptx = build(
-            sampling._sample_kernel, signatures.sample_types(dtype), tiles, warps, aligned=signatures.SAMPLE_ALIGNED
-        )
+        logits = empty(B, V, dtype=DTYPES[dtype])
+        tokens, logp = torch.empty(B, dtype=torch.long), empty(B)
+        ptx = build(sampling, lambda: sampling.sample_forward(logits, 1.0, greedy, 7, tokens, logp))
         if V >= 1000:
-            # pipelined into shared memory 16 bytes at a time (tl.range's stages), or loaded so
-            assert re.search(r"cp\.async\.\w+\.shared\.global[^;]*, 0x10\b|ld\.global(\.\w+)*\.v4\.b32", ptx), (
-                "sampling logits loads are not vectorised"
-            )
-        if splits > 1:
-            types = {k: v for k, v in signatures.sample_types(dtype).items() if k not in ("seed", "V", "split_cols")}
-            build(sampling._combine_kernel, types, {"stride_v": 1, "SPLITS": splits, "BLOCK_N": 32}, 1)
+            assert re.search(WIDE_LOAD, ptx["_sample_kernel"]), "sampling logits loads are not vectorised"
 
 
 if __name__ == "__main__":

@@ -134,13 +134,13 @@ def test_temperature_and_ignore_index_are_runtime_arguments():
 
 
 def test_the_row_unit_is_the_largest_power_of_two_up_to_16_dividing_every_row_stride_and_v():
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels.layout import row_unit
 
-    assert kernels._unit(1000, 1000 * 7, 1000) == 8
-    assert kernels._unit(151936, 151936) == 16
-    assert kernels._unit(1000, 1004 * 7, 1004) == 4
-    assert kernels._unit(17, 17) == 1
-    assert kernels._unit(64, 0, 64) == 16  # an expanded dimension (stride 0) constrains nothing
+    assert row_unit(1000, 1000 * 7, 1000) == 8
+    assert row_unit(151936, 151936) == 16
+    assert row_unit(1000, 1004 * 7, 1004) == 4
+    assert row_unit(17, 17) == 1
+    assert row_unit(64, 0, 64) == 16  # an expanded dimension (stride 0) constrains nothing
 
 
 @pytest.mark.parametrize("width", [1000, 1004, 1001])  # row units 8, 4 and 1 for V = 1000
