@@ -38,9 +38,8 @@ sys.path.insert(0, str(ROOT))  # tests.oracles
 import torch  # noqa: E402
 
 import fastppo  # noqa: E402
-from fastppo.bench.measure import time_call  # noqa: E402
-from fastppo.kernels import gae, logprobs, ppo_loss, sampling  # noqa: E402
-from fastppo.kernels.layout import PARTIALS  # noqa: E402
+from fastppo.bench.measure import copy_bandwidth_gbps, time_call  # noqa: E402
+from fastppo.kernels import logprobs, sampling  # noqa: E402
 from tests.oracles import gae_oracle, logprobs_grad_oracle, logprobs_oracle, ppo_loss_oracle, relative_error  # noqa: E402
 
 
@@ -184,91 +183,24 @@ def gae_vs_oracle(c: Check):
 
 
 def bandwidth(c: Check):
-    """Each kernel's launcher at the --sass shapes, as a share of the copy bandwidth."""
-    copy_bytes = c.size(1 << 31, 1 << 20)
-    src = torch.empty(copy_bytes // 2, device=c.device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    c.copy_gbps = 2 * copy_bytes / c.ms(lambda: dst.copy_(src)) / 1e6
-    c.record("bandwidth", "torch copy bf16 (read + written)", GBps=round(c.copy_gbps))
-    predicted = _predicted_shares(c)
-    for name, shape, run, nbytes in _kernel_runs(c):
-        gbps = nbytes / c.ms(run) / 1e6
-        share = gbps / c.copy_gbps
-        model = predicted.get((name, shape))
-        c.record("bandwidth", f"{name} {shape}", GBps=round(gbps), share=round(share, 3), predicted=model)
-
-
-def _kernel_runs(c: Check):
-    """(name, shape, a launch of the kernel, the fewest bytes it moves) at the report's shapes."""
-    N, V = c.size(8192, 16), c.size(151936, 4096)
-    x, labels = c.bf16(1, N, V), torch.randint(0, V, (N,), device=c.device)
-    logp, entropy, lse, g = c.f32(N), c.f32(N), c.f32(N), torch.ones(N, device=c.device)
-    grad = torch.empty_like(x)
-    shape = f"bf16 [{N}, {V}]"
-    yield (
-        "token_logprobs forward",
-        shape,
-        lambda: logprobs.logprobs_forward(x, labels, None, 1.0, -100, logp, entropy, lse),
-        2 * N * V + 20 * N,
-    )
-    yield (
-        "token_logprobs backward",
-        shape,
-        lambda: logprobs.logprobs_backward(x, grad, labels, None, 1.0, -100, lse, entropy, g, None),
-        4 * N * V + 16 * N,
-    )
-    N2, V2 = c.size(65536, 64), 1000
-    small, small_labels = c.bf16(1, N2, V2), torch.randint(0, V2, (N2,), device=c.device)
-    out = [c.f32(N2) for _ in range(3)]
-    yield (
-        "token_logprobs forward",
-        f"bf16 [{N2}, {V2}]",
-        lambda: logprobs.logprobs_forward(small, small_labels, None, 1.0, -100, *out),
-        2 * N2 * V2 + 20 * N2,
-    )
-    B = c.size(256, 8)
-    rows, tokens, token_logp = c.bf16(B, V), torch.empty(B, dtype=torch.long, device=c.device), c.f32(B)
-    splits = sampling._splits(B, V, *sampling._sample_tiling(V, None)[:2])
-    for greedy in (False, True):
-        name = f"sample_tokens{' (greedy)' if greedy else ''}"
-        yield (
-            name,
-            f"bf16 [{B}, {V}], {splits} splits",
-            lambda greedy=greedy: sampling.sample_forward(rows, 1.0, greedy, 7, tokens, token_logp),
-            2 * B * V + 12 * B,
-        )
-    Bg, T = c.size(512, 4), c.size(8192, 256)
-    r, v, m = (
-        torch.randn(Bg, T, device=c.device),
-        torch.randn(Bg, T, device=c.device),
-        torch.ones(Bg, T, dtype=torch.bool, device=c.device),
-    )
-    adv, ret = torch.empty_like(r), torch.empty_like(r)
-    yield "gae", f"fp32 [{Bg}, {T}]", lambda: gae.gae(r, v, m, 1.0, 0.95, adv, ret), 17 * Bg * T
-    Nl = c.size(512 * 8192, 4096)
-    tokens6 = [torch.randn(Nl, device=c.device) for _ in range(6)]
-    valid, loss_grad = torch.ones(Nl, dtype=torch.bool, device=c.device), c.f32(Nl)
-    partials = torch.zeros(ppo_loss.num_programs(Nl), len(PARTIALS), device=c.device)
-
-    def run():
-        ppo_loss.ppo_loss_forward(*tokens6[:4], valid, *tokens6[4:], 0.2, 0.28, 3.0, 0.01, 3, loss_grad, partials)
-
-    yield "ppo_loss forward (ref k3, entropy, dual clip)", f"fp32 [{Nl}]", run, 29 * Nl
-
-
-def _predicted_shares(c: Check) -> dict:
-    """(kernel, shape) -> the share of copy ``fastppo bench --sass`` predicts (needs no GPU, but
-    the compiler, so none under the interpreter)."""
-    if c.dry:
-        return {}
+    """Each kernel as ``fastppo bench --sass`` compiles it (the same recorded launch, its tensors on
+    the GPU), as a share of the copy bandwidth, beside the share the model predicts."""
     from fastppo.bench.kernel_cases import all_cases
     from fastppo.bench.roofline import GPU, estimate
 
+    c.copy_gbps = copy_bandwidth_gbps(c.device, quick=c.dry)
+    c.record("bandwidth", "torch copy (read + written)", GBps=round(c.copy_gbps))
     gpu = GPU(copy_tbs=c.copy_gbps / 1e3)
-    return {
-        (row["kernel"], row["shape"]): round(row["copy_share"], 3)
-        for row in map(lambda case: estimate(case, gpu), all_cases())
-    }
+    for case in all_cases(c.device, toy=c.dry):
+        for arg in case.launch.args:  # random inputs, every token valid (outputs are overwritten)
+            if isinstance(arg, torch.Tensor) and arg.dtype == torch.bool:
+                arg.fill_(True)
+            elif isinstance(arg, torch.Tensor) and arg.is_floating_point():
+                arg.normal_()
+        share = case.bytes / c.ms(case.launch.run) / 1e6 / c.copy_gbps
+        # The model compiles for sm_90, which needs the compiler, not the interpreter.
+        predicted = None if c.dry else round(estimate(case, gpu)["copy_share"], 3)
+        c.record("bandwidth", f"{case.name} {case.shape}", share=round(share, 3), predicted=predicted)
 
 
 def from_hidden(c: Check):

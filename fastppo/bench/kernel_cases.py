@@ -18,14 +18,17 @@ from .launches import launched
 from .roofline import KernelCase, from_hidden_model
 
 
-def _empty(*shape, dtype=torch.float32):
-    return torch.empty(shape, dtype=dtype)  # never touched: the launcher is recorded, not run
+def _empty(*shape, dtype=torch.float32, device="cpu"):
+    # Not initialised: on the CPU never touched (the launcher is recorded, not run); on a GPU the
+    # kernel check times the recorded launch on whatever the memory holds.
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
-def logprob_cases(N: int = 8192, V: int = 151936) -> list:
+def logprob_cases(N: int = 8192, V: int = 151936, device="cpu") -> list:
     BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
-    logits, labels = _empty(1, N, V, dtype=torch.bfloat16), torch.zeros(1, N, dtype=torch.long)
-    logp, entropy, lse = _empty(N), _empty(N), _empty(N)
+    logits = _empty(1, N, V, dtype=torch.bfloat16, device=device)
+    labels = torch.zeros(1, N, dtype=torch.long, device=device)
+    logp, entropy, lse = (_empty(N, device=device) for _ in range(3))
     per_trip = dict(trips=triton.cdiv(V, BLOCK_V), elements_per_trip=BLOCK_N * BLOCK_V, target=0.9)
     shape = f"bf16 [{N}, {V}]"
     forward = launched(
@@ -35,7 +38,7 @@ def logprob_cases(N: int = 8192, V: int = 151936) -> list:
     )
     cases = [KernelCase("token_logprobs forward", shape, forward, bytes=2 * N * V + 20 * N, **per_trip)]
     for g_ent in (False, True):
-        grad_entropy = _empty(N) if g_ent else None
+        grad_entropy = _empty(N, device=device) if g_ent else None
         backward = launched(
             logprobs,
             "_logprobs_bwd_kernel",
@@ -48,11 +51,12 @@ def logprob_cases(N: int = 8192, V: int = 151936) -> list:
     return cases
 
 
-def sample_cases(B: int = 256, V: int = 151936) -> list:
+def sample_cases(B: int = 256, V: int = 151936, device="cpu") -> list:
     BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
     SPLITS = sampling._splits(B, V, BLOCK_N, BLOCK_V)
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
-    logits, tokens, logp = _empty(B, V, dtype=torch.bfloat16), _empty(B, dtype=torch.long), _empty(B)
+    logits = _empty(B, V, dtype=torch.bfloat16, device=device)
+    tokens, logp = _empty(B, dtype=torch.long, device=device), _empty(B, device=device)
     cases = []
     for greedy in (False, True):
         launch = launched(
@@ -74,11 +78,12 @@ def sample_cases(B: int = 256, V: int = 151936) -> list:
     return cases
 
 
-def gae_cases(B: int = 512, T: int = 8192) -> list:
+def gae_cases(B: int = 512, T: int = 8192, device="cpu") -> list:
     BLOCK_B, BLOCK_T, warps = gae._tiling(B, T, None)
     per_element = 4 + 4 + 1 + 4 + 4  # rewards, values, mask in; advantages, returns out
-    rewards, values, mask = _empty(B, T), _empty(B, T), _empty(B, T, dtype=torch.bool)
-    launch = launched(gae, "_gae_kernel", lambda: gae.gae(rewards, values, mask, 1.0, 0.95, _empty(B, T), _empty(B, T)))
+    rewards, values, advantages, returns = (_empty(B, T, device=device) for _ in range(4))
+    mask = _empty(B, T, dtype=torch.bool, device=device)
+    launch = launched(gae, "_gae_kernel", lambda: gae.gae(rewards, values, mask, 1.0, 0.95, advantages, returns))
     return [
         KernelCase(
             "gae",
@@ -92,10 +97,10 @@ def gae_cases(B: int = 512, T: int = 8192) -> list:
     ]
 
 
-def ppo_loss_cases(N: int = 512 * 8192) -> list:
-    tokens = [_empty(N) for _ in range(6)]  # logp, old, advantages, weights, ref, entropy
-    valid, grad = _empty(N, dtype=torch.bool), _empty(N)
-    partials = _empty(ppo_loss.num_programs(N), len(PARTIALS))
+def ppo_loss_cases(N: int = 512 * 8192, device="cpu") -> list:
+    tokens = [_empty(N, device=device) for _ in range(6)]  # logp, old, advantages, weights, ref, entropy
+    valid, grad = _empty(N, dtype=torch.bool, device=device), _empty(N, device=device)
+    partials = _empty(ppo_loss.num_programs(N), len(PARTIALS), device=device)
     launch = launched(
         ppo_loss,
         "_ppo_loss_fwd_kernel",
@@ -115,9 +120,17 @@ def ppo_loss_cases(N: int = 512 * 8192) -> list:
     ]
 
 
-def all_cases() -> list:
-    small_vocabulary = logprob_cases(N=65536, V=1000)[:1]  # the one-warp tiling
-    return logprob_cases() + small_vocabulary + sample_cases() + gae_cases() + ppo_loss_cases()
+def all_cases(device="cpu", toy: bool = False) -> list:
+    """Every case, its tensors on ``device``; ``toy``: at shapes the Triton interpreter runs in a
+    second (the kernel check's dry run), the reported shapes otherwise."""
+    N, V, rows = (16, 4096, 64) if toy else (8192, 151936, 65536)
+    return (
+        logprob_cases(N, V, device)
+        + logprob_cases(rows, 1000, device)[:1]  # the one-warp tiling
+        + sample_cases(8 if toy else 256, V, device)
+        + gae_cases(*((4, 256) if toy else (512, 8192)), device)
+        + ppo_loss_cases(4096 if toy else 512 * 8192, device)
+    )
 
 
 def from_hidden_plans(gpu, N: int = 8192, H: int = 4096, V: int = 151936) -> list:

@@ -4,15 +4,17 @@ Triton specialises a kernel at run time on its arguments: an integer equal to 1 
 constant, an integer or pointer divisible by 16 is marked so (which is what lets loads and stores
 be 16 bytes wide), integers below 2**31 are 32-bit. A compile from hand-written argument types
 can differ from that (the PPO loss compiled without the pointer alignment the runtime sees; a
-vocabulary of 1000 compiled as if its rows were 16-element aligned). So the report does not
-declare types: :func:`launched` runs the real launcher on real CPU tensors with the kernel
-swapped for a recorder, and :func:`compile_launch` hands the recorded arguments to Triton's own
-binder for an sm_90 target, which yields the signature, constants and alignment the runtime
-would, and compiles that. Tensors come from ``torch.empty``, whose pages are never touched, so a
-(8192, 151936) bf16 logits tensor costs address space, not memory.
+vocabulary of 1000 compiled as if its rows were 16-element aligned). So nothing here declares
+types: :func:`launches` runs the real launcher on real tensors with the kernels swapped for
+recorders, and :func:`compile_launch` hands the recorded arguments to Triton's own binder for an
+sm_90 target, which yields the signature, constants and alignment the runtime would, and compiles
+that; on a GPU, ``Launch.run`` replays the launch. Tensors on the CPU come from ``torch.empty``,
+whose pages are never touched, so a (8192, 151936) bf16 logits tensor costs address space, not
+memory.
 """
 
 import contextlib
+import math
 from dataclasses import dataclass
 from unittest import mock
 
@@ -28,15 +30,15 @@ class Launch:
 
     @property
     def programs(self) -> int:
-        grid = self.grid if isinstance(self.grid, tuple) else (self.grid,)
-        total = 1
-        for size in grid:
-            total *= size
-        return total
+        return math.prod(self.grid)
 
     @property
     def num_warps(self) -> int:
         return self.kwargs.get("num_warps", 4)
+
+    def run(self):
+        """Launch it as recorded (on a GPU, or in the interpreter when its tensors are there)."""
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
 
 class _Recorder:
@@ -53,9 +55,9 @@ class _Recorder:
 def launches(module, run) -> dict:
     """The first launch of each kernel of ``module`` that ``run()`` (a call of a launcher) makes, by
     kernel name. Every kernel of ``module`` is recorded instead of run while ``run`` runs."""
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import KernelInterface  # compiled and interpreted kernels alike
 
-    kernels = {name: value for name, value in vars(module).items() if isinstance(value, JITFunction)}
+    kernels = {name: value for name, value in vars(module).items() if isinstance(value, KernelInterface)}
     recorders = {name: _Recorder(kernel) for name, kernel in kernels.items()}
     with contextlib.ExitStack() as patches:
         for name, recorder in recorders.items():

@@ -90,7 +90,7 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
     # Without a loop the whole body is what runs per program, once.
     first, last = loop if loop else (0, len(instructions) - 1)
     body, rest = instructions[first : last + 1], instructions[:first] + instructions[last + 1 :]
-    hot = mix(body)
+    hot, once = mix(body), mix(rest)
     trips = case.trips if loop else 1
     warps = launch.num_warps
     per_thread = case.elements_per_trip / (32 * warps)  # elements one thread handles per trip
@@ -122,8 +122,8 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
         "spill_bytes": res.local_bytes,
         "shared_bytes": shared_bytes,
         "resident": resident,
-        "load_bits": hot.load_bits or mix(rest).load_bits,
-        "store_bits": hot.store_bits or mix(rest).store_bits,
+        "load_bits": hot.load_bits or once.load_bits,
+        "store_bits": hot.store_bits or once.store_bits,
         "loop_instructions": hot.instructions if loop else None,
         "instructions_per_element": hot.instructions / per_thread,
         "loads_per_trip": global_loads(body),

@@ -103,9 +103,8 @@ def parse(sass: str) -> list:
         if found:
             address, opcode, operands = found.groups()
             instructions.append(Instruction(int(address, 16), opcode, operands.strip()))
-        elif instructions and _HIGH_WORD.match(line):
-            high = int(_HIGH_WORD.match(line).group(1), 16)
-            instructions[-1] = replace(instructions[-1], **control(high))
+        elif instructions and (high := _HIGH_WORD.match(line)):
+            instructions[-1] = replace(instructions[-1], **control(int(high.group(1), 16)))
     return instructions
 
 

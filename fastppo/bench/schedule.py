@@ -65,8 +65,8 @@ def pipe_cycles(instructions: list, warps: int) -> dict:
         if ins.opcode == "NOP":
             continue
         counts["dispatch"] += 1
-        if pipe(ins.opcode) != "dispatch":
-            counts[pipe(ins.opcode)] += 1
+        if (unit := pipe(ins.opcode)) != "dispatch":
+            counts[unit] += 1
     return {name: warps * count / PIPE_RATES[name] for name, count in counts.items()}
 
 

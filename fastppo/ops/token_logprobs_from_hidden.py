@@ -96,7 +96,6 @@ class InputGrads:
         f32 = dict(dtype=torch.float32, device=weight.device)
         self.hidden_grad = torch.empty_like(hidden) if need_hidden else None  # (N, H)
         self.weight_grad = torch.empty(weight.shape, **f32) if need_weight else None  # (V, H), first chunk writes
-        self.weight_grad_written = False
         self.bias_grad = torch.zeros(weight.shape[0], **f32) if need_bias else None  # (V,)
 
     @staticmethod
@@ -108,7 +107,8 @@ class InputGrads:
     def add(self, r0: int, r1: int, grad_logits: Tensor, hidden: Tensor, weight: Tensor, used: Tensor) -> None:
         """Fold in rows ``r0:r1``: grad_logits (n, V) in the matmul weight's dtype (see
         ``logit_grad_buffer``), their hidden (n, H), the matmul weight, and ``used`` (n,) bool,
-        false for ignored rows.
+        false for ignored rows. Chunks come in row order, the first at row 0, which writes the
+        weight gradient's accumulator instead of adding to it.
 
         An ignored row's logit gradient is exactly 0, but its hidden state may be NaN or inf
         (padding), and 0 * NaN would spread NaN over the whole weight gradient: such rows are
@@ -120,13 +120,10 @@ class InputGrads:
             self.hidden_grad[r0:r1] = matmul_fp32(grad_logits, weight)  # (n, V) @ (V, H)
         if self.weight_grad is not None:
             hidden = torch.where(used.unsqueeze(1), hidden, 0.0)  # (n, H)
-            add_matmul_fp32(
-                self.weight_grad, grad_logits.t(), hidden, first=not self.weight_grad_written
-            )  # (V, n) @ (n, H)
-            self.weight_grad_written = True
+            add_matmul_fp32(self.weight_grad, grad_logits.t(), hidden, first=r0 == 0)  # (V, n) @ (n, H)
 
     def results(self) -> tuple:
-        if self.weight_grad is not None and not self.weight_grad_written:
+        if self.weight_grad is not None and self.hidden.shape[0] == 0:
             self.weight_grad.zero_()  # no rows: no chunk wrote it
         # Three distinct empty tensors: custom-op outputs may not alias each other.
         return (

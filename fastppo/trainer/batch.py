@@ -145,7 +145,9 @@ def forward_parts(batch: Batch, models, config, ranks=None) -> list:
     budget, shared = config.algo.max_tokens_per_microbatch, models.shared_prefix
     parts = batch.parts(budget, shared)
     if models.sharded and ranks is not None and budget is not None:
-        parts = batch.parts(budget, shared, at_least=ranks.most(len(parts)))
+        most = ranks.most(len(parts))
+        if most > len(parts):  # cut again only when another rank runs more
+            parts = batch.parts(budget, shared, at_least=most)
     return parts
 
 
