@@ -163,7 +163,7 @@ def _update_tokens(trainer, batch) -> int:
 
 
 def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=None) -> Case:
-    from ..trainer.layout import SharedPrefix, key_cost, mask_format_of
+    from ..trainer.layout import SharedPrefix, key_cost
 
     def make():
         trainer = _trainer(device, fields, policy_factory)
@@ -173,7 +173,7 @@ def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=
     def laid_out(x, shared, tokens):
         trainer = x["trainer"]
         policy = trainer.policy
-        trainer.models.shared_prefix = SharedPrefix(mask_format_of(policy), key_cost(policy)) if shared else None
+        trainer.models.shared_prefix = SharedPrefix(key_cost(policy)) if shared else None
         trainer.config.algo.max_tokens_per_microbatch = budget if tokens else None
         return trainer
 

@@ -49,7 +49,9 @@ follow each release's order, so positional calls bind as they would there):
 Where OpenRLHF's semantics differ from fastppo's, these reproduce OpenRLHF's: GAE zeroes values
 and rewards at masked positions and runs the recurrence straight through them (a hole is a
 zero-valued step, not skipped as in :func:`fastppo.gae`); masked means divide by the mask's sum,
-so an all-masked batch gives NaN (fastppo gives 0).
+so an all-masked batch (or, before 0.10.3, an empty row of a sequence mean) gives NaN, in the value
+and in the gradient of every term OpenRLHF's clipping leaves on the path (fastppo gives 0), so a
+training step poisoned by OpenRLHF is poisoned here too.
 
 Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
 
@@ -70,7 +72,7 @@ Deliberate deviations (each tested as one by the differential suite, ``tests/pee
 * ``non-negative-weights``: the importance-sampling corrections scale the advantages inside the
   fused kernel, which equals OpenRLHF's weighting of each token's loss for non-negative weights
   (every correction with non-negative thresholds); a negative weight at a valid token (negative
-  thresholds) makes the loss NaN rather than a different number.
+  thresholds) makes the loss and its gradient NaN rather than different numbers.
 """
 
 import torch
@@ -80,7 +82,7 @@ from ..ops.gae import gae
 from ..ops.ppo_loss import ppo_policy_loss
 from ..ops.token_logprobs import token_logprobs
 from ..ops.value_loss import value_loss
-from ._nan import nan_unless
+from ._nan import live_entries, nan_gradient, nan_unless
 from .patching import Patch
 from .peers import ConstructorSignature, Peer, parameters
 
@@ -143,11 +145,14 @@ def compute_entropy(logits: Tensor) -> Tensor:
 
 
 def masked_mean(tensor: Tensor, mask, dim=None) -> Tensor:
-    """OpenRLHF's ``(tensor * mask).sum(dim) / mask.sum(dim)`` (NaN where nothing is valid), with
-    whatever sits at masked positions dropped; the plain mean when ``mask`` is None."""
+    """OpenRLHF's ``(tensor * mask).sum(dim) / mask.sum(dim)``: NaN where nothing is valid, in the
+    value and in the gradient of that group's entries; elsewhere whatever sits at masked positions
+    is dropped. The plain mean when ``mask`` is None."""
     if mask is None:
         return tensor.mean(dim=dim)
-    return (torch.where(mask.bool(), tensor, 0.0) * mask).sum(dim=dim) / mask.sum(dim=dim)
+    counts = mask.sum() if dim is None else mask.sum(dim=dim, keepdim=True)
+    mean = (torch.where(mask.bool(), tensor, 0.0) * mask).sum(dim=dim) / mask.sum(dim=dim)
+    return mean + nan_gradient(tensor, counts == 0)
 
 
 @OPENRLHF.follows(
@@ -199,20 +204,41 @@ def get_advantages_and_returns(
 
 
 def _aggregation(mask: Tensor, token_level_loss: bool, dp_size, batch_num_tokens, global_batch_size) -> tuple:
-    """OpenRLHF's reduction as ``(agg, scale, poison)``: fastppo's ``agg`` times ``scale`` plus
-    ``poison`` (NaN where OpenRLHF divides 0 by 0), for the release followed. ``scale`` is a
-    tensor wherever a count enters it, so a count of 0 gives OpenRLHF's inf or NaN."""
+    """OpenRLHF's reduction as ``(agg, scale, poison, nan_at)``: fastppo's ``agg`` times ``scale``,
+    plus ``poison`` (0, or NaN where OpenRLHF divides 0 by 0), with a NaN gradient at the entries
+    ``nan_at`` holds (broadcast to (B, T); or None), where that division reaches the gradient
+    (:func:`_followed`), for the release followed. ``scale`` is a tensor wherever a given count
+    enters it, so a count of 0 gives OpenRLHF's inf or NaN."""
     valid = mask.bool()
     tokens, rows = valid.sum(), (valid.sum(dim=-1) > 0).sum()
     if token_level_loss:
-        if batch_num_tokens is None:
-            return "token-mean", 1.0, nan_unless(tokens > 0)
-        return "token-mean", tokens.clamp(min=1) * dp_size / batch_num_tokens, 0.0
-    if not OPENRLHF.has("global-batch"):  # the mean over every row: NaN if one is empty
-        return "seq-mean-token-mean", 1.0, nan_unless(rows == valid.shape[0])
-    if global_batch_size is None:
-        return "seq-mean-token-mean", 1.0, nan_unless(rows > 0)
-    return "seq-mean-token-mean", rows.clamp(min=1) * dp_size / global_batch_size, 0.0
+        if batch_num_tokens is None:  # the mean over every token
+            return "token-mean", 1.0, nan_unless(tokens > 0), tokens == 0
+        return "token-mean", tokens.clamp(min=1) * dp_size / batch_num_tokens, 0.0, None
+    if not OPENRLHF.has("global-batch"):  # the mean over every row of its mean
+        empty = ~valid.any(dim=-1, keepdim=True)  # (B, 1)
+        return (
+            "seq-mean-token-mean",
+            rows / valid.shape[0],
+            nan_unless(~empty.any()),
+            empty,
+        )  # fastppo's: rows with a token
+    if global_batch_size is None:  # the mean over the rows with a token
+        return "seq-mean-token-mean", 1.0, nan_unless(rows > 0), rows == 0
+    return "seq-mean-token-mean", rows.clamp(min=1) * dp_size / global_batch_size, 0.0, None
+
+
+def _followed(loss: Tensor, scale, poison, nan_at, x: Tensor, live) -> Tensor:
+    """OpenRLHF's result from fastppo's ``loss`` and :func:`_aggregation`'s terms. A given count of
+    0 (an infinite ``scale``) gives OpenRLHF's inf or NaN value, and a gradient that is not finite
+    wherever its terms are live; ``nan_at`` poisons the gradient of ``x`` where ``live()`` holds
+    (:func:`~fastppo.integrations._nan.nan_gradient`), as OpenRLHF's own division does."""
+    if isinstance(scale, Tensor):
+        finite = scale.isfinite()
+        safe = torch.where(finite, scale, 0.0)
+        nan_at = ~finite if nan_at is None else nan_at | ~finite
+        loss, scale = loss * safe + (loss * scale - loss * safe).detach(), 1.0
+    return loss * scale + poison + nan_gradient(x, nan_at, live)
 
 
 def _mask(action_mask, like: Tensor, token_level_loss: bool, batch_info: dict) -> Tensor:
@@ -413,23 +439,35 @@ class PolicyLoss(nn.Module):
         **batch_info,
     ):
         mask = _mask(action_mask, log_probs, self.token_level_loss, batch_info)
-        agg, scale, poison = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
-        weighted, filtered = advantages, None
+        agg, scale, poison, nan_at = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
+        weighted, filtered, negative = advantages, None, None
         if self.correction.kind is not None:
             coefficients, filtered = self.correction.weights(old_log_probs, rollout_log_probs, mask)
             weighted = advantages * coefficients  # >= 0 commutes with the clipping; < 0 poisons the loss
-            poison = poison + nan_unless(((coefficients >= 0) | ~mask.bool()).all())
-        loss, _ = ppo_policy_loss(
-            log_probs,
-            old_log_probs,
-            weighted,
-            mask,
-            clip_eps=self.clip_eps_low,
-            clip_eps_high=self.clip_eps_high,
-            dual_clip=self.dual_clip,
-            agg=agg,
-        )
-        loss = loss * scale + poison
+            negative = ((coefficients < 0) & mask.bool()).any()  # and its gradient, everywhere
+            poison, nan_at = poison + nan_unless(~negative), negative if nan_at is None else nan_at | negative
+
+        def objective(log_probs: Tensor, mask: Tensor, agg: str = "token-mean", advantages=weighted) -> Tensor:
+            return ppo_policy_loss(
+                log_probs,
+                old_log_probs,
+                advantages,
+                mask,
+                clip_eps=self.clip_eps_low,
+                clip_eps_high=self.clip_eps_high,
+                dual_clip=self.dual_clip,
+                agg=agg,
+            )[0]
+
+        every = torch.ones_like(mask, dtype=torch.bool)
+
+        def live() -> Tensor:
+            """Where OpenRLHF's per-token graph reaches ``log_probs``: the clipping of its terms decides
+            (the correction multiplies them after), and a negative weight poisons every entry."""
+            terms = live_entries(lambda x: objective(x, every, advantages=advantages), log_probs)
+            return terms if negative is None else terms | negative
+
+        loss = _followed(objective(log_probs, mask, agg), scale, poison, nan_at, log_probs, live)
         if not OPENRLHF.has("returns-clip-ratio"):
             return loss
         log_ratio = (log_probs - old_log_probs).detach().float()
@@ -477,9 +515,14 @@ class ValueLoss(nn.Module):
         self, values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor = None, **batch_info
     ) -> Tensor:
         mask = _mask(action_mask, values, self.token_level_loss, batch_info)
-        agg, scale, poison = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
-        loss, _ = value_loss(values, old_values, returns, mask, clip_eps=self.clip_eps, agg=agg)
-        return loss * scale + poison
+        agg, scale, poison, nan_at = _aggregation(mask, self.token_level_loss, **{**_GLOBAL_BATCH, **batch_info})
+
+        def objective(values: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
+            return value_loss(values, old_values, returns, mask, clip_eps=self.clip_eps, agg=agg)[0]
+
+        every = torch.ones_like(mask, dtype=torch.bool)
+        live = lambda: live_entries(lambda x: objective(x, every), values)  # noqa: E731
+        return _followed(objective(values, mask, agg), scale, poison, nan_at, values, live)
 
 
 _UTILS, _LOSS = "openrlhf.models.utils", "openrlhf.models.loss"

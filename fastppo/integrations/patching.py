@@ -8,6 +8,9 @@ original becomes the replacement. Unpatching walks the package's modules again, 
 imported while patched (they copied the replacement) are restored too. Modules outside the
 package are never touched: a user's own ``from fastppo.integrations.trl import ...`` stays.
 
+``with patch():`` blocks nest: the drop-ins stay in until the outermost block exits (each
+``patch()`` call holds the patch once; ``unpatch()`` restores at once, whoever holds it).
+
 A name ``"Class.method"`` is a method: the class gets the drop-in as a static method (it takes
 the method's arguments after ``self``), and gets its own back on unpatching.
 
@@ -34,6 +37,7 @@ class Patch:
         self.install_hint = install_hint  # how to install the package: "pip install verl"
         self._swapped = []  # (original, drop-in) pairs while patched
         self._methods = []  # (class, name, original) while patched
+        self._holders = 0  # the patch() calls not yet exited: nested contexts restore at the outermost
 
     @property
     def active(self) -> bool:
@@ -48,8 +52,10 @@ class Patch:
         return current
 
     def install(self, peer) -> "Patch":
-        """Swap the drop-ins in, once the installed ``peer`` (a ``peers.Peer``) is supported."""
+        """Swap the drop-ins in, once the installed ``peer`` (a ``peers.Peer``) is supported; while
+        they are in, one more holder of the patch."""
         if self.active:
+            self._holders += 1
             return self
         try:
             importlib.import_module(self.package)
@@ -73,6 +79,7 @@ class Patch:
                 pairs.append((original, drop_in))
         self._swapped = pairs
         self._swap({id(original): drop_in for original, drop_in in pairs})
+        self._holders = 1
         return self
 
     def _import_owners(self) -> dict:
@@ -96,6 +103,8 @@ class Patch:
         return owners
 
     def remove(self) -> None:
+        """Restore the peer's own, whoever holds the patch (``unpatch()``)."""
+        self._holders = 0
         self._swap({id(drop_in): original for original, drop_in in self._swapped})
         self._swapped = []
         while self._methods:
@@ -133,7 +142,10 @@ class Patch:
         return self
 
     def __exit__(self, *exc):
-        self.remove()
+        """The end of a ``with patch():`` block: restores only when no outer block holds the patch."""
+        self._holders -= 1
+        if self._holders <= 0:
+            self.remove()
 
 
 def _absent(module: str, error: ImportError) -> bool:

@@ -8,10 +8,12 @@ where releases differ, and functions whose parameters changed declare each relea
 
 The release followed is the installed one, read from the package metadata (importing verl or
 OpenRLHF would pull in Ray, vLLM and more), or the newest declared when the peer is not installed.
-An installed version that is not declared (newer than the newest, a pre-release, a local build)
-follows the newest declared release before it, and ``patch()`` warns; one older than the oldest
-is refused by name. ``pinned`` makes a module follow another release, for comparing against a
-peer that lives elsewhere and for the tests. The differential suite (``tests/peers``) runs every
+A local build of a declared release (``0.9.1+cu130``) is that release. Any other installed
+version that is not declared (newer than the newest, a pre-release or ``.devN`` build, which
+comes before the release it leads to) follows the newest declared release before it, and
+``patch()`` warns naming both; one older than the oldest is refused by name. ``pinned`` makes a
+module follow another release, for comparing against a peer that lives elsewhere and for the
+tests. The differential suite (``tests/peers``) runs every
 declared release's own code against the drop-ins, so what is declared here is what is tested.
 """
 
@@ -107,7 +109,7 @@ class Peer:
         version = self._declared()
         if version < self.oldest:
             raise ValueError(f"{self.distribution} {version} is older than fastppo's drop-ins support ({self.range()})")
-        if version not in self.releases:
+        if Version(version.public) not in self.releases:  # a local build of a declared release is that release
             newer = version > self.newest
             warnings.warn(
                 f"{self.distribution} {version} is {'newer than' if newer else 'not one of'} the "

@@ -37,7 +37,9 @@ advantage carried from the next valid position at a masked one (0 after the last
 that plus the value, and every position is whitened over the valid ones; k3 is clamped to
 [-10, 10]; the vanilla loss always dual-clips with ``clip_ratio_c`` (3.0); GRPO gives a prompt with
 one response ``score / (1 + epsilon)``, RLOO its raw score; ``masked_whiten`` refuses fewer than
-two valid entries.
+two valid entries. A batch with no valid token is verl's NaN loss (0 / 0) with a gradient of 0
+(its numerator sits behind a ``where``), never a NaN gradient that would poison the accumulated
+step; 0.6.0's sequence mean with an empty row is NaN in the value and in that row's gradient.
 
 Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
 
@@ -51,7 +53,7 @@ Deliberate deviations (each tested as one by the differential suite, ``tests/pee
 * ``non-negative-rollout-weights``: ``rollout_is_weights`` scale the advantages inside the fused
   kernel, which equals verl's weighting of each token's loss for the non-negative weights verl's
   rollout correction produces; a negative weight at a valid token (which would flip the clipping)
-  makes the vanilla loss NaN rather than a different number.
+  makes the vanilla loss and its gradient NaN rather than different numbers.
 """
 
 import numpy as np
@@ -65,7 +67,7 @@ from ..ops.kl import kl_penalty as _kl
 from ..ops.ppo_loss import ppo_policy_loss
 from ..ops.token_logprobs import token_logprobs
 from ..ops.value_loss import value_loss
-from ._nan import nan_unless
+from ._nan import nan_gradient, nan_unless
 from .patching import Patch
 from .peers import Peer, parameters
 
@@ -231,10 +233,14 @@ def _option(config, name, default):
 def _aggregation(
     mask: Tensor, mode: str, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
 ) -> tuple:
-    """verl's ``agg_loss`` as ``(agg, scale, poison)``: fastppo's ``agg`` times ``scale``, plus
-    ``poison`` (0, or NaN where verl divides 0 by 0), for the release followed.
+    """verl's ``agg_loss`` as ``(agg, scale, poison, nan_rows)``: fastppo's ``agg`` times ``scale``,
+    plus ``poison`` (0, or NaN where verl divides 0 by 0), with a NaN gradient over the rows
+    ``nan_rows`` (B, 1) (or None), where verl's own division by a row's count of 0 reaches the
+    gradient (:func:`_followed`), for the release followed.
 
-    ``scale`` is a tensor, so a count of 0 (an int or a tensor) gives verl's inf or NaN."""
+    ``scale`` is a tensor, so a count of 0 (an int or a tensor) gives verl's inf or NaN; with no
+    valid token at all verl's numerator is 0 behind a ``where``: the value is 0 / count and the
+    gradient 0."""
     modes = _AGG_MODES + ("token-sum",) * VERL.has("token-sum")
     if mode not in modes:
         raise ValueError(f"Invalid loss_agg_mode: {mode}")
@@ -245,37 +251,51 @@ def _aggregation(
     rows = (valid.sum(dim=-1) > 0).sum() if valid.dim() > 1 else (tokens > 0).long()
     if not VERL.has("global-batch"):
         if mode == "seq-mean-token-sum-norm":  # the total over T, from fastppo's total over B
-            return "seq-mean-token-sum", B / T, 0.0
+            return "seq-mean-token-sum", B / T, 0.0, None
         if VERL.has("seq-mean-leaves-out-empty-rows"):
-            return mode, B / rows.clamp(min=1) if mode == "seq-mean-token-sum" else 1.0, 0.0
-        if mode == "seq-mean-token-mean":  # the mean over every row of each row's mean: NaN if a row is empty
-            return mode, 1.0, nan_unless(rows == valid.shape[0])
-        return mode, 1.0, 0.0
+            return mode, B / rows.clamp(min=1) if mode == "seq-mean-token-sum" else 1.0, 0.0, None
+        if mode == "seq-mean-token-mean":  # the mean over every row of each row's mean: 0 / 0 in an empty row
+            empty = ~valid.any(dim=-1, keepdim=True) if valid.dim() > 1 else ~valid.any().reshape(1)
+            return mode, rows / B, nan_unless(~empty.any()), empty  # fastppo's mean: over the rows with a token
+        return mode, 1.0, 0.0, None
     required = VERL.has("global-counts-required") and dp_size > 1
     if mode == "token-sum":
-        return "token-mean", tokens.clamp(min=1) * dp_size, 0.0
-    if mode == "token-mean":
+        agg, scale = "token-mean", tokens.clamp(min=1) * dp_size
+    elif mode == "token-mean":
         if batch_num_tokens is None and required:
             raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
         count = tokens if batch_num_tokens is None else batch_num_tokens
-        return mode, tokens.clamp(min=1) * dp_size / count, 0.0
-    if global_batch_size is None and required:
-        raise ValueError("global_batch_size is required when dp_size > 1")
-    sequences = rows if global_batch_size is None else global_batch_size
-    width = T if loss_scale_factor is None else loss_scale_factor
-    if mode == "seq-mean-token-sum-norm" and not VERL.has("sum-norm-over-global-batch"):
-        return "seq-mean-token-sum", B / width, 0.0
-    if mode == "seq-mean-token-mean":
-        return mode, rows.clamp(min=1) * dp_size / sequences, 0.0
-    scale = B * dp_size / sequences  # fastppo's seq-mean-token-sum divides the rows' sums by B
-    return "seq-mean-token-sum", scale / width if mode == "seq-mean-token-sum-norm" else scale, 0.0
+        agg, scale = mode, tokens.clamp(min=1) * dp_size / count
+    else:
+        if global_batch_size is None and required:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        sequences = rows if global_batch_size is None else global_batch_size
+        width = T if loss_scale_factor is None else loss_scale_factor
+        if mode == "seq-mean-token-sum-norm" and not VERL.has("sum-norm-over-global-batch"):
+            agg, scale = "seq-mean-token-sum", B / width
+        elif mode == "seq-mean-token-mean":
+            agg, scale = mode, rows.clamp(min=1) * dp_size / sequences
+        else:
+            scale = B * dp_size / sequences  # fastppo's seq-mean-token-sum divides the rows' sums by B
+            agg, scale = "seq-mean-token-sum", scale / width if mode == "seq-mean-token-sum-norm" else scale
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=valid.device)
+    none = tokens == 0
+    return agg, torch.where(none, 0.0, scale), nan_unless(~(none & ~scale.isfinite())), None
 
 
-def _agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, **batch_info) -> Tensor:
-    agg, scale, poison = _aggregation(loss_mask, loss_agg_mode, **batch_info)
+def _followed(loss: Tensor, scale, poison, nan_rows, *inputs) -> Tensor:
+    """verl's result from fastppo's ``loss`` and :func:`_aggregation`'s terms, with a NaN gradient
+    for each of ``inputs`` (B, T) over ``nan_rows``, as verl's own division gives it."""
+    return loss * scale + poison + sum(nan_gradient(x, nan_rows) for x in inputs)
+
+
+def _agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, *inputs, **batch_info) -> Tensor:
+    """verl's aggregation of ``loss_mat``; its NaN rows reach the gradient of ``inputs`` (default: ``loss_mat``)."""
+    agg, scale, poison, nan_rows = _aggregation(loss_mask, loss_agg_mode, **batch_info)
     valid = loss_mask.bool()
     weights = aggregation_weights(valid, agg)
-    return (torch.where(valid, loss_mat.float(), 0.0) * weights).sum() * scale + poison
+    total = (torch.where(valid, loss_mat.float(), 0.0) * weights).sum()
+    return _followed(total, scale, poison, nan_rows, *(inputs or (loss_mat,)))
 
 
 @VERL.follows(
@@ -315,11 +335,13 @@ def _vanilla(
     """verl's dual-clip PPO loss on the fused kernel: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``."""
     if clip_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be greater than 1.0, got {clip_c}")
-    agg, scale, poison = _aggregation(response_mask, loss_agg_mode, **batch_info)
+    agg, scale, poison, nan_rows = _aggregation(response_mask, loss_agg_mode, **batch_info)
     weighted = advantages
     if rollout_is_weights is not None:  # weights >= 0 commute with the clipping; others poison the loss
         weighted = advantages * rollout_is_weights.detach()
-        poison = poison + nan_unless(((rollout_is_weights >= 0) | ~response_mask.bool()).all())
+        negative = ((rollout_is_weights < 0) & response_mask.bool()).any()  # and its gradient, everywhere
+        poison = poison + nan_unless(~negative)
+        nan_rows = negative.reshape(1, 1) if nan_rows is None else nan_rows | negative
     pg_loss, stats = ppo_policy_loss(
         log_prob,
         old_log_prob,
@@ -337,7 +359,7 @@ def _vanilla(
         clipfrac, lower = _clip_fractions(
             log_ratio.detach(), advantages.detach().float(), response_mask, clip_low, clip_high, clip_c
         )
-    return pg_loss * scale + poison, clipfrac, ppo_kl, lower
+    return _followed(pg_loss, scale, poison, nan_rows, log_prob), clipfrac, ppo_kl, lower
 
 
 def _clip_range(config) -> tuple:
@@ -424,7 +446,7 @@ def compute_policy_loss_gspo(
     if rollout_is_weights is not None:
         losses = losses * rollout_is_weights.detach()
     mode = loss_agg_mode if VERL.has("gspo-follows-agg-mode") else "seq-mean-token-mean"
-    pg_loss = _agg_loss(losses, response_mask, mode, **_batch_info(config))
+    pg_loss = _agg_loss(losses, response_mask, mode, log_prob, **_batch_info(config))
     clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
     ppo_kl = masked_mean(-log_ratio, response_mask)  # differentiable, as verl's (0.6.0 returns it)
     return _policy_result(pg_loss, clipfrac, ppo_kl, torch.zeros((), device=pg_loss.device))  # no dual clip
@@ -475,13 +497,13 @@ def compute_value_loss(
 ) -> tuple:
     """verl's clipped value loss on fastppo's ``value_loss``: ``(vf_loss, vf_clipfrac)`` (the
     global-batch arguments from 0.9.0)."""
-    agg, scale, poison = _aggregation(response_mask, loss_agg_mode, **batch_info)
+    agg, scale, poison, nan_rows = _aggregation(response_mask, loss_agg_mode, **batch_info)
     loss, _ = value_loss(vpreds, values, returns, response_mask, clip_eps=cliprange_value, agg=agg)
     # verl's count of the clipped error winning, from verl's clip: ties (no clipping) count as not
     v, old, target = vpreds.detach(), values.detach(), returns.detach()
     clipped = torch.max(torch.min(v, old + cliprange_value), old - cliprange_value)
     clipfrac = masked_mean(((clipped - target) ** 2 > (v - target) ** 2).float(), response_mask)
-    return loss * scale + poison, clipfrac
+    return _followed(loss, scale, poison, nan_rows, vpreds), clipfrac
 
 
 _CORE, _FUNCTIONAL = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"

@@ -118,9 +118,11 @@ def normalize_temperature(temperature, lead: torch.Size, device: torch.device):
             )
         per_row = temperature.detach().to(torch.float32).expand(lead).reshape(-1)  # (N,)
         usable = (per_row > 0) & per_row.isfinite()
-        if value_checks_enabled() and not bool(usable.all()):
-            raise ValueError("temperature must be positive and finite everywhere")
-        # A row at a temperature <= 0 (or NaN, inf) has no distribution: its log-prob is NaN.
+        # checked where that costs no device sync (a CPU tensor), or everywhere with FASTPPO_CHECK=1
+        if (temperature.device.type == "cpu" or value_checks_enabled()) and not bool(usable.all()):
+            bad = per_row[~usable][0].item()
+            raise ValueError(f"temperature must be positive and finite everywhere, got {bad} at a row")
+        # On a device, a row at a temperature <= 0 (or NaN, inf) has no distribution: its log-prob is NaN.
         return torch.where(usable, per_row, float("nan")), 1.0
     if not is_real(temperature):
         raise TypeError(f"temperature must be a positive number or a tensor, got {type(temperature).__name__}")
@@ -138,6 +140,23 @@ def check_number(x, name: str, *, minimum=None, above=None) -> float:
     if above is not None and x <= above:
         raise ValueError(f"{name} must be > {above}, got {x!r}")
     return float(x)
+
+
+def check_coefficients(clip_eps, clip_eps_high, kl_coef, entropy_coef) -> tuple:
+    """The one rule of every PPO loss's coefficients, as ``(clip_low, clip_high, kl_coef,
+    entropy_coef)`` floats: ``0 <= clip_eps < 1`` (the ratio's lower bound ``1 - clip_eps`` stays
+    positive), ``clip_eps_high >= 0`` (None: ``clip_eps``), ``kl_coef >= 0`` (a negative one would
+    reward moving away from the reference) and ``entropy_coef >= 0``."""
+    clip_low = check_number(clip_eps, "clip_eps", minimum=0.0)
+    if clip_low >= 1:
+        raise ValueError(f"clip_eps must be < 1 (the ratio's lower bound is 1 - clip_eps), got {clip_eps!r}")
+    clip_high = clip_low if clip_eps_high is None else check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
+    return (
+        clip_low,
+        clip_high,
+        check_number(kl_coef, "kl_coef", minimum=0.0),
+        check_number(entropy_coef, "entropy_coef", minimum=0.0),
+    )
 
 
 def check_ignore_index(ignore_index) -> None:

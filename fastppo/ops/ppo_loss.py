@@ -185,11 +185,10 @@ def loss_spec(
         if x is not None:
             checks.check_token_tensor(x, name, like, like_name)
     valid, invalid = checks.check_mask(mask, like, like_name)
-    clip_low = checks.check_number(clip_eps, "clip_eps", minimum=0.0)
-    clip_high = clip_low if clip_eps_high is None else checks.check_number(clip_eps_high, "clip_eps_high", minimum=0.0)
+    clip_low, clip_high, kl_coef, entropy_coef = checks.check_coefficients(
+        clip_eps, clip_eps_high, kl_coef, entropy_coef
+    )
     dual = 0.0 if dual_clip is None else checks.check_number(dual_clip, "dual_clip", above=1.0)
-    kl_coef = checks.check_number(kl_coef, "kl_coef")
-    entropy_coef = checks.check_number(entropy_coef, "entropy_coef")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if kl_coef != 0 and ref_logprobs is None:

@@ -70,10 +70,9 @@ def sequence_ppo_loss(
             f"advantages must be a floating (B,) = {tuple(logprobs.shape[:1])} tensor, one per "
             f"sequence, got shape {tuple(advantages.shape)} and dtype {advantages.dtype}"
         )
-    clip_low = checks.check_number(clip_eps, "clip_eps", above=0)
-    clip_high = clip_low if clip_eps_high is None else checks.check_number(clip_eps_high, "clip_eps_high", above=0)
-    kl_coef = checks.check_number(kl_coef, "kl_coef", minimum=0.0)
-    entropy_coef = checks.check_number(entropy_coef, "entropy_coef", minimum=0.0)
+    clip_low, clip_high, kl_coef, entropy_coef = checks.check_coefficients(
+        clip_eps, clip_eps_high, kl_coef, entropy_coef
+    )
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     if entropy_coef != 0 and entropy is None:

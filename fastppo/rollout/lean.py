@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..windows import UnknownWindows, layer_windows
 from .attention import CacheAttention
 from .decoder import Decoder
 from .flash import flash_decode
@@ -45,16 +46,6 @@ def prefill_groups(lengths: list) -> list:
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def windows(config) -> list:
-    """Per layer, the sliding-window length or None for full attention."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return [window if kind == "sliding_attention" else None for kind in layer_types]
-    uses_window = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
-    return [window if uses_window else None] * config.num_hidden_layers
 
 
 class LeanDecoder(Decoder):
@@ -135,12 +126,11 @@ class LlamaLikeDecoder(LeanDecoder):
         if not (hasattr(model, "model") and hasattr(model.model, "rotary_emb")):
             return None
         config = model.config
-        return (
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            model.model.layers[0].self_attn.head_dim,
-            windows(config),
-        )
+        try:
+            windows = layer_windows(config)
+        except UnknownWindows:  # attention this forward does not reproduce
+            return None
+        return config.num_hidden_layers, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim, windows
 
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
         body = self.model.model

@@ -108,7 +108,7 @@ def lay_out(rollout, mask: Tensor, pad_id: int, device) -> Batch:
 def response_hidden(model, layout: Layout) -> Tensor:
     """Last hidden states at the positions that predict the response tokens: (B, R, H), in the
     autocast dtype under autocast (the fused ops accumulate in fp32 whatever it is)."""
-    hidden = sharding.last_hidden_state(model, layout.input_ids, layout.attention_mask, layout.position_ids)
+    hidden = sharding.last_hidden_state(model, layout.input_ids, layout.mask_for(model), layout.position_ids)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):  # the final norm hands back fp32: the LM head computes in bf16 too
         hidden = hidden.to(torch.get_autocast_dtype(device))
@@ -117,7 +117,7 @@ def response_hidden(model, layout: Layout) -> Tensor:
 
 def response_values(critic, layout: Layout) -> Tensor:
     """The critic's values at the positions that predict the response tokens: (B, R) fp32."""
-    return layout.gather(critic(layout.input_ids, layout.attention_mask, layout.position_ids)).float()
+    return layout.gather(critic(layout.input_ids, layout.mask_for(critic.backbone), layout.position_ids)).float()
 
 
 def head_params(model, like: Tensor) -> tuple:

@@ -2,9 +2,10 @@
 ``--resume RUN_DIR`` continues a run exactly.
 
 What the user gave being wrong (a config, a data file, a model, a run directory) is one line,
-``fastppo train: error: ...``, and exit code 2, as argparse does for its own errors; a run
-that trained nothing (every step skipped) is one line and exit code 1; anything else is a bug
-and keeps its traceback. ``--debug`` shows the traceback of every error.
+``fastppo train: error: ...``, and exit code 2, as argparse does for its own errors; a reward
+function that raised (or called ``sys.exit``), a run that trained nothing (every step skipped) or
+reached non-finite weights is one line, ``fastppo train: failed: ...``, and exit code 1; anything
+else is a bug and keeps its traceback. ``--debug`` shows the traceback of every error.
 """
 
 import argparse
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .config import TrainConfig, add_arguments, from_arguments, given_fields
-from .errors import TrainingFailed, UsageError
+from .errors import RewardFailed, TrainingFailed, UsageError
 from .ppo import PPOTrainer
 from .signals import StoppedAtOnce
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
             raise
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    except TrainingFailed as error:
+    except (TrainingFailed, RewardFailed) as error:
         if args.debug:
             raise
         print(f"{parser.prog}: failed: {error}", file=sys.stderr)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from .errors import UsageError
 from .fields import (
+    FLOAT32_MAX,
+    LARGEST_INT,
     AlgoConfig,
     DataConfig,
     EvalConfig,
@@ -213,8 +215,12 @@ class TrainConfig:
         for f in fields():
             value = flat[f.name]
             for number in value if isinstance(value, list) else [value]:
-                if isinstance(number, float) and not math.isfinite(number):
-                    raise UsageError(f"config field {f.name} must be a finite number, got {value!r}")
+                if isinstance(number, float) and not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
+                    raise UsageError(
+                        f"config field {f.name} must be a finite number within float32's range, got {value!r}"
+                    )
+                if isinstance(number, int) and not isinstance(number, bool) and abs(number) >= LARGEST_INT:
+                    raise UsageError(f"config field {f.name} must be < 2**32 in size, got {value!r}")
             bound = f.metadata["bound"]
             if bound is not None and value is not None and not bound.holds(value):
                 raise UsageError(f"config field {f.name} {bound.requirement()}, got {value!r}")

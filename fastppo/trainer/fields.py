@@ -57,6 +57,11 @@ def matching(pattern: str, says: str) -> Bound:
     return Bound(lambda v: re.fullmatch(pattern, v) is not None, says)
 
 
+# Every number a field holds: a float within float32's range (the tensors it reaches), an int below
+# 2**32 in size (counts past that are no run this trainer can hold).
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
+LARGEST_INT = 2**32
+
 NOT_EMPTY = Bound(lambda v: v != "", "must not be empty")
 NO_EMPTY_STRING = Bound(lambda v: all(v), "must not hold an empty string")
 
@@ -308,7 +313,11 @@ class AlgoConfig:
         "adapt kl_coef to hold this per-token KL (Ziegler et al. 2019); default: a fixed kl_coef"
     )
     kl_horizon: int = _doc("horizon of the adaptive KL controller, in sequences", 10_000, bound=at_least(1))
-    clip_eps: float = _doc("PPO clip range", 0.2, bound=above(0))
+    clip_eps: float = _doc(
+        "PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]",
+        0.2,
+        bound=Bound(lambda v: 0 < v < 1, "must be in (0, 1)"),
+    )
     clip_eps_high: Optional[float] = _doc(
         "upper clip range, 1 + this (DAPO's clip-higher); default: clip_eps", bound=above(0)
     )
@@ -353,12 +362,12 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _doc("AdamW learning rate of the policy", 5e-4, bound=above(0))
+    lr: float = _doc("AdamW learning rate of the policy", 5e-4, bound=within(0, 1, open_low=True))
     autocast: Optional[bool] = _doc(
         "forward and backward under bf16 autocast, the weights and optimizer state staying fp32; default: on CUDA only",
         None,
     )
-    critic_lr: float = _doc("AdamW learning rate of the critic", 1e-3, bound=above(0))
+    critic_lr: float = _doc("AdamW learning rate of the critic", 1e-3, bound=within(0, 1, open_low=True))
     warmup_iterations: int = _doc("linear learning-rate warm-up", 0, bound=at_least(0))
     lr_schedule: str = _doc(
         "after the warm-up: constant or cosine (to 0 at the last iteration)",

@@ -7,7 +7,9 @@ there under those names, or fail late. So a new run writes its path fields absol
 and chat template, and where each reward module was found. A resume refuses a prompt file or
 template that changed or is gone (which prompts an iteration draws, and their tokens, depend on
 them; ``eval_prompts`` may be replaced on resume, so only its path is kept), imports each reward
-module from where the run found it, and warns when a module's source changed since.
+module from where the run found it (first on ``sys.path``, so another module of the same name
+elsewhere never scores instead), refuses one whose file is gone, and warns when its source
+changed since.
 """
 
 import hashlib
@@ -97,8 +99,11 @@ def check(run_dir: Path) -> None:
             )
     for name, was in modules.items():
         file = Path(was["path"])
-        if not file.is_file():
-            continue  # found wherever the import finds it now, or a one-line error when the reward loads
+        if not file.is_file():  # another module of that name elsewhere on the path would score instead
+            raise UsageError(
+                f"--resume {run_dir}: reward module {name} ({file}) is gone; the run started with it and "
+                "resumes only with it"
+            )
         if was["root"] not in sys.path:
             sys.path.insert(0, was["root"])
         if _fingerprint(file)["sha256"] != was["sha256"]:

@@ -22,6 +22,12 @@ in the mask), so short groups fill the room long ones leave, and attention never
 the longest unit. A pad token attends to itself alone: a query with no key at all gives NaN
 through the softmax, and NaN times a zero gradient poisons the backward.
 
+Each model reads the mask in its own form (``model_mask``): its attention's format (bool for
+SDPA, additive for eager), and for a model with sliding windows (``windows.py``) a key outside a
+query's window masked, by positions, as its padded row would window it; a model whose layers'
+windows differ gets one mask per layer type, as transformers' ``causal_mask_mapping``. So a policy
+and a critic of different attention implementations or windows share one layout.
+
 **Padded** rows are the fallback, for models that cannot take the mask (``check_shared_prefix``).
 
 **Micro-batches by tokens** (``microbatches``): a minibatch split into parts of at most
@@ -29,18 +35,19 @@ through the softmax, and NaN times a zero gradient poisons the backward.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
+from ..windows import FULL, SLIDING, UnknownWindows, layer_windows
+
 
 @dataclass
 class SharedPrefix:
-    """How a run's models take the shared layout: the mask in their attention's format
-    (``mask_format_of``) and the cost of an attended key in tokens (``key_cost``)."""
+    """How a run's forwards share a prompt: the cost of an attended key in tokens (``key_cost``),
+    which decides how a group is cut into units."""
 
-    mask_format: Callable
     key_cost: float
 
 
@@ -50,9 +57,15 @@ class Layout:
     predicting hidden state lands."""
 
     input_ids: Tensor  # (N, L)
-    attention_mask: Tensor  # (N, L) 0/1 for padded rows; (N, 1, L, L) bool or additive for units
+    attention_mask: Tensor  # (N, L) 0/1 for padded rows; (N, L, L) bool, query x key, for units
     position_ids: Optional[Tensor]  # (N, L); None: each row counts from 0 (padded rows)
     index: Tensor  # (B, R) flat index into (N * L): the state that predicts each response token
+
+    def mask_for(self, model) -> Union[Tensor, dict]:
+        """The attention mask ``model`` reads: padded rows' own, or the units' in its form (``model_mask``)."""
+        if self.position_ids is None:
+            return self.attention_mask
+        return model_mask(model, self.attention_mask, self.position_ids)
 
     def gather(self, states: Tensor) -> Tensor:
         """``(N, L, ...) -> (B, R, ...)``: the states at ``index``."""
@@ -118,7 +131,7 @@ def _first_fit(sizes: list) -> list:
 
 def shared_layout(input_ids: Tensor, prompt_lens: Tensor, lens: Tensor, R: int, shared: SharedPrefix) -> Layout:
     """The units of these rows (``units``) packed into model rows, the mask in the format the
-    models take (``check_shared_prefix``)."""
+    models take (``check_shared_prefix``); each model reads the mask through ``Layout.mask_for``."""
     device = input_ids.device
     P, n = prompt_lens.tolist(), lens.tolist()
     found = units(input_ids, P, n, shared.key_cost)
@@ -155,8 +168,7 @@ def shared_layout(input_ids: Tensor, prompt_lens: Tensor, lens: Tensor, R: int, 
         & (column[None, None, :] <= column[None, :, None])
         & ((sample[:, None, :] == -1) | (sample[:, None, :] == sample[:, :, None]))
     )  # (N, L, L): query, key
-    mask = shared.mask_format(allowed[:, None].to(device))
-    return Layout(ids.to(device), mask, positions.to(device), index.to(device))
+    return Layout(ids.to(device), allowed.to(device), positions.to(device), index.to(device))
 
 
 def microbatches(prompt_lens: list, lens: list, groups: list, max_tokens: Optional[int], at_least: int = 1) -> list:
@@ -210,6 +222,42 @@ def key_cost(model) -> float:
     layers = getattr(config, "num_hidden_layers", None) or 1
     per_block = max(sum(p.numel() for p in model.parameters()) - embeddings, 1) / layers
     return 2 * config.hidden_size / per_block
+
+
+def model_mask(model, allowed: Tensor, positions: Tensor) -> Union[Tensor, dict]:
+    """``allowed`` (N, L, L) in ``model``'s form: windowed where its layers window (a key at
+    position ``k`` outside ``q - w < k <= q`` masked, as in its padded row), in its attention's
+    format (``mask_format_of``), with a head axis: (N, 1, L, L); one per layer type (a dict, as
+    transformers' ``causal_mask_mapping``) when only some layers' windows bind these rows."""
+    config, form = model.config, mask_format_of(model)
+    windows = layer_windows(config)
+    span = int(positions.max()) + 1
+    binding = {w for w in windows if w is not None and w < span}
+    if not binding:
+        return form(allowed[:, None])
+    near = positions[:, None, :] - positions[:, :, None]  # (N, L, L): key position - query position
+    windowed = {w: form((allowed & (near > -w))[:, None]) for w in binding}
+    if len(set(windows)) == 1:
+        return windowed[windows[0]]
+    if not getattr(config, "layer_types", None):
+        raise ValueError(f"{type(model).__name__}: {mask_refusal(config, span)}")
+    return {FULL: form(allowed[:, None]), SLIDING: windowed[binding.pop()]}  # one sliding width per config
+
+
+def mask_refusal(config, span: int) -> Optional[str]:
+    """Why a model of ``config`` cannot take the units' masks on rows of up to ``span`` positions
+    (``model_mask``), or None. A model whose windows cannot be read is taken as windowed."""
+    try:
+        windows = layer_windows(config)
+    except UnknownWindows as unknown:
+        return f"{unknown}, and a mask of shared prompts cannot be windowed for it"
+    binding = sorted({w for w in windows if w is not None and w < span})
+    if len(set(windows)) > 1 and binding and not getattr(config, "layer_types", None):
+        return (
+            f"its layers' sliding windows ({binding[0]} tokens shorter than its rows of up to {span}) differ from "
+            "layer to layer, and its forward takes one mask for every layer"
+        )
+    return None
 
 
 def mask_format_of(model) -> Optional[Callable]:

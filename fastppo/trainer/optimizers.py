@@ -1,11 +1,14 @@
 """The policy's and the critic's AdamW, their learning-rate schedule, and the optimizer step with
-its guard: gradients clipped by their global norm, and a step with a non-finite gradient skipped
-and counted rather than let poison the weights."""
+its guard: gradients clipped by their global norm, a step with a non-finite gradient skipped
+and counted rather than let poison the weights, and a step that made them non-finite anyway the
+end of the run."""
 
 import math
 import warnings
 
 import torch
+
+from .errors import TrainingFailed
 
 
 def adamw(params: list, lr: float) -> torch.optim.AdamW:
@@ -55,13 +58,12 @@ class Optimizers:
 
     def step(self, state) -> None:
         """Clip the gradients to ``max_grad_norm`` and step, counting it in ``state``; skip (and
-        count, and warn) a step whose gradient is not finite."""
-        from torch.distributed.tensor import DTensor
-
+        count, and warn) a step whose gradient is not finite. A step that leaves a weight
+        non-finite (a finite gradient times an absurd learning rate) ends the run: its weights
+        are never saved, and the checkpoints before it stand. That check is one more pass over
+        the weights per step, a reduction, beside AdamW's several."""
         params = self.params()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if isinstance(norm, DTensor):  # sharded gradients: the norm's square is summed over ranks
-            norm = norm.full_tensor()
+        norm = _total_norm([p.grad for p in params if p.grad is not None])
         torch.nn.utils.clip_grads_with_norm_(params, self.optim.max_grad_norm, norm)
         state.steps += 1
         if not torch.isfinite(norm):
@@ -73,6 +75,11 @@ class Optimizers:
             return
         for opt in self.each():
             opt.step()
+        if not torch.isfinite(_total_norm(params)):
+            raise TrainingFailed(
+                f"optimizer step {state.steps} made the weights non-finite (policy learning rate "
+                f"{self.lr:.3g}); nothing from it is saved"
+            )
 
     def next_iteration(self) -> None:
         """Move the learning rates on to the next iteration's."""
@@ -86,3 +93,11 @@ class Optimizers:
             schedule.load_state_dict(saved)
             for group, base, factor in zip(schedule.optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
                 group["lr"] = base * factor(schedule.last_epoch)
+
+
+def _total_norm(tensors: list) -> torch.Tensor:
+    """The 2-norm of ``tensors`` together, 0-dim; over every rank's shard for sharded ones."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm(tensors)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # the squares summed over ranks

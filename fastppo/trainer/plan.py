@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import mask_refusal
 from .precision import Precision, stored_dtype
 
 GiB = 1 << 30
@@ -189,7 +190,7 @@ def memory_plan(
     )
     lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
-    tokens, laid_out = forward_tokens(config, mb_rows, prompt_tokens)
+    tokens, laid_out = forward_tokens(config, model_config, mb_rows, prompt_tokens)
     responses = mb_rows * r.max_new_tokens
     block = (8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * compute * tokens
     models = 2 if config.uses_critic else 1
@@ -218,14 +219,16 @@ def memory_plan(
     return lines
 
 
-def forward_tokens(config, rows: int, prompt_tokens: int) -> tuple:
+def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple:
     """``(tokens, how)``: the most tokens one forward of the update lays out for a minibatch of
     ``rows``, every response at max_new_tokens (``layout.py``): each prompt once for its samples
-    (one more prompt where a minibatch cuts through a group), or a padded row per sample; no more
-    than the micro-batch budget (or one row, when a row is longer than it)."""
+    (one more prompt where a minibatch cuts through a group), or a padded row per sample (also
+    where the model's windows refuse the shared masks, ``mask_refusal``); no more than the
+    micro-batch budget (or one row, when a row is longer than it)."""
     r, budget = config.rollout, config.algo.max_tokens_per_microbatch
     row = prompt_tokens + r.max_new_tokens
-    if config.model.shared_prefix and r.samples_per_prompt > 1:
+    shares = config.model.shared_prefix and mask_refusal(model_config, row) is None
+    if shares and r.samples_per_prompt > 1:
         prompts = -(-rows // r.samples_per_prompt) + (rows % r.samples_per_prompt != 0)
         tokens, how = prompts * prompt_tokens + rows * r.max_new_tokens, f"{prompts} prompts once, {rows} responses"
     else:
@@ -244,7 +247,7 @@ def fitting_microbatch(config, model_config, *, prompt_tokens: int, device_type:
     if total <= available:
         return None
     rows = config.rollout.prompts_per_iteration * config.rollout.samples_per_prompt // config.algo.minibatches
-    tokens, _ = forward_tokens(config, rows, prompt_tokens)
+    tokens, _ = forward_tokens(config, model_config, rows, prompt_tokens)
     activations = next(line.bytes for line in lines if line.name.startswith("activations"))
     budget = int((available - (total - activations)) * tokens / activations)
     return budget if budget >= prompt_tokens + config.rollout.max_new_tokens else None

@@ -79,6 +79,17 @@ def _try_lock(fd: int) -> bool:
     return not _alive_here(_read(fd))
 
 
+def _open(path: Path) -> int:
+    """The lock file's descriptor, created if missing; a path that is not a regular file this
+    process can write (a directory, a symbolic link, a read-only filesystem) is a :class:`UsageError`."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as error:
+        what = "a symbolic link" if path.is_symlink() else "a directory" if path.is_dir() else None
+        why = f"it is {what}; remove it" if what else error.strerror or str(error)
+        raise UsageError(f"cannot take the run directory's lock file {path}: {why}") from None
+
+
 class RunLock:
     """This process's hold on one run directory; :meth:`release` lets go (once, however often called)."""
 
@@ -104,7 +115,7 @@ class RunLock:
             return cls(key)
         path = key / LOCK_FILE
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open(path)
             if not _try_lock(fd):
                 holder = _read(fd)
                 os.close(fd)
@@ -124,9 +135,13 @@ class RunLock:
                 f"{path}: taking over the lock of a run that ended without releasing it, {_describe(previous)}"
             )
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, record, 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+            os.fsync(fd)
+        except OSError as error:  # a full disk
+            os.close(fd)
+            raise UsageError(f"cannot write the run directory's lock file {path}: {error.strerror or error}") from None
         _HELD[key] = [fd, 1, created]  # a directory made here goes again if left empty
         return cls(key)
 

@@ -4,22 +4,30 @@ before the first rollout, by asking the models themselves.
 The shared layout relies on three things a model may not do: take a custom 4-D attention mask
 (SDPA and eager attention do; flash-attn and flex do not), place tokens by ``position_ids``
 (rotary and learned positions do; ALiBi and anything that counts positions itself do not), and
-use one mask for every layer (a sliding window shorter than a row needs its own per layer). The
-first is read from the config, the third from the window lengths; everything else is settled by
-a probe: two prompts, three samples, the shared forward against the padded one, in the run's
-precision. A model that disagrees trains on padded rows, and the start-up summary says why.
+window its layers as ``windows.py`` reads them from its config (transformers applies no window
+of its own under a custom mask, so the units' masks carry it: ``layout.model_mask``). The mask
+and the windows are read from each model's config; everything else is settled by a probe: two
+prompts, three samples, the shared forward against the padded one, in the run's precision, for
+the policy and the critic each. Its rows span at most 9 positions, fewer than any real window,
+so for the probe every window is narrowed to ``PROBE_WINDOW`` on the model's config, which the
+padded forward's own masks and the units' read alike: a window the units' masks get wrong, or one
+the model applies where ``windows.py`` sees none, shows as a disagreement. A model that disagrees
+trains on padded rows, and the start-up summary says why, naming it.
 """
+
+import contextlib
 
 import torch
 
-from ..rollout.lean import windows
+from ..windows import layer_windows
 from . import sharding
 from .batch import Batch, response_hidden, response_values
-from .layout import SharedPrefix, key_cost, mask_format_of
+from .layout import SharedPrefix, key_cost, mask_format_of, mask_refusal
 
 # the probe's rows: (prompt, response lengths): units of 12, 5 and 3 tokens, so the second and the
 # third share a padded row (block-diagonal), and the first's samples sit at shifted positions
 PROBE = ((5, (3, 4)), (3, (2,)), (2, (1,)))
+PROBE_WINDOW = 3  # the probe's windows: shorter than its rows, so that every windowed layer binds
 
 
 def probe_batch(vocab: int, device) -> Batch:
@@ -61,46 +69,52 @@ def check_shared_prefix(models, enabled: bool, longest_row: int, ranks=None) -> 
     if not enabled:
         return None, "--no-shared-prefix"
     policy, critic = models.policy, models.critic
-    for model in (policy, critic and critic.backbone):
+    backbones = {"policy": policy, "critic": critic and critic.backbone}
+    for name, model in backbones.items():
         if model is None:
             continue
-        config = model.config
-        implementation = getattr(config, "_attn_implementation", None)
         if mask_format_of(model) is None:
-            return None, f"{type(model).__name__}'s {implementation} attention takes no 4-D mask"
-        binding = [w for w in _layer_windows(config) if w is not None and w < longest_row]
-        if binding:
-            return None, (
-                f"its sliding window of {min(binding)} tokens is shorter than the longest row ({longest_row}), "
-                "and one mask serves every layer"
-            )
-    shared = SharedPrefix(mask_format_of(policy), key_cost(policy))
+            implementation = getattr(model.config, "_attn_implementation", None)
+            return None, f"the {name}'s {implementation} attention takes no 4-D mask"
+        refusal = mask_refusal(model.config, longest_row)
+        if refusal:
+            return None, f"the {name} ({model.config.model_type}): {refusal}"
     batch = probe_batch(policy.config.vocab_size, models.device)
     tolerance = 1e-4 if models.precision.compute is None else 3e-2
     forwards = {"policy": lambda layout: response_hidden(policy, layout)}
     if critic is not None:
         forwards["critic"] = lambda layout: response_values(critic, layout)
     why_not = None
-    try:
-        with models.precision.autocast():
-            for name, forward in forwards.items():
-                error = _disagreement(forward, batch, SharedPrefix(shared.mask_format, 0.0))
-                if not error <= tolerance:  # NaN disagrees too
-                    why_not = (
-                        f"the {name}'s states with the prompt shared differ from the padded forward's by {error:.1e}"
-                    )
-                    break
-    except (RuntimeError, ValueError, TypeError) as error:  # the model refused the mask or the positions
-        why_not = f"the model refused the shared layout ({type(error).__name__}: {str(error).splitlines()[0]})"
+    for name, forward in forwards.items():
+        try:
+            with models.precision.autocast(), narrowed_windows(backbones[name].config):
+                error = _disagreement(forward, batch, SharedPrefix(key_cost=0.0))
+        except (RuntimeError, ValueError, TypeError, KeyError) as refused:  # the mask or the positions
+            why_not = f"the {name} refused the shared layout ({type(refused).__name__}: {str(refused).splitlines()[0]})"
+            break
+        if not error <= tolerance:  # NaN disagrees too
+            why_not = f"the {name}'s states with the prompt shared differ from the padded forward's by {error:.1e}"
+            break
     for model in (policy, critic):
         sharding.reshard(model)  # no backward follows the probe to free the gathered roots
     if ranks is not None and ranks.most(int(why_not is not None)):  # every rank lays out alike
         return None, why_not or "another rank's model refused the shared layout"
-    return (None, why_not) if why_not else (shared, None)
+    return (None, why_not) if why_not else (SharedPrefix(key_cost(policy)), None)
 
 
-def _layer_windows(config) -> list:
+@contextlib.contextmanager
+def narrowed_windows(config):
+    """``config``'s sliding windows narrowed to ``PROBE_WINDOW`` while the block runs (each
+    windowed layer's, for a list); nothing changes for a model without windows."""
+    window = getattr(config, "sliding_window", None)
+    if all(w is None for w in layer_windows(config)):
+        yield
+        return
+    if isinstance(window, (list, tuple)):
+        config.sliding_window = type(window)(w and min(w, PROBE_WINDOW) for w in window)
+    else:
+        config.sliding_window = min(window, PROBE_WINDOW)
     try:
-        return windows(config)
-    except AttributeError:  # a config without num_hidden_layers: no window to read
-        return [getattr(config, "sliding_window", None)]
+        yield
+    finally:
+        config.sliding_window = window

@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from .errors import UsageError
+from .errors import RewardFailed, UsageError
+from .fields import FLOAT32_MAX
 
 # The largest score the trainer can hold: scores become fp32 tensors.
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 VOWELS = set("aeiou")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -193,7 +193,10 @@ def _real(value):
             return None
         return float(value.item())
     if isinstance(value, numbers.Real):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past float's range (10**400): infinite as a score
+            return math.inf if value > 0 else -math.inf
     return None
 
 
@@ -203,8 +206,8 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     try:  # copies: a function that changes its lists in place changes nothing here
         returned = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
-    except Exception as error:
-        raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
+    except (Exception, SystemExit) as error:  # sys.exit() in a reward ends the run as a failure, not a success
+        raise RewardFailed(f"reward function {name} raised {type(error).__name__}: {error}") from error
     if (
         isinstance(returned, (Mapping, str, bytes, set))
         or not isinstance(returned, Iterable)

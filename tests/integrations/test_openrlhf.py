@@ -249,3 +249,41 @@ def test_patch_names_the_import_that_failed(monkeypatch, tmp_path):
     finally:
         for name in [name for name in sys.modules if name.split(".")[0] == "openrlhf"]:
             del sys.modules[name]
+
+
+@pytest.mark.parametrize("release", ["0.8.0", "0.11.2"])
+@pytest.mark.parametrize("token_level", [True, False])
+def test_an_all_masked_batch_is_nan_in_the_loss_and_its_gradient_as_openrlhfs(release, token_level):
+    """OpenRLHF's masked mean divides ``sum(loss * mask)`` by a count of 0: the gradient reaching
+    every term is ``inf * 0``, NaN; fastppo's used to be 0 there (the value alone poisoned)."""
+    new, old, _, adv, mask = inputs()
+    values = new.detach().clone().requires_grad_()
+    with PEER.pinned(release):
+        policy = openrlhf.PolicyLoss(token_level_loss=token_level)(new, old, adv, torch.zeros_like(mask))
+        value = openrlhf.ValueLoss(token_level_loss=token_level)(values, old, old + adv, torch.zeros_like(mask))
+    for out, leaf in ((policy[0] if isinstance(policy, tuple) else policy, new), (value, values)):
+        (grad,) = torch.autograd.grad(out, leaf)
+        assert torch.isnan(out) and torch.isnan(grad).any()
+
+
+def test_openrlhf_0_8s_sequence_mean_with_an_empty_row_is_nan_in_that_rows_gradient_alone():
+    new, old, _, adv, mask = inputs()
+    mask[1] = 0
+    values = new.detach().clone().requires_grad_()
+    with PEER.pinned("0.8.0"):
+        out = openrlhf.ValueLoss(token_level_loss=False)(values, old, old + adv, mask)
+    (grad,) = torch.autograd.grad(out, values)
+    assert torch.isnan(out) and torch.isnan(grad[1]).all() and torch.isfinite(grad[[0, 2, 3]]).all()
+    # the other rows: 1/B of their own mean's gradient, of 0.5 (v - r)^2 over each row's tokens
+    expected = (values.detach() - old - adv) * mask / mask.sum(dim=1, keepdim=True) / 4
+    torch.testing.assert_close(grad[[0, 2, 3]], expected[[0, 2, 3]])
+
+
+def test_masked_mean_of_an_empty_group_is_nan_in_its_gradient_alone():
+    x = torch.randn(3, 5, requires_grad=True)
+    mask = torch.ones(3, 5)
+    mask[1] = 0
+    out = openrlhf.masked_mean(x, mask, dim=-1)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.isnan(out[1]) and torch.isnan(grad[1]).all()
+    torch.testing.assert_close(grad[[0, 2]], torch.full((2, 5), 0.2))

@@ -1,8 +1,10 @@
 """The patching and version machinery every drop-in module shares, on a made-up peer package."""
 
 import inspect
+import re
 import sys
 import types
+import warnings
 
 import pytest
 
@@ -147,8 +149,34 @@ def test_releases_are_declared_once_with_their_changes(monkeypatch):
         monkeypatch.setattr(peer, "installed", lambda installed=installed: parse_version(installed))
         with pytest.warns(UserWarning, match=f"{installed} is {says} the releases .* they follow {followed}"):
             assert str(peer.check_supported()) == followed
+    for installed, followed, says in (
+        ("0.9.3.dev4", "0.8.0.post1", "not one of"),  # before the release it leads to
+        ("0.9.3.dev4+g1a2b", "0.8.0.post1", "not one of"),
+        ("0.10.0+cu130", "0.9.3", "not one of"),  # a local build of a release not declared
+    ):
+        monkeypatch.setattr(peer, "installed", lambda installed=installed: parse_version(installed))
+        with pytest.warns(
+            UserWarning, match=rf"{re.escape(installed)} is {says} the releases .* they follow {followed}"
+        ):
+            assert str(peer.check_supported()) == followed
     monkeypatch.setattr(peer, "installed", lambda: parse_version("0.9.3+cu130"))  # a local build of a release
-    assert str(peer.release) == "0.9.3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # is that release: no warning
+        assert str(peer.check_supported()) == str(peer.release) == "0.9.3"
+
+
+def test_nested_patch_blocks_restore_when_the_outermost_exits(package):
+    core, _ = package
+    patch = make_patch()
+    with patch.install(PEER):
+        with patch.install(PEER):
+            assert core.loss is drop_in_loss
+        assert patch.active and core.loss is drop_in_loss  # the outer block still holds it
+    assert not patch.active and core.loss is original_loss
+    patch.install(PEER)
+    patch.install(PEER)
+    patch.remove()  # unpatch(): at once, whoever holds it
+    assert not patch.active and core.loss is original_loss
 
 
 def test_a_drop_in_takes_each_releases_parameters():

@@ -282,3 +282,32 @@ def test_patch_reaches_the_registry_and_unpatch_restores(fake_verl):
 def test_patch_without_verl_is_a_clear_import_error():
     with pytest.raises(ImportError, match="needs verl: pip install verl"):
         verl.patch()
+
+
+@pytest.mark.parametrize("release", ["0.7.1", "0.9.1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_an_all_masked_batch_is_a_nan_loss_with_verls_zero_gradient(release, mode):
+    """verl divides its masked sum by a count of 0 behind a ``where``: the loss is NaN (or 0 for
+    the sum-norm mode), and the gradient 0; a NaN gradient would poison the accumulated step."""
+    old, new, adv, mask = policy_inputs()
+    with verl.VERL.pinned(release):
+        loss, _ = verl.compute_policy_loss_vanilla(
+            old, new, adv, torch.zeros_like(mask), loss_agg_mode=mode, config=CONFIG
+        )
+        (grad,) = torch.autograd.grad(loss, new)
+    assert torch.isnan(loss) or mode == "seq-mean-token-sum-norm"
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_verl_0_6_0s_sequence_mean_with_an_empty_row_is_nan_in_that_rows_gradient():
+    """0.6.0 averages every row's mean, an empty row's 0 / 0 included: NaN in the value and in that
+    row's gradient, the other rows' gradient 1/B of their own means'."""
+    old, new, adv, mask = policy_inputs()
+    loss_mat = new * 1.0
+    mask[2] = 0
+    with verl.VERL.pinned("0.6.0"):
+        out = verl.agg_loss(loss_mat, mask, "seq-mean-token-mean")
+        (grad,) = torch.autograd.grad(out, new)
+    assert torch.isnan(out) and torch.isnan(grad[2]).all() and torch.isfinite(grad[[0, 1, 3]]).all()
+    expected = mask / mask.sum(dim=1, keepdim=True) / 4
+    torch.testing.assert_close(grad[[0, 1, 3]], expected[[0, 1, 3]])

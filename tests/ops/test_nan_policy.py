@@ -2,7 +2,7 @@
 
 Whatever sits at a masked or ignored position (NaN, inf, garbage) changes neither the values nor
 the gradients of anything, and the gradient there is exactly 0. A NaN or out-of-range input at a
-valid position (a NaN log-prob, an out-of-range label, a temperature <= 0, a mask value that is
+valid position (a NaN log-prob, an out-of-range label, a device temperature <= 0, a mask value that is
 not 0 or 1) gives NaN, never a finite number; with ``FASTPPO_CHECK=1`` the bad values that need
 a look at the data are a ``ValueError`` naming the argument instead.
 """
@@ -241,11 +241,20 @@ def test_masks_of_0_and_1_in_any_dtype_agree(mask_dtype, backend):
 
 
 @pytest.mark.parametrize("temperature", [0.0, -0.5, float("nan"), float("inf")])
-def test_a_temperature_that_is_not_positive_and_finite_gives_nan_in_its_row(temperature, backend, monkeypatch):
+def test_a_temperature_that_is_not_positive_and_finite_is_refused_where_checking_is_free(temperature, backend):
     logits, labels = torch.randn(3, V), torch.randint(0, V, (3,))
-    per_row = torch.tensor([1.0, temperature, 0.7])
-    logp = fastppo.token_logprobs(logits, labels, temperature=per_row, backend=backend)
+    per_row = torch.tensor([1.0, temperature, 0.7])  # on the CPU: no device to wait for
+    with pytest.raises(ValueError, match="temperature must be positive and finite everywhere"):
+        fastppo.token_logprobs(logits, labels, temperature=per_row, backend=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, -0.5, float("nan"), float("inf")])
+def test_on_a_device_such_a_temperature_gives_nan_in_its_row_and_an_error_on_request(temperature, monkeypatch):
+    logits, labels = torch.randn(3, V, device="cuda"), torch.randint(0, V, (3,), device="cuda")
+    per_row = torch.tensor([1.0, temperature, 0.7], device="cuda")
+    logp = fastppo.token_logprobs(logits, labels, temperature=per_row)
     assert torch.isnan(logp[1]) and torch.isfinite(logp[[0, 2]]).all()
     monkeypatch.setenv("FASTPPO_CHECK", "1")
     with pytest.raises(ValueError, match="temperature must be positive and finite everywhere"):
-        fastppo.token_logprobs(logits, labels, temperature=per_row, backend=backend)
+        fastppo.token_logprobs(logits, labels, temperature=per_row)

@@ -112,7 +112,8 @@ def test_on_policy_it_is_the_fused_token_loss_with_seq_mean_token_mean():
     "change,match",
     [
         (dict(advantages=torch.zeros(3, 4)), r"advantages must be a floating \(B,\) = \(3,\) tensor"),
-        (dict(clip_eps=0.0), "clip_eps"),
+        (dict(clip_eps=1.0), "clip_eps must be < 1"),
+        (dict(kl_coef=-0.1), "kl_coef must be >= 0"),
         (dict(kl_coef=0.1), "kl_coef > 0 needs ref_logprobs"),
         (dict(entropy_coef=0.1), "entropy_coef > 0 needs entropy"),
         (dict(old_logprobs=torch.zeros(3, 5)), "old_logprobs"),

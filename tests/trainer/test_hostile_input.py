@@ -35,15 +35,15 @@ TINY = [
 ]
 
 
-def one_line_error(capsys, argv) -> str:
-    """The error line of ``fastppo train argv``, which must exit 2 with one line and no traceback
-    (after any progress bars of what loaded first)."""
+def one_line_error(capsys, argv, exit_code: int = 2, says: str = "error") -> str:
+    """The error line of ``fastppo train argv``, which must exit ``exit_code`` with one line,
+    ``fastppo train: {says}: ...``, and no traceback (after any progress bars of what loaded first)."""
     capsys.readouterr()
-    assert fastppo_main(["train", *argv]) == 2, argv
+    assert fastppo_main(["train", *argv]) == exit_code, argv
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.endswith("\n"), err
     line = err.splitlines()[-1].split("\r")[-1]
-    assert line.startswith("fastppo train: error: "), err
+    assert line.startswith(f"fastppo train: {says}: "), err
     return line
 
 

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from fastppo.cli import main as fastppo_main
-from fastppo.trainer.inputs import INPUTS_FILE
+from fastppo.trainer.errors import UsageError
+from fastppo.trainer.inputs import INPUTS_FILE, check, pinned
 
 REWARD = "def score(prompts, completions, **_):\n    return [float(len(c)) for c in completions]\n"
 TINY = [
@@ -40,6 +41,7 @@ def started_elsewhere(tmp_path, monkeypatch):
     (start / "pinned_reward.py").write_text(REWARD)
     monkeypatch.chdir(start)
     monkeypatch.syspath_prepend(".")
+    monkeypatch.delitem(sys.modules, "pinned_reward", raising=False)  # another test's
     run = tmp_path / "run"
     assert (
         fastppo_main(["train", "--prompts", "p.jsonl", "--reward", "pinned_reward:score", "--out", str(run), *TINY])
@@ -81,3 +83,34 @@ def test_a_changed_reward_module_resumes_with_a_warning(started_elsewhere):
     (start / "pinned_reward.py").write_text(REWARD.replace("len(c)", "-len(c)"))
     with pytest.warns(UserWarning, match="reward module pinned_reward .* changed since the run started"):
         assert fastppo_main(["train", "--resume", str(run), "--iterations", "2"]) == 0
+
+
+def test_a_reward_module_that_is_gone_is_refused_though_another_of_its_name_is_on_the_path(
+    started_elsewhere, tmp_path, monkeypatch, capsys
+):
+    run, start = started_elsewhere
+    (start / "pinned_reward.py").unlink()
+    (tmp_path / "later" / "pinned_reward.py").write_text(REWARD.replace("len(c)", "-len(c)"))
+    monkeypatch.syspath_prepend(str(tmp_path / "later"))
+    assert fastppo_main(["train", "--resume", str(run), "--iterations", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"reward module pinned_reward ({start / 'pinned_reward.py'}) is gone" in err
+
+
+def test_the_module_the_run_started_with_comes_before_another_of_its_name(started_elsewhere, tmp_path, monkeypatch):
+    run, start = started_elsewhere
+    (tmp_path / "later" / "pinned_reward.py").write_text(REWARD.replace("len(c)", "-len(c)"))
+    monkeypatch.syspath_prepend(str(tmp_path / "later"))
+    assert fastppo_main(["train", "--resume", str(run), "--iterations", "2"]) == 0
+    assert sys.modules["pinned_reward"].__file__ == str(start / "pinned_reward.py")
+
+
+@pytest.mark.parametrize("name", ["prompts", "chat_template"])
+def test_a_pinned_file_changed_at_the_same_size_is_refused(tmp_path, name):
+    file = tmp_path / "pinned.txt"
+    file.write_text("abcd")
+    (tmp_path / INPUTS_FILE).write_text(pinned({name: str(file)}))
+    check(tmp_path)  # unchanged: passes
+    file.write_text("abce")
+    with pytest.raises(UsageError, match=f"--{name.replace('_', '-')} {file} changed since the run started"):
+        check(tmp_path)

@@ -6,6 +6,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from tests.trainer.runs import drifted, rolled_out
 
@@ -149,3 +150,19 @@ def test_a_model_of_one_s_own_with_the_toy_defaults_gets_a_note(tmp_path, capsys
     tuned = untrained(tmp_path / "b", model="my-model", lr=1e-6, max_new_tokens=64, iterations=1)
     assert not toy_defaults(tuned.config)
     assert not toy_defaults(untrained(tmp_path / "c", iterations=1).config)  # the shipped task
+
+
+def test_a_steps_fraction_statistics_are_the_mean_of_its_minibatches():
+    from types import SimpleNamespace
+
+    from fastppo.trainer.loss import step_stats
+
+    ranks = SimpleNamespace(sum=lambda t: t)
+    parts = [
+        {"clipfrac": torch.tensor(0.2), "pg_loss": torch.tensor(1.0)},
+        {"clipfrac": torch.tensor(0.4), "pg_loss": torch.tensor(2.0)},
+    ]
+    stats = step_stats(parts, "token-mean", ranks)
+    assert stats["clipfrac"] == pytest.approx(0.3) and stats["pg_loss"] == pytest.approx(3.0)
+    stats = step_stats(parts, "seq-mean-token-mean", ranks)
+    assert stats["pg_loss"] == pytest.approx(1.5)

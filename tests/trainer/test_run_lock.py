@@ -104,3 +104,48 @@ def test_a_run_directory_under_a_file_is_a_one_line_error(tmp_path, capsys):
     assert fastppo_main(["train", "--device", "cpu", "--out", str(tmp_path / "file" / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a file is in the way" in err
+
+
+def test_a_lock_file_unlinked_between_the_open_and_the_lock_is_not_the_one_held(tmp_path, monkeypatch):
+    """A holder releasing between our open and our flock unlinks the file we open: we must lock the
+    file at the path, not the unlinked one (else two runs would each hold a lock)."""
+    from fastppo.trainer import run_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    try_lock, raced = run_lock._try_lock, []
+
+    def releasing_meanwhile(fd):
+        if not raced:
+            raced.append(1)
+            os.unlink(run / LOCK_FILE)  # the other holder's release, just before our lock
+        return try_lock(fd)
+
+    monkeypatch.setattr(run_lock, "_try_lock", releasing_meanwhile)
+    lock = RunLock.acquire(run)
+    try:
+        fd = run_lock._HELD[run.resolve()][0]
+        assert raced and os.stat(run / LOCK_FILE).st_ino == os.fstat(fd).st_ino
+    finally:
+        lock.release()
+
+
+def test_a_directory_that_was_there_before_stays_after_the_release(tmp_path):
+    (tmp_path / "run").mkdir()
+    RunLock.acquire(tmp_path / "run").release()
+    assert (tmp_path / "run").is_dir() and not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def test_without_flock_a_lock_naming_this_process_that_it_does_not_hold_is_stale(tmp_path, monkeypatch):
+    """Where there is no flock, the pid inside decides; this process's own pid in a file it does not
+    hold (a run of an earlier process that had the same pid) is no live run."""
+    from fastppo.trainer import run_lock
+
+    monkeypatch.setattr(run_lock, "fcntl", None)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_FILE).write_text(
+        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": 0})
+    )
+    with pytest.warns(UserWarning, match="taking over the lock"):
+        lock = RunLock.acquire(tmp_path / "run")
+    lock.release()

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from fastppo.trainer.batch import Batch, prepare
-from fastppo.trainer.layout import SharedPrefix, _first_fit, groups, key_cost, mask_format_of, microbatches, units
+from fastppo.trainer.layout import SharedPrefix, _first_fit, groups, key_cost, microbatches, units
 from fastppo.trainer.shared_prefix import check_shared_prefix, probe_batch
 from tests.oracles import relative_error
 from tests.trainer.runs import drifted, rolled_out
 
-SHARED = SharedPrefix(lambda allowed: allowed, key_cost=0.0)  # SDPA's bool mask; no unit cut
+SHARED = SharedPrefix(key_cost=0.0)  # no unit cut
 
 
 def batch_of(rows: list, R: int) -> Batch:
@@ -40,7 +40,7 @@ def test_each_prompt_is_laid_out_once_and_every_token_sees_what_its_padded_row_s
     # past a response's end any real state serves (the mask drops it)
     assert layout.index[0, :2].tolist() == [2, 3] and layout.index[2].tolist() == [2, 5, 6]
     assert layout.index[1, 0] == 8 + 1
-    allowed = layout.attention_mask[:, 0]  # (N, L, L): query, key
+    allowed = layout.attention_mask  # (N, L, L): query, key
     assert allowed[0, 5].tolist() == [1, 1, 1, 0, 0, 1, 0, 0]  # the second response: prompt + itself
     assert allowed[0, 4].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
     assert allowed[1, 5].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]  # a pad sees itself alone: never NaN
@@ -117,7 +117,7 @@ def test_the_shared_prefix_update_is_the_padded_update(tmp_path, fields):
         for model in trainer.models.trained():
             model.config._attn_implementation = attention
     assert trainer.models.shared_prefix is not None, trainer.models.padded_because
-    whole_units = SharedPrefix(mask_format_of(trainer.policy), key_cost=0.0)
+    whole_units = SharedPrefix(key_cost=0.0)
     _, batch = rolled_out(trainer)
     assert len(batch.groups()) < len(batch.lens) or trainer.config.rollout.samples_per_prompt == 1
     shared = whole_gradient(trainer, batch, whole_units)
@@ -166,14 +166,13 @@ def test_models_that_cannot_share_a_prompt_run_padded_rows_and_say_why(tmp_path)
 
     models.policy.config._attn_implementation = "flash_attention_2"
     fmt, why = check_shared_prefix(models, True, 100)
-    assert fmt is None and "flash_attention_2 attention takes no 4-D mask" in why
+    assert fmt is None and why == "the policy's flash_attention_2 attention takes no 4-D mask"
     models.policy.config._attn_implementation = "sdpa"
 
-    models.policy.config.sliding_window, models.policy.config.model_type = 16, "mistral"
+    models.policy.config.layer_types = ["chunked_attention"] * models.policy.config.num_hidden_layers
     fmt, why = check_shared_prefix(models, True, 40)
-    assert fmt is None and "sliding window of 16 tokens is shorter than the longest row (40)" in why
-    assert check_shared_prefix(models, True, 16)[0] is not None  # a window that never binds
-    models.policy.config.sliding_window, models.policy.config.model_type = None, "llama"
+    assert fmt is None and why.startswith("the policy (llama): its layer types ['chunked_attention']")
+    del models.policy.config.layer_types
 
     body = models.policy.base_model  # a model that places tokens by counting, not by position_ids
     forward = body.forward
@@ -209,7 +208,7 @@ def test_the_shared_prefix_update_is_the_padded_update_on_the_triton_kernels_too
             monkeypatch.setattr(module, "resolve_backend", triton_for_auto)
     trainer = drifted(tmp_path, kl_coef=0.05, entropy_coef=0.01, recompute_old_logprobs=True, max_new_tokens=4)
     _, batch = rolled_out(trainer)
-    whole_units = SharedPrefix(mask_format_of(trainer.policy), key_cost=0.0)
+    whole_units = SharedPrefix(key_cost=0.0)
     shared = whole_gradient(trainer, batch, whole_units)
     padded = whole_gradient(trainer, batch, None)
     assert launched and padded.norm() > 0
@@ -227,3 +226,47 @@ def test_a_keys_cost_is_the_blocks_own_whether_or_not_the_head_is_tied():
     block = sum(p.numel() for p in untied.model.layers[0].parameters())
     norm = untied.model.norm.weight.numel() / untied.config.num_hidden_layers  # the final norm, shared out
     assert key_cost(tied) == key_cost(untied) == pytest.approx(2 * 64 / (block + norm))
+
+
+def test_prompts_that_differ_in_their_last_token_alone_are_two_groups():
+    ids = torch.tensor([[1, 2, 3, 9, 9], [1, 2, 4, 9, 9], [1, 2, 3, 8, 0]])
+    assert groups(ids, [3, 3, 3]) == [[0, 2], [1]]
+
+
+def test_a_micro_batch_one_token_over_its_budget_is_split():
+    # two units of 8 tokens: 16 > 15, so two parts; 16 <= 16, one
+    assert microbatches([5, 5], [3, 3], [[0], [1]], max_tokens=15) == [[0], [1]]
+    assert microbatches([5, 5], [3, 3], [[0], [1]], max_tokens=16) == [[0, 1]]
+
+
+def test_the_token_budget_counts_a_shared_prompt_once_per_unit():
+    rows = [([1] * 10, [2, 3])] * 4  # one prompt of 10, four answers of 2: 18 tokens shared, 48 padded
+    batch = batch_of(rows, R=2)
+    assert len(batch.parts(20, SHARED)) == 1
+    assert len(batch.parts(20, None)) == 4
+
+
+def test_minibatches_are_drawn_in_a_new_order_each_time_with_a_prompts_samples_together():
+    rows = [([p], [5]) for p in range(8) for _ in range(2)]  # 8 prompts, 2 samples each
+    batch = batch_of(rows, R=1)
+    torch.manual_seed(0)
+    orders = {tuple(torch.cat(batch.minibatches(2)).tolist()) for _ in range(6)}
+    assert len(orders) > 1 and tuple(range(16)) not in orders
+    for order in orders:
+        assert all(order[i] // 2 == order[i + 1] // 2 for i in range(0, 16, 2))  # samples kept together
+
+
+def test_a_probe_that_gives_nan_is_a_disagreement(tmp_path):
+    trainer = drifted(tmp_path)
+    body = trainer.models.policy.base_model
+    forward = body.forward
+
+    def nan_when_shared(*args, position_ids=None, **kwargs):
+        out = forward(*args, position_ids=position_ids, **kwargs)
+        if position_ids is not None:
+            out.last_hidden_state = torch.full_like(out.last_hidden_state, float("nan"))
+        return out
+
+    body.forward = nan_when_shared
+    fmt, why = check_shared_prefix(trainer.models, True, 100)
+    assert fmt is None and "differ from the padded forward's by nan" in why

@@ -175,6 +175,7 @@ def masked_mean_cases():
                     seed,
                     deviation="masked-positions-ignored",
                     peer_inputs=lambda a, k: ((zero_masked(a[0], a[1]),) + tuple(a[1:]), k),
+                    valid_of=lambda a, k: a[1],
                 )
             )
         else:
@@ -312,7 +313,7 @@ def _policy_cases(peer_cls):
             seed += 1
             build = _policy_build(option, m_kind, spread, info, rollout)
             label = f"{option} {m_kind} spread={spread} info={info}"
-            if spread > 20 and not PEER.has("policy-ratio-clamped") and m_kind != "all-masked":
+            if spread > 20 and not PEER.has("policy-ratio-clamped"):
                 cases.append(
                     Case(
                         label,
@@ -349,7 +350,12 @@ def _policy_cases(peer_cls):
         build = _policy_build(option, "random", 1.0, {}, rollout, garbage=True)
         cases.append(
             Case(
-                f"{option} garbage", build, seed, deviation="masked-positions-ignored", peer_inputs=_zero_masked_policy
+                f"{option} garbage",
+                build,
+                seed,
+                deviation="masked-positions-ignored",
+                peer_inputs=_zero_masked_policy,
+                valid_of=lambda a, k: k["action_mask"],
             )
         )
     return cases
@@ -396,10 +402,11 @@ def _negative_weights(parameters: dict):
 
 
 def _nan_loss(result):
-    """``non-negative-weights``: fastppo's loss is NaN where a correction weight is negative."""
+    """``non-negative-weights``: fastppo's loss is NaN where a correction weight is negative, its
+    gradient too (never a different number)."""
     if not isinstance(result, tuple):
-        return result + float("nan")  # still carries a gradient (a NaN one)
-    return (result[0] + float("nan"),) + tuple(result[1:])
+        return result * float("nan")
+    return (result[0] * float("nan"),) + tuple(result[1:])
 
 
 def _clamped_ratio(args, kwargs):

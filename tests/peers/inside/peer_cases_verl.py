@@ -72,6 +72,7 @@ def _garbage_case(label, build, seed, mask_at, zeroed, per_token=False):
         deviation="masked-positions-ignored",
         peer_inputs=peer_inputs,
         valid_at=mask_at if per_token else None,
+        valid_of=lambda args, kwargs: args[mask_at],
     )
 
 
@@ -355,8 +356,9 @@ def policy_cases(kind, actor_config):
 
 
 def _nan_loss(result):
-    """``non-negative-rollout-weights``: fastppo's loss is NaN where a weight is negative."""
-    return (result[0] + float("nan"),) + tuple(result[1:])  # still carries a gradient (a NaN one)
+    """``non-negative-rollout-weights``: fastppo's loss is NaN where a weight is negative, its
+    gradient too (never a different number)."""
+    return (result[0] * float("nan"),) + tuple(result[1:])
 
 
 def value_cases():

@@ -46,7 +46,10 @@ class Case:
     ``untransformed`` is set: the peer is then called again, on the inputs as built or as
     ``other_inputs`` makes them, for a deviation that touches only part of a result); ``valid_at``
     (the position of the mask among the arguments) restricts per-token comparisons to valid
-    positions; ``check(peer_args, our_args)`` runs after both calls (a message, or None); ``slack``
+    positions, and ``valid_of(args, kwargs)`` (the mask, for a deviation about masked positions
+    whose results are not per token) restricts the gradients' comparison to the valid positions,
+    where the peer's transformed inputs still say what the peer does; ``check(peer_args,
+    our_args)`` runs after both calls (a message, or None); ``slack``
     widens the tolerances (an
     extra relative and absolute error), as fp32 allows for logits in the hundreds."""
 
@@ -59,6 +62,7 @@ class Case:
     untransformed: bool = False
     other_inputs: Optional[Callable] = None
     valid_at: Optional[int] = None
+    valid_of: Optional[Callable] = None
     check: Optional[Callable] = None
     slack: tuple = (0.0, 0.0)
 
@@ -100,6 +104,8 @@ def compare(peer_fn, our_fn, case: Case) -> Optional[str]:
     message = _same(peer_out, our_out, valid, "result", case.slack)
     if message:
         return message
+    if case.valid_of is not None:
+        valid = case.valid_of(our_args, our_kwargs).bool()
     return _gradients(peer_out, our_out, peer_leaves, our_leaves, case.seed, valid, case.slack)
 
 
@@ -188,14 +194,21 @@ def _differentiable(out) -> list:
 
 
 def _gradients(peer_out, our_out, peer_leaves, our_leaves, seed: int, valid, slack) -> Optional[str]:
+    """The gradients of one random linear function of the results, whatever the results are (a
+    NaN loss still has a gradient, and a training step follows it): where the peer's gradient of a
+    leaf is finite everywhere, fastppo's must be too (a NaN there would poison a step the peer
+    takes); where the peer's has non-finite entries, fastppo's must have some; and the entries
+    finite in both agree within the tolerance. Which entries of a poisoned gradient are NaN is
+    left alone: that follows each peer's autograd graph (a clamp or ``where`` passes 0 where a
+    product passes NaN), and one non-finite entry already fails the step's norm check."""
     if not peer_leaves:
         return None
     peer_terms, our_terms = _differentiable(peer_out), _differentiable(our_out)
     if [t is None for t in peer_terms] != [t is None for t in our_terms]:
         return "a different set of results carries a gradient in the peer and in fastppo"
     pairs = [(p, o) for p, o in zip(peer_terms, our_terms) if p is not None]
-    if not pairs or not all(bool(torch.isfinite(p).all()) for p, _ in pairs):
-        return None  # nothing differentiable, or a non-finite result (compared above) has no useful gradient
+    if not pairs:
+        return None
     generator = torch.Generator().manual_seed(seed + 1)
     weights = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p, _ in pairs]
     peer_grads = _grad(sum((p.double() * w).sum() for (p, _), w in zip(pairs, weights)), peer_leaves)
@@ -203,12 +216,14 @@ def _gradients(peer_out, our_out, peer_leaves, our_leaves, seed: int, valid, sla
     for i, (leaf, g_ref, g) in enumerate(zip(our_leaves, peer_grads, our_grads)):
         if valid is not None and valid.shape == g.shape:
             g_ref, g = g_ref[valid], g[valid]
-        if not torch.equal(torch.isnan(g_ref), torch.isnan(g)):
+        peer_finite, our_finite = torch.isfinite(g_ref), torch.isfinite(g)
+        if bool(peer_finite.all()) != bool(our_finite.all()):
             return (
-                f"gradient of input {i}: NaN at different positions (peer {int(torch.isnan(g_ref).sum())}, "
-                f"fastppo {int(torch.isnan(g).sum())})"
+                f"gradient of input {i}: the peer's has {int((~peer_finite).sum())} non-finite entries, "
+                f"fastppo's {int((~our_finite).sum())}"
             )
-        g_ref, g = torch.nan_to_num(g_ref, nan=0.0), torch.nan_to_num(g, nan=0.0)
+        both = peer_finite & our_finite
+        g_ref, g = g_ref[both], g[both]
         scale = float(g_ref.norm())
         error = float((g - g_ref).norm())
         rtol, atol = (base + extra for base, extra in zip(GRADIENT_TOLERANCE[leaf.dtype], slack))
