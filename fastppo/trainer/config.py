@@ -214,16 +214,16 @@ class TrainConfig:
         flat = self.flat()
         for f in fields():
             value = flat[f.name]
-            for number in value if isinstance(value, list) else [value]:
-                if isinstance(number, float) and not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
-                    raise UsageError(
-                        f"config field {f.name} must be a finite number within float32's range, got {value!r}"
-                    )
-                if isinstance(number, int) and not isinstance(number, bool) and abs(number) >= LARGEST_INT:
-                    raise UsageError(f"config field {f.name} must be < 2**32 in size, got {value!r}")
+            numbers = value if isinstance(value, list) else [value]
+            if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
+                raise UsageError(f"config field {f.name} must be a finite number, got {value!r}")
             bound = f.metadata["bound"]
             if bound is not None and value is not None and not bound.holds(value):
                 raise UsageError(f"config field {f.name} {bound.requirement()}, got {value!r}")
+            if any(isinstance(x, float) and abs(x) > FLOAT32_MAX for x in numbers):
+                raise UsageError(f"config field {f.name} must be within float32's range, got {value!r}")
+            if any(isinstance(x, int) and not isinstance(x, bool) and abs(x) >= LARGEST_INT for x in numbers):
+                raise UsageError(f"config field {f.name} must be < 2**32 in size, got {value!r}")
         r, a, d, lora, rw, ev = self.rollout, self.algo, self.data, self.lora, self.reward, self.eval
         rewards = len(rw.reward or ()) + bool(rw.reward_model) or 1  # else the task's one
         estimator = ESTIMATORS[a.estimator]

@@ -49,17 +49,17 @@ def test_a_reward_past_floats_range_is_refused_as_not_finite(tmp_path):
 @pytest.mark.parametrize(
     "option,value,said",
     [
-        ("--lr", "1e308", "config field lr must be a finite number within float32's range"),
+        ("--lr", "1e308", "config field lr must be in (0, 1]"),
         ("--lr", "2", "config field lr must be in (0, 1]"),
         ("--critic-lr", "1e30", "config field critic_lr must be in (0, 1]"),
-        ("--clip-eps", "1e308", "config field clip_eps must be a finite number within float32's range"),
+        ("--clip-eps", "1e308", "config field clip_eps must be in (0, 1)"),
         ("--clip-eps", "1", "config field clip_eps must be in (0, 1)"),
-        ("--kl-coef", "1e39", "config field kl_coef must be a finite number within float32's range"),
+        ("--kl-coef", "1e39", "config field kl_coef must be within float32's range"),
         ("--prompts-per-iteration", str(2**70), "config field prompts_per_iteration must be < 2**32"),
         ("--lora-rank", str(2**70), "config field lora_rank must be < 2**32"),
         ("--rollout-batch-size", str(2**70), "config field rollout_batch_size must be < 2**32"),
         ("--eval-samples", str(2**70), "config field eval_samples must be < 2**32"),
-        ("--reward-weights", "1e39", "config field reward_weights must be a finite number within float32's range"),
+        ("--reward-weights", "1e39", "config field reward_weights must be within float32's range"),
     ],
 )
 def test_absurd_numbers_are_one_line(tmp_path, capsys, option, value, said):

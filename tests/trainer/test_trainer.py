@@ -131,8 +131,8 @@ def test_config_file_and_command_line(tmp_path):
 @pytest.mark.parametrize(
     "fields,match",
     [
-        (dict(lr=-1.0), "config field lr must be > 0"),
-        (dict(clip_eps=0.0), "config field clip_eps must be > 0"),
+        (dict(lr=-1.0), r"config field lr must be in \(0, 1\]"),
+        (dict(clip_eps=0.0), r"config field clip_eps must be in \(0, 1\)"),
         (dict(minibatches=3), "config field minibatches must be >= 1 and divide"),
         (dict(estimator="ppo2"), "config field estimator must be one of"),
         (dict(estimator="gae", critic=False), "config field critic must be on for estimator=gae"),
