@@ -279,8 +279,8 @@ def _aggregation(
             scale = B * dp_size / sequences  # fastppo's seq-mean-token-sum divides the rows' sums by B
             agg, scale = "seq-mean-token-sum", scale / width if mode == "seq-mean-token-sum-norm" else scale
     scale = torch.as_tensor(scale, dtype=torch.float32, device=valid.device)
-    none = tokens == 0
-    return agg, torch.where(none, 0.0, scale), nan_unless(~(none & ~scale.isfinite())), None
+    no_token = tokens == 0
+    return agg, torch.where(no_token, 0.0, scale), nan_unless(~(no_token & ~scale.isfinite())), None
 
 
 def _followed(loss: Tensor, scale, poison, nan_rows, *inputs) -> Tensor:
