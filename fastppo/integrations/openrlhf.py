@@ -150,8 +150,9 @@ def masked_mean(tensor: Tensor, mask, dim=None) -> Tensor:
     is dropped. The plain mean when ``mask`` is None."""
     if mask is None:
         return tensor.mean(dim=dim)
-    counts = mask.sum() if dim is None else mask.sum(dim=dim, keepdim=True)
-    mean = (torch.where(mask.bool(), tensor, 0.0) * mask).sum(dim=dim) / mask.sum(dim=dim)
+    counts = mask.sum() if dim is None else mask.sum(dim=dim, keepdim=True)  # broadcast to tensor's entries
+    total = (torch.where(mask.bool(), tensor, 0.0) * mask).sum(dim=dim)
+    mean = total / (counts if dim is None else counts.squeeze(dim))
     return mean + nan_gradient(tensor, counts == 0)
 
 

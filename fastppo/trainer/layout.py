@@ -231,17 +231,20 @@ def model_mask(model, allowed: Tensor, positions: Tensor) -> Union[Tensor, dict]
     transformers' ``causal_mask_mapping``) when only some layers' windows bind these rows."""
     config, form = model.config, mask_format_of(model)
     windows = layer_windows(config)
+    if all(w is None for w in windows):  # no window: nothing to read from the positions
+        return form(allowed[:, None])
     span = int(positions.max()) + 1
+    refusal = mask_refusal(config, span)
+    if refusal:
+        raise ValueError(f"{type(model).__name__}: {refusal}")
     binding = {w for w in windows if w is not None and w < span}
     if not binding:
         return form(allowed[:, None])
     near = positions[:, None, :] - positions[:, :, None]  # (N, L, L): key position - query position
-    windowed = {w: form((allowed & (near > -w))[:, None]) for w in binding}
+    windowed = form((allowed & (near > -min(binding)))[:, None])  # one binding width: mask_refusal
     if len(set(windows)) == 1:
-        return windowed[windows[0]]
-    if not getattr(config, "layer_types", None):
-        raise ValueError(f"{type(model).__name__}: {mask_refusal(config, span)}")
-    return {FULL: form(allowed[:, None]), SLIDING: windowed[binding.pop()]}  # one sliding width per config
+        return windowed
+    return {FULL: form(allowed[:, None]), SLIDING: windowed}  # layer types: mask_refusal
 
 
 def mask_refusal(config, span: int) -> Optional[str]:
