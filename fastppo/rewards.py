@@ -2,7 +2,8 @@
 
 Each is a reward function as the trainer calls one, ``f(prompts, completions, answer, **fields)
 -> list of floats``, 1.0 for a correct completion and 0.0 otherwise, and states the fields it
-needs in ``needs`` (the trainer checks every row has them at start-up). ``fastppo train
+needs in ``needs``. A completion that is an episode's messages (a run with tools) is judged by
+its last assistant message (the trainer checks every row has them at start-up). ``fastppo train
 --reward gsm8k`` (or ``math``, ``boxed``, ``format``) names them without a module.
 
 * ``gsm8k``: the completion's answer is the number after its last ``####`` that has one, else
@@ -26,6 +27,14 @@ from decimal import Decimal, InvalidOperation
 # A number as written in prose: an optional sign, thousands separators only in groups of three.
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 THINK_ANSWER = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+
+def answer_text(completion) -> str:
+    """The text a verifier reads: a completion as it is, or an episode's last assistant message."""
+    if isinstance(completion, str):
+        return completion
+    said = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    return said[-1] if said else ""
 
 
 def _decimal(text: str):
@@ -65,7 +74,7 @@ def gsm8k_reward(prompts, completions, answer, **_):
         gold = gsm8k_answer(_reference(reference, "gsm8k"))
         if gold is None:
             raise ValueError(f"reward gsm8k: the answer {reference!r} holds no number")
-        given = gsm8k_answer(completion)
+        given = gsm8k_answer(answer_text(completion))
         scores.append(float(given is not None and given == gold))
     return scores
 
@@ -108,7 +117,7 @@ def boxed_reward(prompts, completions, answer, **_):
     for completion, reference in zip(completions, answer):
         reference = _reference(reference, "boxed")
         gold = extract_boxed(reference)
-        given = extract_boxed(completion)
+        given = extract_boxed(answer_text(completion))
         scores.append(float(given is not None and _same_answer(given, reference if gold is None else gold)))
     return scores
 
@@ -129,7 +138,7 @@ def math_reward(prompts, completions, answer, **_):
         gold = parse(reference if ("$" in reference or "\\boxed" in reference) else f"${reference}$")
         if not gold:
             raise ValueError(f"reward math: math-verify finds no answer in the reference {reference!r}")
-        scores.append(float(verify(gold, parse(completion))))
+        scores.append(float(verify(gold, parse(answer_text(completion)))))
     return scores
 
 
@@ -145,7 +154,7 @@ def format_reward(pattern: str = THINK_ANSWER):
         raise ValueError(f"format pattern {pattern!r} is not a regular expression ({error})") from None
 
     def format_match(prompts, completions, **_):
-        return [float(compiled.fullmatch(completion.strip()) is not None) for completion in completions]
+        return [float(compiled.fullmatch(answer_text(c).strip()) is not None) for c in completions]
 
     format_match.needs = ()
     return format_match

@@ -199,3 +199,27 @@ def test_versus_trl_runs_the_chat_workload(tmp_path, capsys):
     assert bench_main(argv) == 0
     printed = capsys.readouterr().out
     assert "chat workload (prompts of 150-300 tokens, gsm8k verifier)" in printed and "| TRL GRPOTrainer |" in printed
+
+
+@pytest.mark.slow
+def test_versus_trl_runs_the_tools_workload(tmp_path, capsys):
+    pytest.importorskip("trl")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.agents.runs import chatml_tokenizer, turn_taking_policy
+
+    tokenizer = chatml_tokenizer()
+    tokenizer.pad_token = "<pad>"
+    small = turn_taking_policy(tokenizer)
+    model = LlamaForCausalLM(LlamaConfig(**{**small.config.to_dict(), "max_position_embeddings": 2048}))
+    model.load_state_dict(small.state_dict())
+    model.save_pretrained(tmp_path / "tools")
+    tokenizer.save_pretrained(tmp_path / "tools")
+    argv = ["--versus-trl", "--workload", "tools", "--model", str(tmp_path / "tools"), "--device", "cpu"]
+    argv += ["--iterations", "2", "--prompts", "1", "--samples", "2", "--max-new-tokens", "4"]
+    argv += ["--json", str(tmp_path / "t.json")]
+    assert bench_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tools workload" in printed and "| TRL GRPOTrainer |" in printed and "prefill tokens per episode" in printed
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert all(r["prefill_per_episode"] > 0 for r in rows)

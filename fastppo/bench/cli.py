@@ -39,9 +39,10 @@ def main(argv=None) -> int:
     versus.add_argument("--max-new-tokens", type=int, default=8)
     versus.add_argument(
         "--workload",
-        choices=("arithmetic", "chat"),
+        choices=("arithmetic", "chat", "tools"),
         default="arithmetic",
-        help="the shipped task's short prompts, or chat prompts of 150-300 tokens with a verifier reward",
+        help="the shipped task's short prompts, chat prompts of 150-300 tokens with a verifier reward, or "
+        "multi-turn episodes with a calculator tool",
     )
     versus.add_argument("--lr", type=float, default=5e-4)
     versus.add_argument(

@@ -9,9 +9,17 @@ which fastppo uses), dropout off, temperature 1, token-mean loss over the batch 
 ``generate()``; fastppo with its KV-cached sampler. Each iteration is timed from the first
 rollout token to the end of the optimizer step (TRL: from ``on_step_begin`` to ``on_step_end``).
 
-Two workloads: ``arithmetic``, the shipped task's short prompts; ``chat``, what a practitioner
+Three workloads: ``arithmetic``, the shipped task's short prompts; ``chat``, what a practitioner
 runs (``chat_workload.py``: chat prompts of 150-300 tokens, long-tail answers, the gsm8k verifier),
-where most of the tokens an update processes are copies of the prompts unless it shares them.
+where most of the tokens an update processes are copies of the prompts unless it shares them;
+``tools``, multi-turn episodes with a calculator (the built-in ``multiply`` task, the shipped ChatML
+template with tools, at most 2 calling turns, TRL's Hermes parser for its calls): TRL generates the
+batch, runs the tools, and prefills prompt + turns + results again for every row that called one;
+fastppo prefills only the results onto each row's cache. Each trainer's prefill tokens per episode
+are counted (TRL's: the real tokens of every ``generate`` input; fastppo's: the sampler's).
+TRL's ``max_completion_length`` is ``max_new_tokens`` + ``TOOL_TOKENS`` (its budget holds the
+results too); fastppo's ``max_new_tokens`` bounds the sampled tokens and ``max_tool_tokens`` the
+rest.
 
 Reported per trainer: seconds per iteration (median over the iterations after the first two, which
 pay for warm-up), generated tokens per second, and the reward reached at equal wall-clock: the
@@ -25,16 +33,32 @@ import time
 
 import torch
 
+TOOL_TOKENS = 64  # the tools workload's room for results and scaffolding per episode
+
+
+def _workload_fields(workload: str, samples: int, max_new_tokens: int) -> dict:
+    """The ``fastppo train`` fields of ``workload`` beyond the shared shape."""
+    from ..agents.template import SHIPPED_TEMPLATE
+    from . import chat_workload
+
+    if workload == "chat":
+        return chat_workload.train_fields(tempfile.mkdtemp(prefix="fastppo-versus-trl-chat-"), samples, max_new_tokens)
+    if workload == "tools":
+        return {
+            "task": "multiply",
+            "tools": ["calculator"],
+            "chat_template": str(SHIPPED_TEMPLATE),
+            "max_tool_calls": 2,
+            "max_tool_tokens": TOOL_TOKENS,
+            "evaluate": False,
+        }
+    return {}
+
 
 def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload) -> list:
     from ..trainer import PPOTrainer, TrainConfig
-    from . import chat_workload
 
-    chat = (
-        chat_workload.train_fields(tempfile.mkdtemp(prefix="fastppo-versus-trl-chat-"), samples, max_new_tokens)
-        if workload == "chat"
-        else {}
-    )
+    chat = _workload_fields(workload, samples, max_new_tokens)
     config = TrainConfig.from_flat(
         {
             "model": model,
@@ -64,7 +88,9 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
             {
                 "seconds": time.perf_counter() - start,
                 "reward": metrics["reward_mean"],
-                "tokens": metrics["response_length"] * prompts * samples,
+                "tokens": metrics.get("sampled_length", metrics["response_length"]) * prompts * samples,
+                "prefill_per_episode": trainer.rollouts.sampler.prefill_tokens / (prompts * samples),
+                "calling": metrics.get("tools/calling"),
             }
         )
     return rows
@@ -81,7 +107,21 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
     from . import chat_workload
 
     policy, tokenizer = load_policy(model)
-    if workload == "chat":
+    tools = {}
+    if workload == "tools":
+        from trl.chat_template_utils import qwen3_template  # TRL's parser of <tool_call>{json}</tool_call>
+
+        from ..agents.builtin import calculator
+        from ..agents.template import SHIPPED_TEMPLATE
+
+        tokenizer.chat_template = SHIPPED_TEMPLATE.read_text()
+        tokenizer.response_template = qwen3_template
+        rows = tasks.TASKS["multiply"].prompts(seed=seed)
+        tools = {"tools": [calculator]}
+
+        def score(prompts, completions, answer, **_):  # an episode: the last assistant message's number
+            return gsm8k_reward(prompts, completions, answer)
+    elif workload == "chat":
         rows = chat_workload.rows(256)
 
         def score(prompts, completions, answer, **_):  # TRL hands conversational completions as messages
@@ -94,22 +134,29 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
             return reward(prompts, completions)
 
     score.__name__ = "reward"
-    starts, ends = [], []
+    starts, ends, prefilled = [], [], [0]
+    generate = policy.generate
+
+    def counted(*args, **kwargs):  # every prompt (and, with tools, conversation so far) it prefills
+        prefilled[0] += int(kwargs["attention_mask"].sum())
+        return generate(*args, **kwargs)
+
+    policy.generate = counted
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *_, **__):
-            starts.append(time.perf_counter())
+            starts.append((time.perf_counter(), prefilled[0]))
 
         def on_step_end(self, *_, **__):
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            ends.append(time.perf_counter())
+            ends.append((time.perf_counter(), prefilled[0]))
 
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-versus-fastppo-"),
         per_device_train_batch_size=prompts * samples,
         num_generations=samples,
-        max_completion_length=max_new_tokens,
+        max_completion_length=max_new_tokens + (TOOL_TOKENS if workload == "tools" else 0),
         max_steps=iterations,
         learning_rate=lr,
         lr_scheduler_type="constant",
@@ -125,6 +172,7 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
         temperature=1.0,
         num_iterations=1,
         beta=0.0,
+        **({"max_tool_calling_iterations": 2} if workload == "tools" else {}),
     )
     trainer = GRPOTrainer(
         model=policy,
@@ -133,16 +181,27 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
         processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(rows),
         callbacks=[Clock()],
+        **tools,
     )
     trainer.train()
     logs = [row for row in trainer.state.log_history if "reward" in row]
     return [
-        {"seconds": end - start, "reward": log["reward"], "tokens": log["completions/mean_length"] * prompts * samples}
-        for start, end, log in zip(starts, ends, logs)
+        {
+            "seconds": end - start,
+            "reward": log["reward"],
+            "tokens": log["completions/mean_length"] * prompts * samples,
+            "prefill_per_episode": (end_prefill - start_prefill) / (prompts * samples),
+            "calling": None,
+        }
+        for (start, start_prefill), (end, end_prefill), log in zip(starts, ends, logs)
     ]
 
 
-WORKLOADS = {"arithmetic": "arithmetic task", "chat": "chat workload (prompts of 150-300 tokens, gsm8k verifier)"}
+WORKLOADS = {
+    "arithmetic": "arithmetic task",
+    "chat": "chat workload (prompts of 150-300 tokens, gsm8k verifier)",
+    "tools": "tools workload (multiply task, calculator tool, up to 2 calling turns per episode, gsm8k verifier)",
+}
 
 
 def _summary(name: str, rows: list, cutoff: float) -> dict:
@@ -165,6 +224,7 @@ def _summary(name: str, rows: list, cutoff: float) -> dict:
         "reward_first5": statistics.mean(r["reward"] for r in rows[:5]),
         "iterations_by_cutoff": len(finished),
         "reward_at_cutoff": statistics.mean(r["reward"] for r in last),
+        "prefill_per_episode": statistics.mean(r["prefill_per_episode"] for r in rows),
     }
 
 
@@ -222,13 +282,13 @@ def markdown(result: dict, machine: str) -> str:
         f"**{result['speedup']:.2f}x** (median seconds per iteration).",
         "",
         "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "
-        "iterations by the cutoff | reward at the cutoff (last 5) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "iterations by the cutoff | reward at the cutoff (last 5) | prefill tokens per episode |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['trainer']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
             f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
-            f"{r['reward_at_cutoff']:.3f} |"
+            f"{r['reward_at_cutoff']:.3f} | {r['prefill_per_episode']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -6,6 +6,8 @@ row's new key and value at its own position and attends over the row's valid pre
 sliding window, if the layer has one): either flash-attn's ``flash_attn_with_kvcache``, which
 appends and attends in one launch reading only each row's live keys, or SDPA over ``[:span]``
 with a mask, reading the cache through a transposed view (no copy). ``flash.py`` chooses.
+Extend (a multi-turn row's continuation) stores a few rows' new keys after the ones they hold and
+attends over each row's prefix so far with SDPA.
 """
 
 from typing import Callable, Optional
@@ -36,6 +38,39 @@ class CacheAttention:
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (L, L)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    def extend(
+        self,
+        layer: int,
+        slots: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        lengths: Tensor,
+        scale: float,
+        window: Optional[int],
+    ) -> Tensor:
+        """Store rows' continuation keys and values at ``positions`` of ``slots`` and attend over
+        each row's keys up to each query's position (and within its window).
+
+        q: (n, H, C, D); k, v: (n, KVH, C, D); positions: (n, C) int64, right-padded (row i's
+        first ``lengths[i]`` are real; its pads store nothing) -> (n, H, C, D).
+        """
+        n, C = positions.shape
+        real = torch.arange(C, device=q.device)[None, :] < lengths[:, None]  # (n, C)
+        row = slots[:, None].expand(n, C)[real]
+        self.cache.k[layer][row, positions[real]] = k.transpose(1, 2)[real].to(self.cache.k[layer].dtype)
+        self.cache.v[layer][row, positions[real]] = v.transpose(1, 2)[real].to(self.cache.v[layer].dtype)
+        span = int(positions.max()) + 1
+        keys = torch.arange(span, device=q.device)
+        mask = keys[None, None, :] <= positions[:, :, None]  # (n, C, span)
+        if window is not None:
+            mask &= keys[None, None, :] > positions[:, :, None] - window
+        cached_k, cached_v = (c[layer][slots, :span].transpose(1, 2).to(q.dtype) for c in (self.cache.k, self.cache.v))
+        return F.scaled_dot_product_attention(
+            q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
 
     def decode_masks(self, positions: Tensor, span: int, windows: set) -> dict:

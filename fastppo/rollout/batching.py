@@ -11,6 +11,17 @@ the CPU every step) the rows that have ended leave it:
 - **pack**: when the share of rows still going falls below ``compact_below``, the rows past the
   end of the live set move into the holes (a copy of their cache slots), and ``b`` shrinks.
 
+Multi-turn rows (episodes, with a :class:`~fastppo.rollout.turns.Turns`): a row whose turn ends
+with a stop token asks the turns whether its episode goes on. If so it *pauses* in its slot with
+its cache while its tools run off this loop, and the other rows keep decoding. ``TOOL_STEPS``
+decode steps later (at once when no row is decoding) the loop takes its continuation, prefills
+it onto the row's cache at the row's position (``Decoder.extend``), and the row decodes again. The
+resume step depends on step counts alone, never on how long a tool took, so a seed reproduces an
+episode; a tool still running then is waited for (it is bounded by its timeout). The tokens of a
+continuation go to the row's output with mask 0 and log-prob 0; ``max_new`` bounds the tokens the
+model draws per episode, and a row's context (``max_len``) bounds all its tokens: a continuation
+that would not leave room for one more drawn token ends the episode as truncated.
+
 Between checks an ended row stays in the batch, writing only slots and output cells nobody
 reads. Every row keeps its own step count: its token, log-prob and mask go to its own output row
 and column, so a ``Rollout`` comes out in the order of the prompts whatever the schedule. The
@@ -27,9 +38,11 @@ from torch import Tensor
 
 from .decoder import Decoder
 from .rollout import Rollout
+from .turns import Turns
 
 SYNC_EVERY = 16  # decode steps between the host's looks at which rows have ended, on an accelerator
 CPU_SYNC_EVERY = 1  # and on the CPU, where ops are synchronous anyway and a look costs microseconds
+TOOL_STEPS = 16  # decode steps a paused row's tools have before the loop waits for them
 
 
 class RolloutLoop:
@@ -37,7 +50,8 @@ class RolloutLoop:
 
     ``draw(logits (b, V)) -> (tokens, logprobs)`` samples a step; ``decode`` is the decoder's (or
     its CUDA graphs'); ``bucket(b)`` the number of slots one decode call runs (``b``, or more for
-    CUDA graphs of fixed sizes: slots past ``b`` are free and harmless to run).
+    CUDA graphs of fixed sizes: slots past ``b`` are free and harmless to run); ``turns`` makes
+    the rows episodes (see the module's docstring).
     """
 
     def __init__(
@@ -55,12 +69,15 @@ class RolloutLoop:
         compact_below: float,
         bucket: Optional[Callable] = None,
         on_rows_ended: Optional[Callable] = None,
+        turns: Optional[Turns] = None,
     ):
         self.decoder, self.decode, self.draw, self.on_rows_ended = decoder, decode, draw, on_rows_ended
+        self.turns = turns
         self.capacity, self.max_len, self.prompts, self.n, self.max_new = slots, max_len, prompts, n, max_new
         self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
         device = decoder.device
-        B, steps = len(prompts) * n, max(max_new)
+        # an episode's columns hold its tool tokens too: as many as its context allows
+        B, steps = len(prompts) * n, max(max_new) if turns is None else max_len
         self.trash = B  # the output row of free slots
         # Outputs with one spare row (free slots write there) and one spare column (an ended row
         # writes pad, 0 and False at its length, which may be the budget).
@@ -69,16 +86,20 @@ class RolloutLoop:
         self.mask_out = torch.zeros(B + 1, steps + 1, dtype=torch.bool, device=device)
         self.stopped_out = torch.zeros(B + 1, dtype=torch.bool, device=device)
         self.stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
-        # Per slot, on the device: its output row, prompt length, tokens drawn, budget, last token, live.
+        # Per slot, on the device: its output row, prompt length, response columns written (drawn
+        # tokens and continuations), tokens drawn, budget of drawn tokens, last token, live.
         self.row = torch.full((slots,), B, dtype=torch.long, device=device)
         self.prompt_len = torch.ones(slots, dtype=torch.long, device=device)
         self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
+        self.generated = torch.zeros(slots, dtype=torch.long, device=device)
         self.limit = torch.zeros(slots, dtype=torch.long, device=device)
         self.token = torch.full((slots,), pad, dtype=torch.long, device=device)
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         # On the host: each occupied slot's prompt length minus the decode steps run before it
         # joined, which bounds its position at every later step (for the attention span).
         self.offset = {}
+        self.paused = {}  # slot -> the decode step at which its continuation is taken
+        self.turn_start = {}  # output row -> the column its current turn starts at
         self.pending = deque(range(len(prompts)))
         self.b = 0  # slots 0 .. b-1 are decoded
         self.steps_run = 0
@@ -92,7 +113,7 @@ class RolloutLoop:
                 break
             rows = min(self.bucket(self.b), self.capacity)
             positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
-            logits = self.decode(self.token[:rows], positions, self._span())
+            logits = self.decode(self.token[:rows], positions, self._span(), self.active[:rows])
             self._record(slice(0, self.b), logits[: self.b])
             self.steps_run += 1
             self.rows_decoded += rows
@@ -113,31 +134,114 @@ class RolloutLoop:
         self.mask_out[row, drawn] = live
         hit = live & torch.isin(tokens, self.stop_ids)
         self.stopped_out[row] |= hit
-        drawn = drawn + live
-        self.drawn[slots], self.token[slots] = drawn, tokens
-        self.active[slots] = live & ~hit & (drawn < self.limit[slots])
+        drawn, generated = drawn + live, self.generated[slots] + live
+        self.drawn[slots], self.generated[slots], self.token[slots] = drawn, generated, tokens
+        room = self.prompt_len[slots] + drawn < self.max_len  # the drawn token can be fed
+        self.active[slots] = live & ~hit & (generated < self.limit[slots]) & room
 
     def _check(self) -> bool:
-        """The host sync: free the slots of ended rows, refill, pack. False when all is done."""
-        live = self.active[: self.b].nonzero().flatten().tolist()
-        if len(live) == len(self.offset):
-            return True  # no row has ended since the last look
-        ended = self.row[: self.b] != self.trash
-        ended[live] = False
-        if self.on_rows_ended is not None:
-            self.on_rows_ended(int(ended.sum()))
-        self._free(ended)
-        self.offset = {s: self.offset[s] for s in live}
-        if not live:
-            self.b = 0
-        if self.pending and (self.decoder.refills or not live):
-            self._admit(sorted(set(range(self.capacity)) - set(live)))
-            live = sorted(self.offset)
+        """The host sync: pause or free the slots of rows whose turn ended, refill, resume, pack.
+        False when all is done."""
+        active = self.active[: self.b].nonzero().flatten().tolist()
+        if len(active) + len(self.paused) == len(self.offset) and not self._due(active):
+            return True  # no row has ended since the last look, and none is to resume
+        ended = [s for s in self.offset if s not in self.paused and s not in set(active)]
+        if self.turns is not None:
+            ended = self._end_turns(ended)
+        self._end(ended)
+        self._refill()
+        self._resume(self._due(self.active[: self.b].nonzero().flatten().tolist()))
+        if not self.offset:  # every row resumed was truncated
+            self._refill()
+        live = sorted(self.offset)  # slots holding a row, decoding or paused
         if not live:
             return False
         if len(live) < self.compact_below * self.b or live[-1] + 1 < self.b:
             self._pack(live)
         return True
+
+    def _refill(self) -> None:
+        """Waiting prompts into the free slots (for a decoder that cannot refill, once all are free)."""
+        if not self.offset:
+            self.b = 0
+        if self.pending and (self.decoder.refills or not self.offset):
+            self._admit(sorted(set(range(self.capacity)) - set(self.offset)))
+
+    def _end(self, slots: list) -> None:
+        """The rows of ``slots`` are done: counted, and their slots freed."""
+        if not slots:
+            return
+        if self.on_rows_ended is not None:
+            self.on_rows_ended(len(slots))
+        self._free(torch.tensor(slots, device=self.row.device, dtype=torch.long))
+        for s in slots:
+            del self.offset[s]
+
+    def _due(self, active: list) -> list:
+        """The paused slots to resume now: those whose tools have had their steps, or, when no row
+        is decoding, those due first."""
+        if not self.paused:
+            return []
+        if not active:
+            first = min(self.paused.values())
+            return [s for s, due in self.paused.items() if due == first]
+        return [s for s, due in self.paused.items() if due <= self.steps_run]
+
+    def _end_turns(self, ended: list) -> list:
+        """Tell the turns of each row in ``ended`` whose turn is over; those whose episode goes on
+        pause. Returns the slots whose episode ended."""
+        if not ended:
+            return []
+        index = torch.tensor(ended, device=self.row.device, dtype=torch.long)
+        state = torch.stack([self.row[index], self.drawn[index], self.generated[index], self.limit[index]])
+        length, stopped = self.prompt_len[index] + self.drawn[index], self.stopped_out[state[0]].long()
+        state = torch.cat([state, length[None], stopped[None]])
+        over = []
+        for s, (row, drawn, generated, limit, length, stopped) in zip(ended, state.t().tolist()):
+            start = self.turn_start.get(row, 0)
+            turn = self.tokens_out[row, start:drawn].tolist()
+            may_continue = bool(stopped) and generated < limit and length < self.max_len
+            if self.turns.turn_ended(row, turn, may_continue) and may_continue:
+                self.paused[s] = self.steps_run + TOOL_STEPS
+            else:
+                over.append(s)
+        return over
+
+    def _resume(self, slots: list) -> None:
+        """Prefill the continuations of the paused ``slots`` onto their caches at their positions
+        and draw each row's first token of its next turn; a continuation that leaves no room for
+        one drawn token ends its episode as truncated."""
+        if not slots:
+            return
+        index = torch.tensor(slots, device=self.row.device, dtype=torch.long)
+        rows, drawn, lengths = (t.tolist() for t in (self.row[index], self.drawn[index], self.prompt_len[index]))
+        fed, feeding, starts, truncated = [], [], [], []
+        for s, row, d, P in zip(slots, rows, drawn, lengths):
+            del self.paused[s]
+            tokens = list(self.turns.continuation(row))
+            if P + d + len(tokens) >= self.max_len:
+                self.turns.truncated(row)
+                truncated.append(s)
+                continue
+            last = int(self.tokens_out[row, d - 1])  # fed again: a paused slot rewrote its position
+            self.tokens_out[row, d : d + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            self.turn_start[row] = d + len(tokens)
+            fed.append(s)
+            feeding.append([last] + tokens)
+            starts.append(P + d - 1)
+        if truncated:  # ends as "length", its last turn's stop kept in the mask
+            self.stopped_out[self.row[torch.tensor(truncated, device=self.row.device)]] = False
+            self._end(truncated)
+        if not fed:
+            return
+        logits = self.decoder.extend(fed, feeding, starts)  # (len(fed), V)
+        index = torch.tensor(fed, device=self.row.device, dtype=torch.long)
+        self.stopped_out[self.row[index]] = False
+        self.drawn[index] += torch.tensor([len(t) - 1 for t in feeding], device=self.row.device)
+        self.active[index] = True
+        self._record(index, logits)
+        for s, start, tokens in zip(fed, starts, feeding):
+            self.offset[s] = start + len(tokens) - self.steps_run  # the next decode's position, less the step
 
     def _free(self, slots) -> None:
         """Slots hold no row: their output goes to the trash row, and they feed pad at position 0.
@@ -146,6 +250,7 @@ class RolloutLoop:
         self.row[: self.b][slots] = self.trash
         self.prompt_len[: self.b][slots] = 1
         self.drawn[: self.b][slots] = 0
+        self.generated[: self.b][slots] = 0
         self.token[: self.b][slots] = self.pad
         self.active[: self.b][slots] = False
 
@@ -165,6 +270,7 @@ class RolloutLoop:
         self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, ss in chosen for _ in ss], device=device)
         self.limit[slots] = torch.tensor([self.max_new[j] for j, ss in chosen for _ in ss], device=device)
         self.drawn[slots] = 0
+        self.generated[slots] = 0
         self.active[slots] = True
         self._record(slots, logits.repeat_interleave(self.n, dim=0))
         for j, ss in chosen:
@@ -184,15 +290,19 @@ class RolloutLoop:
         if not self.decoder.pack(order, self._span()):
             return
         index = torch.tensor(order, device=self.row.device)
-        for state in (self.row, self.prompt_len, self.drawn, self.limit, self.token, self.active):
+        for state in (self.row, self.prompt_len, self.drawn, self.generated, self.limit, self.token, self.active):
             state[:k] = state[index]
         self._free(slice(k, self.b))
         self.offset = {new: self.offset[old] for new, old in enumerate(order) if old in self.offset}
+        self.paused = {new: self.paused[old] for new, old in enumerate(order) if old in self.paused}
         self.b = k
 
     def _rollout(self) -> Rollout:
         B = self.trash
         lens = self.mask_out[:B].sum(dim=1)
+        if self.turns is not None:  # an episode's length is its last drawn token's column, plus one
+            columns = torch.arange(self.mask_out.shape[1], device=lens.device)
+            lens = torch.where(self.mask_out[:B], columns + 1, 0).amax(dim=1)
         R = int(lens.max())
         return Rollout(
             prompt_ids=[self.prompts[r // self.n] for r in range(B)],

@@ -28,7 +28,8 @@ class DecodeGraphs:
         self.graphs = {}
         self.pool = None
 
-    def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, span: int, live: Tensor = None) -> Tensor:
+        """The lean decoder's step, replayed; ``live`` is not read (the lean decoder reads none)."""
         bucket = min(1 << (span - 1).bit_length(), self.max_len)
         key = (tokens.shape[0], bucket)
         if key not in self.graphs:
@@ -46,10 +47,10 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self.decoder.decode(tokens, positions, span)  # warm-up: allocations and library handles
+            self.decoder.decode(tokens, positions, span, None)  # warm-up: allocations and library handles
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.decoder.decode(tokens, positions, span)
+            logits = self.decoder.decode(tokens, positions, span, None)
         self.pool = graph.pool()
         return graph, tokens, positions, logits

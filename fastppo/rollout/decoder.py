@@ -3,7 +3,9 @@
 A decoder holds the model's cache for a decode batch of *slots*, ``0 .. B-1``, each holding one
 row (a sample of a prompt) or nothing. The loop prefills prompts into free slots, feeds every
 slot one token per step, and now and then packs the rows still going into the lowest slots so
-that the batch shrinks as rows finish. Two implementations: the lean decoders of ``lean.py``
+that the batch shrinks as rows finish. In a multi-turn rollout a row paused between turns gets
+the tokens that follow its turn prefilled onto its cache at its position (``extend``). Two
+implementations: the lean decoders of ``lean.py``
 (their own forward over a preallocated :class:`~fastppo.rollout.kv_cache.KVCache`) and the
 generic one of ``generic.py`` (any causal LM, through its own forward and cache).
 """
@@ -17,6 +19,9 @@ class Decoder(ABC):
     #: Whether prompts can be prefilled into free slots while other slots are decoding; when not,
     #: the loop waits for every slot to be free (the next wave of rows starts a fresh cache).
     refills = True
+    #: Tokens fed through the model by ``prefill`` and ``extend`` (a prompt once per prompt where the
+    #: decoder shares it among its samples); the sampler zeroes it for each ``generate``.
+    prefilled = 0
 
     @abstractmethod
     def prefill(self, slots: list, prompts: list) -> Tensor:
@@ -24,10 +29,18 @@ class Decoder(ABC):
         per sample) and return each prompt's next-token logits ``(len(prompts), V)``."""
 
     @abstractmethod
-    def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, span: int, live: Tensor) -> Tensor:
         """One step of slots ``0 .. B-1``: token ``tokens[i]`` ``(B,)`` sits at position
         ``positions[i]`` ``(B,)`` of slot i, every position below ``span``. Returns the next-token
-        logits ``(B, V)``. A slot attends to its own positions ``0 .. positions[i]`` only."""
+        logits ``(B, V)``. A slot attends to its own positions ``0 .. positions[i]`` only.
+        ``live`` ``(B,)`` bool: the slots whose token is real; what the others write at their
+        position may be anything, and is rewritten before a row reads it."""
+
+    @abstractmethod
+    def extend(self, slots: list, tokens: list, starts: list) -> Tensor:
+        """Prefill ``tokens[i]`` (a token-id list) onto slot ``slots[i]``'s cache at positions
+        ``starts[i] ..``, after the positions it holds, and return each slot's next-token logits
+        ``(len(slots), V)``: a continuation of a row, its earlier tokens never computed again."""
 
     @abstractmethod
     def pack(self, order: list, length: int) -> bool:

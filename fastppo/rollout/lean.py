@@ -74,6 +74,7 @@ class LeanDecoder(Decoder):
         """The final norm and the LM head: ``(..., hidden) -> (..., V)``."""
 
     def prefill(self, slots: list, prompts: list) -> Tensor:
+        self.prefilled += sum(len(p) for p in prompts)
         first = None  # (G, V)
         for group in prefill_groups([len(p) for p in prompts]):
             L = max(len(prompts[i]) for i in group)
@@ -102,13 +103,31 @@ class LeanDecoder(Decoder):
         x = self.forward(ids, positions, attend)  # (G, L, hidden)
         return self.logits(x[torch.arange(G, device=ids.device), lengths - 1])  # (G, V)
 
-    def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, span: int, live: Tensor = None) -> Tensor:
+        # ``live`` is not needed: a slot writes only its own position, which a row rewrites first
         masks = self.attention.decode_masks(positions, span, set(self.windows))
 
         def attend(layer, q, k, v, scale):
             return self.attention.decode(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
 
         return self.logits(self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1])
+
+    def extend(self, slots: list, tokens: list, starts: list) -> Tensor:
+        """The continuations right-padded into one forward; a pad writes nothing and is never read."""
+        n, C = len(slots), max(len(t) for t in tokens)
+        self.prefilled += sum(len(t) for t in tokens)
+        ids = torch.tensor([t + [0] * (C - len(t)) for t in tokens], device=self.device)  # (n, C)
+        start = torch.tensor(starts, device=self.device)
+        # (n, C); a pad's position may pass the cache: clamped, as it stores nothing
+        positions = (start[:, None] + torch.arange(C, device=self.device)).clamp(max=self.cache.max_len - 1)
+        lengths = torch.tensor([len(t) for t in tokens], device=self.device)
+        slot_index = torch.tensor(slots, device=self.device)
+
+        def attend(layer, q, k, v, scale):
+            return self.attention.extend(layer, slot_index, q, k, v, positions, lengths, scale, self.windows[layer])
+
+        x = self.forward(ids, positions, attend)  # (n, C, hidden)
+        return self.logits(x[torch.arange(n, device=self.device), lengths - 1])  # (n, V)
 
     def pack(self, order: list, length: int) -> bool:
         moves = [(src, dst) for dst, src in enumerate(order) if src != dst]

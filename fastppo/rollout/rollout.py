@@ -12,8 +12,10 @@ class Rollout:
     Attributes:
         prompt_ids: the prompt of each row, as token-id lists (``B`` of them).
         response_ids: ``(B, R)`` int64, right-padded with the pad id; ``R`` is the longest response.
-        response_mask: ``(B, R)`` bool, true on generated tokens, the stop token included.
-        response_lens: ``(B,)`` int64, the number of true entries of each mask row.
+        response_mask: ``(B, R)`` bool, true on generated tokens, the stop token included (false on
+            an episode's continuations, the tokens between its turns that the model did not sample).
+        response_lens: ``(B,)`` int64, each row's length: the number of true entries of its mask, and
+            in an episode its continuations too.
         logprobs: ``(B, R)`` fp32, ``log_softmax(logits / temperature)[token]`` over the full
             vocabulary (temperature 1 for greedy decoding), 0 where masked.
         finish_reason: ``"stop"`` (a stop token was sampled) or ``"length"`` per row.

@@ -5,7 +5,9 @@ For the families of ``lean.FAMILIES`` it runs the lean decoders of ``lean.py`` o
 flash-attn or SDPA, chosen in ``flash.py``; on CUDA each step a replayed CUDA graph). Other causal
 LMs go through ``generic.py``. Both run the continuous-batching loop of ``batching.py``: rows
 enter free slots as earlier rows finish, finished rows leave the batch, and each step's draw is
-``sample_tokens`` (one fused kernel on CUDA).
+``sample_tokens`` (one fused kernel on CUDA). Given a :class:`~fastppo.rollout.turns.Turns`, the
+rows are multi-turn episodes: a row pauses between turns in its slot and its continuation is
+prefilled onto its cache (``turns.py``).
 """
 
 import contextlib
@@ -15,12 +17,14 @@ import torch
 
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
+from ..windows import UnknownWindows, layer_windows
 from .batching import RolloutLoop
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
 from .lean import FAMILIES, lean_decoder
 from .rollout import Rollout
+from .turns import Turns
 
 
 def _positive_int(x, name: str) -> int:
@@ -99,6 +103,8 @@ class Sampler:
         #: Slots the last ``generate`` decoded, summed over its steps (free and ended ones included):
         #: against its tokens, what the long tail cost.
         self.rows_decoded = 0
+        #: Tokens the last ``generate`` prefilled: prompts, and episodes' continuations.
+        self.prefill_tokens = 0
 
     @property
     def fast_path(self) -> bool:
@@ -146,6 +152,19 @@ class Sampler:
                 raise ValueError(f"stop and pad token ids must be in [0, {self.vocab_size}), got {t}")
         return stop, pad_token_id
 
+    def _check_generic_turns(self) -> None:
+        """The generic path's continuations leave masked columns in the model's cache; a window
+        counted in cache columns would then cover other tokens than the model's window does."""
+        try:
+            windowed = any(w is not None for w in layer_windows(self.model.config))
+        except UnknownWindows:
+            windowed = True
+        if windowed:
+            raise ValueError(
+                f"multi-turn rollouts of a {self.model.config.model_type!r} model, which attends in "
+                f"windows and has no lean decoder ({', '.join(FAMILIES)}), are not supported"
+            )
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -159,6 +178,7 @@ class Sampler:
         num_samples_per_prompt: int = 1,
         seed: Optional[int] = None,
         on_rows_ended: Optional[Callable[[int], None]] = None,
+        turns: Optional[Turns] = None,
     ) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per prompt.
 
@@ -173,6 +193,10 @@ class Sampler:
             seed: makes the draw reproducible (on the same device).
             on_rows_ended: called with the number of rows that ended, at each look for them (a
                 progress bar's ``update``).
+            turns: makes each row an episode of turns (``turns.py``): ``max_new_tokens`` then
+                bounds the tokens the model draws in an episode and ``max_seq_len`` all of its
+                tokens; the response holds the continuations too, with mask 0 and log-prob 0, and
+                ``response_lens`` counts every token of it.
         """
         max_new = self._check_prompts(prompts, max_new_tokens)
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
@@ -191,11 +215,14 @@ class Sampler:
             step_seed = int(torch.randint(1 << 62, (1,), generator=generator))
             return sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=step_seed)
 
+        if turns is not None and self.lean is None:
+            self._check_generic_turns()
         if self.lean is not None:
             decoder, decode = self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
         else:
             decoder = GenericDecoder(self.model)
             decode = decoder.decode
+        decoder.prefilled = 0
         loop = RolloutLoop(
             decoder,
             decode,
@@ -210,8 +237,9 @@ class Sampler:
             self.compact_below,
             graph_rows if self.graphs is not None else None,
             on_rows_ended,
+            turns,
         )
         with _sampling_mode(self.model):
             rollout = loop.run()
-        self.rows_decoded = loop.rows_decoded
+        self.rows_decoded, self.prefill_tokens = loop.rows_decoded, decoder.prefilled
         return rollout

@@ -30,6 +30,7 @@ from .fields import (
     RolloutConfig,
     RunConfig,
     ShardingConfig,
+    ToolsConfig,
 )
 
 try:
@@ -107,6 +108,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -146,6 +148,17 @@ class TrainConfig:
     def agg(self) -> str:
         """The loss aggregation: ``algo.agg``, else the estimator's; GSPO's is a mean over responses."""
         return "seq-mean-token-mean" if self.algo.sequence_ratio else self.algo.agg or self.estimator.agg
+
+    @property
+    def episodes(self) -> bool:
+        """Whether responses are multi-turn episodes (tools or an environment given)."""
+        return bool(self.tools.tools or self.tools.environment)
+
+    @property
+    def response_tokens(self) -> int:
+        """The most tokens of one response: ``max_new_tokens``, and in an episode the tool results'
+        room too."""
+        return self.rollout.max_new_tokens + (self.tools.max_tool_tokens if self.episodes else 0)
 
     @property
     def uses_critic(self) -> bool:
@@ -231,8 +244,8 @@ class TrainConfig:
         rules = [
             (
                 "task",
-                d.task in TASKS or (d.prompts and (rw.reward or rw.reward_model)),
-                f"must be one of {tuple(TASKS)} unless --prompts and a reward are given",
+                d.task in TASKS or (d.prompts and (rw.reward or rw.reward_model or self.tools.environment)),
+                f"must be one of {tuple(TASKS)} unless --prompts and a reward (or an environment) are given",
             ),
             (
                 "reward_weights",
@@ -240,6 +253,11 @@ class TrainConfig:
                 f"must hold one weight per reward ({rewards}: those of --reward, then --reward-model)",
             ),
             ("overlong_buffer", 0 <= rw.overlong_buffer < r.max_new_tokens, "must be >= 0 and < max_new_tokens"),
+            (
+                "stop",
+                not (r.stop and self.episodes),
+                "cannot be given with tools: an episode's turns end at the end-of-turn token",
+            ),
             (
                 "rollout_batch_size",
                 r.rollout_batch_size == 0

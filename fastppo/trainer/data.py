@@ -28,7 +28,8 @@ from pathlib import Path
 from .errors import UsageError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-REWARD_ARGUMENTS = ("prompts", "completions")  # what every reward call passes besides the fields
+# what reward calls pass besides the fields (``environments``: each row's, in a run with one)
+REWARD_ARGUMENTS = ("prompts", "completions", "environments")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Prompts:
     ids: list  # token-id lists
     fields: list  # one dict per row, without the prompt
     origins: list
+    messages: list  # the chat messages each rendered from (None for a string prompt used as is)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -49,7 +51,8 @@ class Prompts:
         return list(dict.fromkeys(k for row in self.fields for k in row))
 
     def select(self, keep: list) -> "Prompts":
-        return Prompts(*([values[i] for i in keep] for values in (self.texts, self.ids, self.fields, self.origins)))
+        kept = (self.texts, self.ids, self.fields, self.origins, self.messages)
+        return Prompts(*([values[i] for i in keep] for values in kept))
 
 
 def read_rows(path: str, option: str = "--prompts") -> tuple:
@@ -174,20 +177,26 @@ def map_columns(rows: list, origins: list, prompt_field: str, field_map: dict, s
     return prompts, fields
 
 
+def read_chat_template(path):
+    """The text of the ``--chat-template`` file ``path`` (None: None)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--chat-template {path}: {getattr(error, 'strerror', None) or error}") from None
+
+
 class ChatRenderer:
     """Prompt -> text: strings as they are (or, with ``chat``, as one user message), message lists
-    through the chat template with the generation prompt, ``system_prompt`` first."""
+    through the chat template with the generation prompt, ``system_prompt`` first, and the tools'
+    ``schemas`` (the template lists them)."""
 
-    def __init__(self, tokenizer, chat: bool = False, system_prompt: str = None, chat_template: str = None):
-        self.tokenizer, self.chat, self.system_prompt = tokenizer, chat, system_prompt
-        self.template = None
-        if chat_template is not None:
-            try:
-                self.template = Path(chat_template).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as error:
-                raise UsageError(
-                    f"--chat-template {chat_template}: {getattr(error, 'strerror', None) or error}"
-                ) from None
+    def __init__(
+        self, tokenizer, chat: bool = False, system_prompt: str = None, chat_template: str = None, schemas=None
+    ):
+        self.tokenizer, self.chat, self.system_prompt, self.schemas = tokenizer, chat, system_prompt, schemas
+        self.template = read_chat_template(chat_template)
 
     def __call__(self, prompt, origin: str) -> str:
         if isinstance(prompt, str) and not self.chat:
@@ -199,14 +208,17 @@ class ChatRenderer:
                     "as a user message with the chat template"
                 )
             return prompt
-        messages = self.messages(prompt, origin)
+        return self.render(self.messages(prompt, origin), origin)
+
+    def render(self, messages: list, origin: str) -> str:
+        """Checked ``messages`` through the chat template, with the generation prompt."""
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(
                 f"{origin}: a chat prompt, and the tokenizer has no chat template (give one with --chat-template FILE)"
             )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.template
+                messages, tools=self.schemas, tokenize=False, add_generation_prompt=True, chat_template=self.template
             )
         except Exception as error:  # a Jinja template's own errors
             raise UsageError(f"{origin}: the chat template failed ({type(error).__name__}: {error})") from None
@@ -231,24 +243,31 @@ class ChatRenderer:
         return prompt
 
 
-def load(rows: list, origins: list, tokenizer, data, source: str) -> Prompts:
+def load(rows: list, origins: list, tokenizer, data, source: str, schemas=None) -> Prompts:
     """Rows (dicts with a prompt column) of ``source`` (what errors call them) as
-    :class:`Prompts`: mapped, rendered and tokenised."""
+    :class:`Prompts`: mapped, rendered (the tools' ``schemas`` listed) and tokenised."""
     prompts, fields = map_columns(rows, origins, data.prompt_field, parse_field_map(data.field_map), source)
-    render = ChatRenderer(tokenizer, data.chat, data.system_prompt, data.chat_template)
+    render = ChatRenderer(tokenizer, data.chat, data.system_prompt, data.chat_template, schemas)
     texts = [render(prompt, origin) for prompt, origin in zip(prompts, origins)]
+    messages = [
+        None if isinstance(prompt, str) and not data.chat else render.messages(prompt, origin)
+        for prompt, origin in zip(prompts, origins)
+    ]
     ids = []
     for text, origin in zip(texts, origins):
         ids.append(tokenizer(text, add_special_tokens=False).input_ids)
         if not ids[-1]:
             raise UsageError(f"{origin}: the prompt is no tokens at all")
-    return Prompts(texts, ids, fields, origins)
+    return Prompts(texts, ids, fields, origins, messages)
 
 
-def fitting(prompts: Prompts, context, max_new_tokens: int, max_prompt_tokens, drop_too_long: bool) -> Prompts:
+def fitting(
+    prompts: Prompts, context, max_new_tokens: int, max_prompt_tokens, drop_too_long: bool, room: str = "max_new_tokens"
+) -> Prompts:
     """The prompts of at most ``max_prompt_tokens`` tokens (the others dropped and counted) that fit
-    the model's ``context`` with ``max_new_tokens``; one that does not fit is an error naming where
-    it came from, or with ``drop_too_long`` is dropped and counted."""
+    the model's ``context`` with ``max_new_tokens`` (the fields that make it up: ``room``); one that
+    does not fit is an error naming where it came from, or with ``drop_too_long`` is dropped and
+    counted."""
     keep, too_long = [], 0
     for i, (ids, origin) in enumerate(zip(prompts.ids, prompts.origins)):
         n = len(ids)
@@ -258,7 +277,7 @@ def fitting(prompts: Prompts, context, max_new_tokens: int, max_prompt_tokens, d
         if context is not None and n + max_new_tokens > context:
             if not drop_too_long:
                 raise UsageError(
-                    f"{origin}: the prompt is {n} tokens, and with max_new_tokens={max_new_tokens} that "
+                    f"{origin}: the prompt is {n} tokens, and with {room}={max_new_tokens} that "
                     f"exceeds the model's context of {context} positions (--drop-long-prompts drops "
                     "such prompts)"
                 )
@@ -270,12 +289,12 @@ def fitting(prompts: Prompts, context, max_new_tokens: int, max_prompt_tokens, d
     if dropped_for_context:
         warnings.warn(
             f"dropped {dropped_for_context} of {len(prompts)} prompts longer than the model's context of "
-            f"{context} positions less max_new_tokens={max_new_tokens}"
+            f"{context} positions less {room}={max_new_tokens}"
         )
     if not keep:
         raise UsageError(
             f"no prompt fits: each is longer than max_prompt_tokens={max_prompt_tokens} or than the "
-            f"model's context of {context} positions less max_new_tokens={max_new_tokens}"
+            f"model's context of {context} positions less {room}={max_new_tokens}"
         )
     return prompts.select(keep)
 
@@ -303,19 +322,21 @@ def sources(config, rows=None) -> tuple:
     return training, held_out
 
 
-def configured(config, tokenizer, context, read: tuple) -> tuple:
+def configured(config, tokenizer, context, read: tuple, schemas=None) -> tuple:
     """``(training prompts, held-out prompts or None)`` as :class:`Prompts` fitting the model's
-    ``context``, from what :func:`sources` ``read``."""
+    ``context`` (with room for a whole response, tools' results included), from what
+    :func:`sources` ``read``; the tools' ``schemas`` in the chat prompts."""
     d = config.data
     training, held_out = read
 
     def prepared(rows, origins, source):
         return fitting(
-            load(rows, origins, tokenizer, d, source),
+            load(rows, origins, tokenizer, d, source, schemas),
             context,
-            config.rollout.max_new_tokens,
+            config.response_tokens,
             d.max_prompt_tokens,
             d.drop_long_prompts,
+            "max_new_tokens + max_tool_tokens" if config.episodes else "max_new_tokens",
         )
 
     return prepared(*training), held_out and prepared(*held_out)

@@ -10,6 +10,9 @@ sum with a format bonus):
 * ``eval/pass@K``: the mean over prompts of the best of those ``K`` scores; with a 0/1 verifier,
   the share of prompts at least one of ``K`` samples solves.
 
+With tools each response is an episode, and ``eval/tools/calling`` is the share of the sampled
+episodes that called a tool, ``eval/tools/calls`` their calls per episode.
+
 The prompts are dealt round-robin to the ranks and the sums all-reduced, and the samples are
 seeded from the run's seed and the iteration, so an evaluation neither depends on the world
 size's batching nor moves any generator the training draws from.
@@ -35,6 +38,7 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     seed = (config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
     names = [name for name, _ in rollouts.rewards.named]
     totals = torch.zeros(1 + len(names), 3, dtype=torch.float64)  # (sum, each reward) x (greedy, mean@K, best of K)
+    tools = torch.zeros(2, dtype=torch.float64)  # sampled episodes that called a tool, and their calls
     rollouts.weights.refresh()
     with tqdm(
         total=len(mine) * (1 + samples),
@@ -45,8 +49,12 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     ) as bar:
         for temperature, n in ((0.0, 1), (config.rollout.temperature, samples)):
             if mine:  # the sampler takes all of them, through as many of its slots as it has
-                rollout = rollouts.sample([prompts.ids[i] for i in mine], temperature, n, seed + n, bar.update)
-                scores, each = rollouts.score(prompts, mine, rollout, n)
+                rolled = rollouts.roll(prompts, mine, temperature, n, seed + n, bar.update)
+                scores, each = rollouts.score(prompts, mine, rolled, n)
+                if rolled.episodes is not None and temperature != 0:
+                    tools += torch.tensor(
+                        [sum(e.calls > 0 for e in rolled.episodes), sum(e.calls for e in rolled.episodes)]
+                    )
                 per_prompt = torch.tensor([scores] + [each[name] for name in names], dtype=torch.float64)
                 per_prompt = per_prompt.view(1 + len(names), len(mine), n)
                 if temperature == 0:
@@ -57,6 +65,9 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     rollouts.weights.release()
     totals = ranks.sum(totals.to(ranks.device())).cpu() / len(prompts)
     metrics = {}
+    if rollouts.agent is not None:
+        tools = ranks.sum(tools.to(ranks.device())).cpu() / (len(prompts) * samples)
+        metrics.update({"eval/tools/calling": float(tools[0]), "eval/tools/calls": float(tools[1])})
     for prefix, row in zip(["eval/"] + [f"eval/{name}/" for name in names], totals):
         metrics.update(
             {

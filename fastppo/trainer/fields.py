@@ -167,7 +167,8 @@ class ShardingConfig:
 class DataConfig:
     task: str = _doc(
         "built-in task (prompts, reward and held-out prompts) when --prompts is not given: "
-        "arithmetic ('17+25=' -> '42', reward 1 when exact) or vowels",
+        "arithmetic ('17+25=' -> '42', reward 1 when exact), vowels, or multiply (three-digit "
+        "times two-digit products as chat prompts with a worked example, for --tools calculator)",
         "arithmetic",
     )
     prompts: Optional[str] = _doc(
@@ -294,6 +295,33 @@ class RolloutConfig:
         "this cap), correcting for the sampler's other precision (truncated "
         "importance sampling); must be > 1; default: off",
         bound=above(1),
+    )
+
+
+@dataclass
+class ToolsConfig:
+    tools: Optional[list[str]] = _doc(
+        "tools the policy may call, making each response a multi-turn episode: 'module:function' "
+        "(type hints and a docstring, as TRL's tools) or a built-in: python (code in a limited "
+        "subprocess) or calculator",
+        bound=NO_EMPTY_STRING,
+    )
+    environment: Optional[str] = _doc(
+        "an environment class 'module:Class' (TRL's environment_factory): reset(**fields) opens "
+        "each episode, its public methods are tools, its get_reward() (if it has one) one more reward",
+        bound=NOT_EMPTY,
+    )
+    max_tool_calls: int = _doc("most assistant turns that call tools in one episode", 8, bound=at_least(1))
+    tool_timeout: float = _doc(
+        "seconds a tool call may take; past it the model reads a timeout error and the episode goes on",
+        30.0,
+        bound=above(0),
+    )
+    max_tool_tokens: int = _doc(
+        "room in each row's context for tool results and chat scaffolding, beyond the prompt and "
+        "max_new_tokens; a result that would pass it ends the episode as truncated",
+        1024,
+        bound=at_least(1),
     )
 
 

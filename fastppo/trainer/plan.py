@@ -180,7 +180,7 @@ def memory_plan(
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
     rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots
-    length = prompt_tokens + r.max_new_tokens
+    length = prompt_tokens + config.response_tokens
     lines.append(
         Line(
             "KV cache",
@@ -191,7 +191,7 @@ def memory_plan(
     lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
     tokens, laid_out = forward_tokens(config, model_config, mb_rows, prompt_tokens)
-    responses = mb_rows * r.max_new_tokens
+    responses = mb_rows * config.response_tokens
     block = (8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * compute * tokens
     models = 2 if config.uses_critic else 1
     outside = 2 * m.hidden * compute * tokens  # the embeddings' output and the final norm's
@@ -221,16 +221,19 @@ def memory_plan(
 
 def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple:
     """``(tokens, how)``: the most tokens one forward of the update lays out for a minibatch of
-    ``rows``, every response at max_new_tokens (``layout.py``): each prompt once for its samples
+    ``rows``, every response at its most tokens (``layout.py``): each prompt once for its samples
     (one more prompt where a minibatch cuts through a group), or a padded row per sample (also
     where the model's windows refuse the shared masks, ``mask_refusal``); no more than the
     micro-batch budget (or one row, when a row is longer than it)."""
     r, budget = config.rollout, config.algo.max_tokens_per_microbatch
-    row = prompt_tokens + r.max_new_tokens
+    row = prompt_tokens + config.response_tokens
     shares = config.model.shared_prefix and mask_refusal(model_config, row) is None
     if shares and r.samples_per_prompt > 1:
         prompts = -(-rows // r.samples_per_prompt) + (rows % r.samples_per_prompt != 0)
-        tokens, how = prompts * prompt_tokens + rows * r.max_new_tokens, f"{prompts} prompts once, {rows} responses"
+        tokens, how = (
+            prompts * prompt_tokens + rows * config.response_tokens,
+            f"{prompts} prompts once, {rows} responses",
+        )
     else:
         tokens, how = rows * row, f"{rows} padded rows"
     if budget is not None and budget < tokens:
@@ -250,7 +253,7 @@ def fitting_microbatch(config, model_config, *, prompt_tokens: int, device_type:
     tokens, _ = forward_tokens(config, model_config, rows, prompt_tokens)
     activations = next(line.bytes for line in lines if line.name.startswith("activations"))
     budget = int((available - (total - activations)) * tokens / activations)
-    return budget if budget >= prompt_tokens + config.rollout.max_new_tokens else None
+    return budget if budget >= prompt_tokens + config.response_tokens else None
 
 
 def runtime_bytes() -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .. import agents
 from . import checkpoint, data, evaluation, inputs, run_directory, tasks
 from .batch import Batch, explained_variance, forward_parts, lay_out, loss_mask, prepare, warn_truncated
 from .build import build_models
@@ -55,9 +56,14 @@ class PPOTrainer:
         config.check_device_here()
         torch.manual_seed(config.run.seed)
         self.ranks = Ranks(torch.device(config.device).type)
-        if config.data.prompts and reward_fn is None and not (config.reward.reward or config.reward.reward_model):
+        # the tools and the environment, imported and checked before the model loads
+        self.agent = agents.configured(config.tools) if config.episodes else None
+        environment_rewards = self.agent is not None and self.agent.environment_rewards
+        given = reward_fn is not None or config.reward.reward or config.reward.reward_model or environment_rewards
+        if config.data.prompts and not given:
             raise UsageError(
-                "--prompts needs --reward (or --reward-model): the task's reward does not know your prompts"
+                "--prompts needs --reward (or --reward-model, or an --environment with get_reward): the "
+                "task's reward does not know your prompts"
             )
         # before any loading (a run that cannot write loses no time) and before touching the directory
         self.lock = self.ranks.on_main(lambda: run_directory.claim_run_directory(config.run, resuming))
@@ -71,17 +77,25 @@ class PPOTrainer:
 
             transformers_logging.disable_progress_bar()
         self.models = models = build_models(config, self.ranks, policy, tokenizer)
-        prompts, self.eval_prompts = data.configured(config, models.tokenizer, context_length(models.policy), sources)
+        if self.agent is not None:
+            template = data.read_chat_template(config.data.chat_template)
+            self.agent.use(models.tokenizer, template, models.tokenizer.eos_token_id)
+        schemas = self.agent and self.agent.schemas
+        context = context_length(models.policy)
+        prompts, self.eval_prompts = data.configured(config, models.tokenizer, context, sources, schemas)
         every = [p for p in (prompts, self.eval_prompts) if p is not None]
         fields = list(dict.fromkeys(k for p in every for k in p.field_names()))  # each reward call gets all
         rewards = tasks.configured_rewards(
-            config, reward_fn, lambda path: RewardModel(path, models.device, models.precision.frozen)
+            config,
+            reward_fn,
+            lambda path: RewardModel(path, models.device, models.precision.frozen),
+            self.agent.environment.named_reward() if environment_rewards else None,
         )
         for loaded in every:
             rewards.check_fields(loaded.fields, loaded.origins)
         self.longest_prompt = max(len(ids) for p in every for ids in p.ids)
         models.shared_prefix, models.padded_because = check_shared_prefix(
-            models, config.model.shared_prefix, self.longest_prompt + config.rollout.max_new_tokens, self.ranks
+            models, config.model.shared_prefix, self.longest_prompt + config.response_tokens, self.ranks
         )
         if config.algo.max_tokens_per_microbatch is None and models.device.type == "cuda":  # what fits, if needed
             config.algo.max_tokens_per_microbatch = fitting_microbatch(
@@ -92,7 +106,7 @@ class PPOTrainer:
                 available=device_memory("cuda"),
                 world_size=self.ranks.world,
             )
-        self.rollouts = Rollouts(config, models, rewards, prompts, fields, self.ranks, self.longest_prompt)
+        self.rollouts = Rollouts(config, models, rewards, prompts, fields, self.ranks, self.longest_prompt, self.agent)
         self.optimizers = Optimizers(models.policy, models.critic, config.optim, config.run.iterations)
         self.state = TrainerState(kl_coef=config.algo.kl_coef)
         self.evaluations = []  # {"iteration", held-out metrics} of each evaluation

@@ -7,16 +7,24 @@ the cursor (the trainer state's ``prompts_drawn``) is the same on every rank. Dy
 advantage under every group estimator and teaches nothing, and samples further batches until
 the ranks all have enough (they agree by an all-reduce, so their cursors stay together), at
 most ``filter_groups_attempts`` batches; a batch still short is filled with equal groups.
+
+With tools (an :class:`~fastppo.agents.Agent`) every row is an episode: its environment is reset
+with its fields, the sampler runs its turns, and the rewards read its messages (a chat prompt's
+completion is the episode's assistant and tool messages, as TRL passes them; a string prompt's
+is the episode's text) and, with an environment, each row's instance (``environments``).
 """
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..agents.episodes import episode_metrics
 from ..rollout import Sampler
 from . import data, responses
+from .errors import UsageError
 
 
 @dataclass
@@ -31,28 +39,40 @@ class Scored:
     no_stop: Tensor  # (B,) bool: the response hit max_new_tokens
     each_reward: dict  # name -> (B,)
     stats: dict = dataclasses.field(default_factory=dict)
+    episodes: Optional[list] = None  # each row's Episode (fastppo.agents) when there are tools
+
+
+@dataclass
+class Rolled:
+    """Rows of some prompts, sampled: the rollout, each row's prompt as the sampler saw it and, with
+    tools, its episode."""
+
+    rollout: object
+    texts: list
+    episodes: Optional[list] = None
 
 
 class Rollouts:
     """Samples on the live weights and scores: the sampler over the rollout copy of the weights,
     the rewards, and the training prompts in their epoch order."""
 
-    def __init__(self, config, models, rewards, prompts, fields: list, ranks, longest_prompt: int):
+    def __init__(self, config, models, rewards, prompts, fields: list, ranks, longest_prompt: int, agent=None):
         """``fields``: the prompt columns every reward call gets; ``longest_prompt``: the most tokens of
-        any prompt the sampler will see, training or held-out."""
+        any prompt the sampler will see, training or held-out; ``agent``: the run's tools, if any."""
         self.config, self.rewards, self.prompts, self.fields, self.ranks = config, rewards, prompts, fields, ranks
         self.tokenizer, self.weights, self.device = models.tokenizer, models.rollout_weights, models.device
+        self.agent = agent
         self.sampler = Sampler(
             models.rollout_weights.model,
             max_batch_size=config.sampler_slots,
-            max_seq_len=longest_prompt + config.rollout.max_new_tokens,
+            max_seq_len=longest_prompt + config.response_tokens,
             cuda_graphs=not models.sharded,
         )
         self.order = data.EpochOrder(len(prompts), config.run.seed)
 
-    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None):
+    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None, turns=None):
         """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
-        the ``--stop`` strings. The rollout copy must be refreshed."""
+        the ``--stop`` strings; episodes of ``turns``, if given. The rollout copy must be refreshed."""
         r, tok = self.config.rollout, self.tokenizer
         rollout = self.sampler.generate(
             prompt_ids,
@@ -65,15 +85,60 @@ class Rollouts:
             num_samples_per_prompt=n,
             seed=seed,
             on_rows_ended=on_rows_ended,
+            turns=turns,
         )
         return responses.cut_at_stop_strings(rollout, tok, r.stop)
 
-    def score(self, prompts, chosen: list, rolled, n: int) -> tuple:
+    def roll(self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None) -> Rolled:
+        """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
+        whose environments are reset with their rows' fields."""
+        texts = [prompts.texts[i] for i in chosen for _ in range(n)]
+        ids = [prompts.ids[i] for i in chosen]
+        if self.agent is None:
+            return Rolled(self.sample(ids, temperature, n, seed, on_rows_ended), texts)
+        rows = [i for i in chosen for _ in range(n)]
+        instances, observations = self.agent.reset([prompts.fields[i] for i in rows])
+        per_prompt = n
+        if any(o is not None for o in observations):  # each row's prompt its own
+            texts = [self._observed(prompts, i, o, text) for i, o, text in zip(rows, observations, texts)]
+            ids, per_prompt = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts], 1
+            room = self.sampler.max_seq_len - self.config.rollout.max_new_tokens
+            if max(len(i) for i in ids) > room:
+                raise UsageError(
+                    f"{self.agent.environment.what}: a prompt with reset's observation is "
+                    f"{max(len(i) for i in ids)} tokens, more than the {room} the sampler has room for"
+                )
+        turns = self.agent.episodes(instances)
+        rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns)
+        return Rolled(rollout, texts, turns.rows)
+
+    def _observed(self, prompts, i: int, observation, text: str) -> str:
+        """Row ``i``'s prompt with ``observation`` (an environment's reset) added to its last message."""
+        if observation is None:
+            return text
+        messages = prompts.messages[i]
+        if messages is None:
+            raise UsageError(
+                f"{self.agent.environment.what}: reset returned an observation, which is added to the "
+                f"prompt's last message, and {prompts.origins[i]} is a string prompt (give chat prompts, or --chat)"
+            )
+        last = messages[-1]
+        return self.agent.template.render(messages[:-1] + [{**last, "content": last["content"] + observation}], True)
+
+    def score(self, prompts, chosen: list, rolled: Rolled, n: int) -> tuple:
         """``(scores, each)`` of ``rolled``, ``n`` responses to each row ``chosen`` of ``prompts``: the
         rewards' weighted sum per response, and ``{name: scores}`` of each reward function."""
-        texts = [prompts.texts[i] for i in chosen for _ in range(n)]
-        fields = {k: [prompts.fields[i].get(k) for i in chosen for _ in range(n)] for k in self.fields}
-        return self.rewards(texts, responses.completions(rolled, self.tokenizer), fields)
+        rows = [i for i in chosen for _ in range(n)]
+        fields = {k: [prompts.fields[i].get(k) for i in rows] for k in self.fields}
+        completions = responses.completions(rolled.rollout, self.tokenizer)
+        if rolled.episodes is not None:
+            completions = [
+                text if prompts.messages[i] is None else [dict(m) for m in episode.messages]
+                for i, text, episode in zip(rows, completions, rolled.episodes)
+            ]
+            if self.agent.environment is not None:
+                fields["environments"] = [episode.environment for episode in rolled.episodes]
+        return self.rewards(rolled.texts, completions, fields)
 
     def next_batch(self, iteration: int, state) -> Scored:
         """This iteration's batch, drawn from ``state.prompts_drawn`` on (which it moves on); with
@@ -102,12 +167,15 @@ class Rollouts:
         rows = [(batches[b], g * n + j) for b, g in (informative + equal)[:wanted] for j in range(n)]
         picked = {name: torch.stack([getattr(s, name)[i] for s, i in rows]) for name in ("scores", "raw", "no_stop")}
         each = {k: torch.stack([s.each_reward[k][i] for s, i in rows]) for k in batches[0].each_reward}
+        episodes = None if batches[0].episodes is None else [s.episodes[i] for s, i in rows]
         stats = {
             "groups_informative": min(len(informative), wanted) / wanted,
             "sampling_attempts": float(len(batches)),
             "reward_sampled": float(torch.cat([b.raw for b in batches]).mean()),
+            **({} if episodes is None else episode_metrics(episodes)),
         }  # every row, kept or not
-        return Scored(responses.gather_rows([(s.rollout, i) for s, i in rows]), **picked, each_reward=each, stats=stats)
+        gathered = responses.gather_rows([(s.rollout, i) for s, i in rows])
+        return Scored(gathered, **picked, each_reward=each, stats=stats, episodes=episodes)
 
     def _scored_batch(self, iteration: int, state, attempt: int) -> Scored:
         """The next batch of prompts in the epoch order, rolled out and scored."""
@@ -116,24 +184,24 @@ class Rollouts:
         world, rank, per_rank, n = ranks.world, ranks.rank, r.prompts_per_iteration, r.samples_per_prompt
         chosen = self.order.take(state.prompts_drawn, per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
         state.prompts_drawn += per_rank * world
-        rolled = self.sample(
-            [self.prompts.ids[i] for i in chosen],
-            r.temperature,
-            n,
-            seed=(c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007,
-        )
+        seed = (c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007
+        rolled = self.roll(self.prompts, chosen, r.temperature, n, seed)
         raw, each = self.score(self.prompts, chosen, rolled, n)
         raw = torch.tensor(raw, device=self.device)
-        no_stop = torch.tensor([f == "length" for f in rolled.finish_reason], device=self.device)
+        rollout = rolled.rollout
+        no_stop = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
+        generated = rollout.response_mask.sum(dim=1).to(self.device)  # an episode's tool tokens aside
         overlong = responses.overlong_penalty(
-            rolled.response_lens.to(self.device), r.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_penalty
+            generated, r.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_penalty
         )
         return Scored(
-            rolled,
+            rollout,
             raw + r.no_stop_penalty * no_stop + overlong,
             raw,
             no_stop,
             {name: torch.tensor(values) for name, values in each.items()},
+            stats={} if rolled.episodes is None else episode_metrics(rolled.episodes),
+            episodes=rolled.episodes,
         )
 
     def examples(self, scored: Scored, k: int) -> list:
@@ -145,6 +213,7 @@ class Rollouts:
             {
                 "prompt": self.tokenizer.decode(scored.rollout.prompt_ids[i]),
                 "completion": text,
+                **({} if scored.episodes is None else {"messages": scored.episodes[i].messages}),
                 "score": float(scored.scores[i]),
                 **{name: float(v[i]) for name, v in scored.each_reward.items()},
             }

@@ -50,7 +50,7 @@ def iteration_metrics(iteration: int, scored, batch, stats: dict, lr: float, clo
     start, rolled, prepared, done = clock
     raw, tokens = scored.raw, int(batch.mask.sum())
     mismatch = ((batch.sampler_logprobs - batch.old_logprobs).abs() * batch.mask).sum() / max(tokens, 1)
-    generated = float(scored.rollout.response_lens.sum())
+    generated = float(scored.rollout.response_mask.sum())  # sampled: an episode's tool tokens aside
     return {
         "iteration": iteration,
         "reward_mean": float(raw.mean()),
@@ -59,6 +59,8 @@ def iteration_metrics(iteration: int, scored, batch, stats: dict, lr: float, clo
         **scored.stats,
         "score_mean": float(scored.scores.mean()),
         "response_length": float(scored.rollout.response_lens.float().mean()),
+        # an episode's length holds its tool results; what the policy sampled of it:
+        **({} if scored.episodes is None else {"sampled_length": generated / len(scored.rollout.response_lens)}),
         "stop_rate": float(1 - scored.no_stop.float().mean()),
         "logprob_mismatch": float(mismatch),
         **stats,

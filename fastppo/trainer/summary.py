@@ -1,6 +1,6 @@
-"""What a run is, said before it starts: the model, the rewards, an iteration's shape, the first
-prompt as the sampler sees it, the memory plan's total for one device, and a note when a model of
-one's own keeps the defaults chosen for the shipped toy task."""
+"""What a run is, said before it starts: the model, the rewards, an iteration's shape (with tools,
+its episodes'), the first prompt as the sampler sees it, the memory plan's total for one device,
+and a note when a model of one's own keeps the defaults chosen for the shipped toy task."""
 
 from .config import TrainConfig
 from .models import DEFAULT_MODEL
@@ -24,6 +24,7 @@ def summary(config, models, rollouts, longest_prompt: int, world: int) -> list:
         + (f" x {world} ranks" if world > 1 else "")
         + f", up to {r.max_new_tokens} new tokens each, of {len(prompts)} prompts; the first, as the "
         f"sampler sees it: {prompts.texts[0]!r}",
+        *episodes(c, rollouts.agent),
         "update forwards: "
         + (
             "each prompt encoded once for its samples"
@@ -38,6 +39,18 @@ def summary(config, models, rollouts, longest_prompt: int, world: int) -> list:
         f"memory plan for one {device_type} device: "
         f"{sum(line.bytes for line in plan) / GiB:.2f} GiB (the lines: fastppo train --plan)",
     ] + toy_defaults(c)
+
+
+def episodes(config, agent) -> list:
+    """A line on the episodes of a run with tools."""
+    if agent is None:
+        return []
+    t = config.tools
+    names = ", ".join(schema["function"]["name"] for schema in agent.schemas)
+    return [
+        f"episodes: tools {names}; up to {t.max_tool_calls} calling turns, {t.max_tool_tokens} tokens of "
+        f"results, {t.tool_timeout:g} s a call"
+    ]
 
 
 def toy_defaults(config) -> list:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..rewards import gsm8k_reward
 from .errors import RewardFailed, UsageError
 from .fields import FLOAT32_MAX
 
@@ -74,6 +75,49 @@ def vowels_eval_prompts(count: int = 64, seed: int = 0) -> list:
     return vowels_prompts(count, seed + 1)
 
 
+MULTIPLY_SYSTEM = "Answer with the calculator tool, then reply with the number alone."
+MULTIPLY_EXAMPLE = [  # one worked exchange, so a small model sees how a call looks
+    {"role": "user", "content": "What is 512 * 34?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "512 * 34"}}}
+        ],
+    },
+    {"role": "tool", "name": "calculator", "content": "17408"},
+    {"role": "assistant", "content": "17408"},
+]
+
+
+def multiply_rows(count: int, seed: int) -> list:
+    """``count`` chat prompts "What is a * b?" (a three-digit, b two-digit) after the worked example,
+    with the product as ``answer``."""
+    rng = random.Random(f"fastppo multiply {seed}")
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        question = {"role": "user", "content": f"What is {a} * {b}?"}
+        rows.append(
+            {
+                "prompt": [{"role": "system", "content": MULTIPLY_SYSTEM}, *MULTIPLY_EXAMPLE, question],
+                "answer": str(a * b),
+            }
+        )
+    return rows
+
+
+def multiply_prompts(count: int = 1024, seed: int = 0) -> list:
+    return multiply_rows(count, seed)
+
+
+def multiply_eval_prompts(count: int = 64, seed: int = 0) -> list:
+    """``count`` products that :func:`multiply_prompts` (same seed) never asks: held out."""
+    seen = {row["answer"] + row["prompt"][-1]["content"] for row in multiply_prompts(seed=seed)}
+    fresh = [r for r in multiply_rows(4 * count, seed + 1) if r["answer"] + r["prompt"][-1]["content"] not in seen]
+    return fresh[:count]
+
+
 @dataclass(frozen=True)
 class Task:
     prompts: Callable  # (seed=) -> rows, dicts with at least 'prompt'
@@ -84,6 +128,8 @@ class Task:
 TASKS = {
     "arithmetic": Task(arithmetic_prompts, arithmetic_reward, arithmetic_eval_prompts),
     "vowels": Task(vowels_prompts, vowels_reward, vowels_eval_prompts),
+    # for a run with --tools calculator: a model of SmolLM2's size cannot multiply these unaided
+    "multiply": Task(multiply_prompts, gsm8k_reward, multiply_eval_prompts),
 }
 
 
@@ -110,7 +156,7 @@ def load_reward(spec: str, format_pattern: str = None):
     if not module_name or not name:
         raise UsageError(f"reward must be 'module:function' or one of {', '.join(rewards.BUILTIN)}, got {spec!r}")
     try:
-        module = _import_from_here(module_name)
+        module = import_from_here(module_name)
     except ImportError as error:
         raise UsageError(f"reward {spec!r}: cannot import {module_name} ({error})") from None
     except Exception as error:  # a syntax error in it, or its own code raising as it is imported
@@ -121,7 +167,7 @@ def load_reward(spec: str, format_pattern: str = None):
     return fn
 
 
-def _import_from_here(name: str):
+def import_from_here(name: str):
     """``import name``, finding a module in the working directory as ``python -m`` would: the
     ``fastppo`` script, unlike ``python -m fastppo``, has no working directory on ``sys.path``."""
     try:
@@ -134,10 +180,10 @@ def _import_from_here(name: str):
         return importlib.import_module(name)
 
 
-def configured_rewards(config, reward_fn=None, reward_model=None) -> "Rewards":
+def configured_rewards(config, reward_fn=None, reward_model=None, environment=None) -> "Rewards":
     """A run's rewards: ``reward_fn`` (the Python API's), else each ``--reward`` and the
     ``--reward-model`` (made by ``reward_model(path)``), else the built-in task's; weighted by
-    ``--reward-weights``."""
+    ``--reward-weights``; and an environment's ``(name, function)``, if given, with weight 1."""
     c = config.reward
     if reward_fn is not None:
         named = [(getattr(reward_fn, "__name__", "reward"), reward_fn)]
@@ -145,12 +191,16 @@ def configured_rewards(config, reward_fn=None, reward_model=None) -> "Rewards":
         named = [(spec, load_reward(spec, c.format_pattern)) for spec in c.reward or ()]
         if c.reward_model:
             named.append(("reward_model", reward_model(c.reward_model)))
-    if not named:
+    if not named and environment is None:
         task = config.data.task
         if task not in TASKS:
             raise UsageError(f"no reward: task {task!r} is not built in and --reward is not given")
         named = [(task, TASKS[task].reward)]
-    return Rewards(named, c.reward_weights)
+    rewards = Rewards(named, c.reward_weights)
+    if environment is not None:
+        rewards.named.append(environment)
+        rewards.weights.append(1.0)
+    return rewards
 
 
 class Rewards:

@@ -33,9 +33,9 @@ class Spy:
             loop_init(loop, decoder, decode, *args, **kwargs)
             prefill, pack = decoder.prefill, decoder.pack
 
-            def counted_decode(tokens, positions, span):
+            def counted_decode(tokens, positions, span, live):
                 spy.decoded += tokens.shape[0]
-                return decode(tokens, positions, span)
+                return decode(tokens, positions, span, live)
 
             def counted_prefill(slots, prompts):
                 spy.late_prefills += loop.steps_run > 0

@@ -84,3 +84,24 @@ def holder(directory):
     )
     assert process.stdout.readline().strip() == "held"
     return process
+
+
+def killed_and_resumed(killed, run) -> object:
+    """Train ``killed`` until its process dies mid-iteration 2 (after checkpoint-2), then resume the
+    run directory ``run`` to its end; the resumed trainer."""
+    import pytest
+
+    run_iteration = killed.iteration
+
+    def killed_at_2(i):
+        if i == 2:
+            raise KeyboardInterrupt  # the process dies mid-iteration, after checkpoint-2
+        return run_iteration(i)
+
+    killed.iteration = killed_at_2
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed, start = PPOTrainer.resume(run)
+    assert start == 2
+    resumed.train(start)
+    return resumed

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fastppo.rollout import Rollout
+from fastppo.rollout.turns import Turns
 from fastppo.trainer import PPOTrainer, TrainConfig
 
 FIELDS = dict(
@@ -18,15 +19,36 @@ FIELDS = dict(
 )
 
 
+class Shifted(Turns):
+    """A batch's turns, for a call that samples the batch's rows from ``first`` on."""
+
+    def __init__(self, turns, first: int):
+        self.turns, self.first = turns, first
+
+    def turn_ended(self, row, turn, may_continue):
+        return self.turns.turn_ended(self.first + row, turn, may_continue)
+
+    def continuation(self, row):
+        return self.turns.continuation(self.first + row)
+
+    def truncated(self, row):
+        self.turns.truncated(self.first + row)
+
+
 def prompt_by_prompt(generate):
     """``generate`` run one prompt at a time, seeded by the prompt's tokens, so a prompt's rows are
     the same however prompts are split across ranks (a batched decode may round differently at
     another batch size), and its samples still differ (a group of equal samples has no advantage)."""
 
-    def rollout(prompts, **options):
+    def rollout(prompts, turns=None, **options):
+        n = options["num_samples_per_prompt"]
         parts = [
-            generate([prompt], **{**options, "seed": zlib.crc32(bytes(str(list(prompt)), "ascii"))})
-            for prompt in prompts
+            generate(
+                [prompt],
+                **{**options, "seed": zlib.crc32(bytes(str(list(prompt)), "ascii"))},
+                turns=None if turns is None else Shifted(turns, j * n),
+            )
+            for j, prompt in enumerate(prompts)
         ]
         width = max(part.response_ids.shape[1] for part in parts)
 

@@ -10,7 +10,7 @@ from fastppo.trainer import PPOTrainer
 from fastppo.trainer.config import from_arguments
 from fastppo.trainer.optimizers import lr_factor
 from fastppo.trainer.tasks import vowels_reward
-from tests.trainer.runs import config, mean_reward, untrained
+from tests.trainer.runs import config, killed_and_resumed, mean_reward, untrained
 
 
 def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
@@ -372,20 +372,7 @@ def test_resume_is_exact(tmp_path, estimator, kl_coef):
     )
     straight = PPOTrainer(config(tmp_path / "a", **fields))
     straight.train()
-    killed = PPOTrainer(config(tmp_path / "b", **fields))
-    run_iteration = killed.iteration
-
-    def killed_at_2(i):
-        if i == 2:
-            raise KeyboardInterrupt  # the process dies mid-iteration, after checkpoint-2
-        return run_iteration(i)
-
-    killed.iteration = killed_at_2
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
-    resumed, start = PPOTrainer.resume(tmp_path / "b" / "run")
-    assert start == 2
-    resumed.train(start)
+    resumed = killed_and_resumed(PPOTrainer(config(tmp_path / "b", **fields)), tmp_path / "b" / "run")
     rows = [
         [json.loads(line) for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()]
         for d in ("a", "b")
