@@ -66,9 +66,13 @@ def reward_calls(prompts, completions, **_):
 
 
 def turn_taking_policy(tokenizer, seed: int = 0):
-    """A tiny random Llama that ends a turn (draws ``<eos>``) about once in five tokens: its head's
-    ``<eos>`` row points along the mean of its final hidden states."""
-    policy = tiny_policy(tokenizer, seed=seed)
+    """A tiny random Llama that ends a turn (draws ``<eos>``) about once in five tokens."""
+    return end_turns_often(tiny_policy(tokenizer, seed=seed), tokenizer)
+
+
+def end_turns_often(policy, tokenizer):
+    """``policy`` with its head's ``<eos>`` row along the mean of its final hidden states on a
+    sample text, so that it ends its turns often."""
     ids = tokenizer("u:abcdefgh ijk lmnop<eos>\na:qrstu vwxyz", return_tensors="pt").input_ids
     with torch.no_grad():
         mean = policy.model(ids).last_hidden_state[0].mean(dim=0)

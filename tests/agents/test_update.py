@@ -7,24 +7,21 @@ import pytest
 import torch
 
 from fastppo.trainer.loss import minibatch_loss
-from tests.agents.runs import agent_trainer
+from tests.agents.runs import agent_trainer, end_turns_often
 from tests.oracles import logprobs_oracle, ppo_loss_oracle, relative_error
-from tests.trainer.runs import TEMPERATURE
+from tests.trainer.runs import TEMPERATURE, ops_on_triton
 from tests.trainer.test_shared_prefix import SHARED, whole_gradient
 
 
 def drifted_agent(tmp_path, **fields):
-    """An agent trainer whose policy has moved from its reference (its turn-taking head row kept,
-    and LoRA's factors left at their start, which would move every hidden state)."""
+    """An agent trainer whose policy has moved from its reference (still ending its turns often;
+    LoRA's factors left at their start, which would move every hidden state)."""
     trainer = agent_trainer(tmp_path, **fields)
-    head = trainer.policy.get_output_embeddings().weight
-    eos = trainer.tokenizer.eos_token_id
     with torch.no_grad():
-        kept = head[eos].clone()
         for name, p in trainer.policy.named_parameters():
             if "lora_" not in name:
                 p.add_(torch.randn_like(p) * 0.05)
-        head[eos] = kept
+    end_turns_often(trainer.policy, trainer.tokenizer)
     return trainer
 
 
@@ -37,10 +34,21 @@ def episodes_of(trainer):
     return scored, batch, holes
 
 
-def test_the_gradient_is_a_reference_on_the_concatenated_episodes(tmp_path, every_turn_calls):
+@pytest.mark.parametrize("layout", ["shared", "padded"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_gradient_is_a_reference_on_the_concatenated_episodes(
+    tmp_path, every_turn_calls, monkeypatch, backend, layout
+):
+    """On both backends (Triton: every op's kernel in the interpreter, the sampler's draw too)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        launched = ops_on_triton(monkeypatch)
     fields = dict(kl_coef=0.1, entropy_coef=0.02, recompute_old_logprobs=True, kl_estimator="k3")
     trainer = drifted_agent(tmp_path, **fields)
     _, batch, holes = episodes_of(trainer)
+    if layout == "padded":
+        trainer.models.shared_prefix = None
+    assert backend == "torch" or launched
     batch.old_logprobs = batch.old_logprobs + 0.1 * torch.randn_like(batch.old_logprobs) * batch.mask  # ratios != 1
     tokens = batch.mask.sum()
     trainer.optimizers.zero_grad()

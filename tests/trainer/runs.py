@@ -105,3 +105,22 @@ def killed_and_resumed(killed, run) -> object:
     assert start == 2
     resumed.train(start)
     return resumed
+
+
+def ops_on_triton(monkeypatch) -> list:
+    """Every op's ``"auto"`` backend resolved to its Triton kernel (the interpreter, without a GPU);
+    the backends asked for are appended to the list returned."""
+    import sys
+
+    from fastppo.ops import dispatch
+
+    launched = []
+
+    def triton_for_auto(backend, device):
+        launched.append(backend)
+        return dispatch.resolve_backend("triton" if backend == "auto" else backend, device)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fastppo.ops.") and module is not dispatch and hasattr(module, "resolve_backend"):
+            monkeypatch.setattr(module, "resolve_backend", triton_for_auto)
+    return launched

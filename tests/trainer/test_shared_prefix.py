@@ -11,7 +11,7 @@ from fastppo.trainer.batch import Batch, prepare
 from fastppo.trainer.layout import SharedPrefix, _first_fit, groups, key_cost, microbatches, units
 from fastppo.trainer.shared_prefix import check_shared_prefix, probe_batch
 from tests.oracles import relative_error
-from tests.trainer.runs import drifted, rolled_out
+from tests.trainer.runs import drifted, ops_on_triton, rolled_out
 
 SHARED = SharedPrefix(key_cost=0.0)  # no unit cut
 
@@ -193,19 +193,7 @@ def test_the_probe_shares_a_prompt_and_packs_two_units():
 def test_the_shared_prefix_update_is_the_padded_update_on_the_triton_kernels_too(tmp_path, monkeypatch):
     """The same comparison with every op on its Triton kernel (the interpreter, without a GPU)."""
     pytest.importorskip("triton")
-    import sys
-
-    from fastppo.ops import dispatch
-
-    launched = []
-
-    def triton_for_auto(backend, device):
-        launched.append(backend)
-        return dispatch.resolve_backend("triton" if backend == "auto" else backend, device)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("fastppo.ops.") and module is not dispatch and hasattr(module, "resolve_backend"):
-            monkeypatch.setattr(module, "resolve_backend", triton_for_auto)
+    launched = ops_on_triton(monkeypatch)
     trainer = drifted(tmp_path, kl_coef=0.05, entropy_coef=0.01, recompute_old_logprobs=True, max_new_tokens=4)
     _, batch = rolled_out(trainer)
     whole_units = SharedPrefix(key_cost=0.0)
