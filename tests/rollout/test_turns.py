@@ -12,6 +12,7 @@ import torch
 import fastppo
 from fastppo.rollout.turns import Turns
 from tests.rollout.models import FAMILIES, RAGGED_PROMPTS, V, tiny
+from tests.trainer.runs import ops_on_triton
 
 STOP = tuple(range(2, V, 4))  # many stop ids: a tiny random model's turns end often
 
@@ -75,6 +76,19 @@ def reference(model, prompt, row, max_new, max_len, turns=3):
 @pytest.mark.parametrize("slots", [2, 16])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_episodes_equal_a_re_prefilling_reference(family, slots):
+    check_greedy_episodes(family, slots)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_greedy_episodes_on_the_triton_sampling_kernel(family, monkeypatch):
+    """The same with each step's draw on its Triton kernel (the interpreter, without a GPU)."""
+    pytest.importorskip("triton")
+    launched = ops_on_triton(monkeypatch)
+    check_greedy_episodes(family, 4)
+    assert launched
+
+
+def check_greedy_episodes(family, slots):
     model = tiny(family)
     max_new, max_len = 20, 48
     sampler = fastppo.Sampler(model, max_batch_size=slots, max_seq_len=max_len)
