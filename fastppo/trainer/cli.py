@@ -186,10 +186,12 @@ def _plan(args) -> int:
         except UsageError as error:
             raise UsageError(f"{error} (with the tokenizer of --model {path}; or give --plan-prompt-tokens)") from None
     context = getattr(model_config, "max_position_embeddings", None)
-    if context is not None and tokens + config.rollout.max_new_tokens > context:
+    if context is not None and tokens + config.response_tokens > context:
+        room = f"--max-new-tokens {config.rollout.max_new_tokens}"
+        if config.episodes:
+            room += f" and --max-tool-tokens {config.tools.max_tool_tokens}"
         raise UsageError(
-            f"--plan-prompt-tokens {tokens} with --max-new-tokens {config.rollout.max_new_tokens} "
-            f"exceeds the context of --model {path} ({context} positions)"
+            f"--plan-prompt-tokens {tokens} with {room} exceeds the context of --model {path} ({context} positions)"
         )
     device_type = torch.device(config.device).type
     world = args.plan_world_size or world_size()

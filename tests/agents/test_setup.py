@@ -109,3 +109,22 @@ def test_the_command_line_says_it_in_one_line(user_module, capsys):
     assert "config field stop cannot be given with tools" in line
     line = one_line_error(capsys, ["--tools", "calculator", "--max-tool-calls", "0", *TINY])
     assert "max_tool_calls must be >= 1" in line
+
+
+def test_the_memory_plan_counts_the_tool_results_room():
+    from transformers import LlamaConfig
+
+    from fastppo.trainer import TrainConfig
+    from fastppo.trainer.plan import memory_plan
+
+    model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+    def kv_positions(**fields):
+        config = TrainConfig.from_flat({"max_new_tokens": 32, **fields}).validate()
+        line = next(
+            line for line in memory_plan(config, model, prompt_tokens=100, device_type="cpu") if line.name == "KV cache"
+        )
+        return line.how
+
+    assert "132 positions" in kv_positions()
+    assert "632 positions" in kv_positions(tools=["calculator"], max_tool_tokens=500)
