@@ -86,8 +86,9 @@ class RolloutLoop:
         self.mask_out = torch.zeros(B + 1, steps + 1, dtype=torch.bool, device=device)
         self.stopped_out = torch.zeros(B + 1, dtype=torch.bool, device=device)
         self.stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
-        # Per slot, on the device: its output row, prompt length, response columns written (drawn
-        # tokens and continuations), tokens drawn, budget of drawn tokens, last token, live.
+        # Per slot, on the device: its output row, prompt length, ``drawn`` the response columns
+        # written (its drawn tokens, and an episode's continuations too), ``generated`` the tokens
+        # it drew, its budget of those, its last token, live.
         self.row = torch.full((slots,), B, dtype=torch.long, device=device)
         self.prompt_len = torch.ones(slots, dtype=torch.long, device=device)
         self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
@@ -145,7 +146,8 @@ class RolloutLoop:
         active = self.active[: self.b].nonzero().flatten().tolist()
         if len(active) + len(self.paused) == len(self.offset) and not self._due(active):
             return True  # no row has ended since the last look, and none is to resume
-        ended = [s for s in self.offset if s not in self.paused and s not in set(active)]
+        decoding = set(active)
+        ended = [s for s in self.offset if s not in self.paused and s not in decoding]
         if self.turns is not None:
             ended = self._end_turns(ended)
         self._end(ended)
