@@ -195,14 +195,14 @@ class RolloutLoop:
         if not ended:
             return []
         index = torch.tensor(ended, device=self.row.device, dtype=torch.long)
-        state = torch.stack([self.row[index], self.drawn[index], self.generated[index], self.limit[index]])
-        length, stopped = self.prompt_len[index] + self.drawn[index], self.stopped_out[state[0]].long()
-        state = torch.cat([state, length[None], stopped[None]])
+        rows = self.row[index]
+        state = [rows, self.prompt_len[index], self.drawn[index], self.generated[index], self.limit[index]]
+        state = torch.stack([*state, self.stopped_out[rows].long()]).t().tolist()  # one host copy
         over = []
-        for s, (row, drawn, generated, limit, length, stopped) in zip(ended, state.t().tolist()):
+        for s, (row, P, drawn, generated, limit, stopped) in zip(ended, state):
             start = self.turn_start.get(row, 0)
             turn = self.tokens_out[row, start:drawn].tolist()
-            may_continue = bool(stopped) and generated < limit and length < self.max_len
+            may_continue = bool(stopped) and generated < limit and P + drawn < self.max_len
             if self.turns.turn_ended(row, turn, may_continue) and may_continue:
                 self.paused[s] = self.steps_run + TOOL_STEPS
             else:
@@ -216,16 +216,17 @@ class RolloutLoop:
         if not slots:
             return
         index = torch.tensor(slots, device=self.row.device, dtype=torch.long)
-        rows, drawn, lengths = (t.tolist() for t in (self.row[index], self.drawn[index], self.prompt_len[index]))
+        rows, drawn = self.row[index], self.drawn[index]
+        # each row's last token is fed again: a paused slot rewrote its position
+        state = torch.stack([rows, drawn, self.prompt_len[index], self.tokens_out[rows, drawn - 1]]).t().tolist()
         fed, feeding, starts, truncated = [], [], [], []
-        for s, row, d, P in zip(slots, rows, drawn, lengths):
+        for s, (row, d, P, last) in zip(slots, state):
             del self.paused[s]
             tokens = list(self.turns.continuation(row))
             if P + d + len(tokens) >= self.max_len:
                 self.turns.truncated(row)
                 truncated.append(s)
                 continue
-            last = int(self.tokens_out[row, d - 1])  # fed again: a paused slot rewrote its position
             self.tokens_out[row, d : d + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             self.turn_start[row] = d + len(tokens)
             fed.append(s)

@@ -17,7 +17,7 @@ import torch
 
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
-from ..windows import UnknownWindows, layer_windows
+from ..windows import UnknownWindows, smallest_window
 from .batching import RolloutLoop
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
@@ -156,7 +156,7 @@ class Sampler:
         """The generic path's continuations leave masked columns in the model's cache; a window
         counted in cache columns would then cover other tokens than the model's window does."""
         try:
-            windowed = any(w is not None for w in layer_windows(self.model.config))
+            windowed = smallest_window(self.model.config) is not None
         except UnknownWindows:
             windowed = True
         if windowed:

@@ -198,7 +198,9 @@ class ChatRenderer:
         self.tokenizer, self.chat, self.system_prompt, self.schemas = tokenizer, chat, system_prompt, schemas
         self.template = read_chat_template(chat_template)
 
-    def __call__(self, prompt, origin: str) -> str:
+    def __call__(self, prompt, origin: str) -> tuple:
+        """``(text, messages)``: the text the sampler sees, and the chat messages it was rendered
+        from (None for a string prompt used as it is)."""
         if isinstance(prompt, str) and not self.chat:
             if not prompt:
                 raise UsageError(f"{origin}: the prompt is empty")
@@ -207,8 +209,9 @@ class ChatRenderer:
                     f"{origin}: a string prompt cannot take --system-prompt; add --chat to render it "
                     "as a user message with the chat template"
                 )
-            return prompt
-        return self.render(self.messages(prompt, origin), origin)
+            return prompt, None
+        messages = self.messages(prompt, origin)
+        return self.render(messages, origin), messages
 
     def render(self, messages: list, origin: str) -> str:
         """Checked ``messages`` through the chat template, with the generation prompt."""
@@ -248,11 +251,11 @@ def load(rows: list, origins: list, tokenizer, data, source: str, schemas=None) 
     :class:`Prompts`: mapped, rendered (the tools' ``schemas`` listed) and tokenised."""
     prompts, fields = map_columns(rows, origins, data.prompt_field, parse_field_map(data.field_map), source)
     render = ChatRenderer(tokenizer, data.chat, data.system_prompt, data.chat_template, schemas)
-    texts = [render(prompt, origin) for prompt, origin in zip(prompts, origins)]
-    messages = [
-        None if isinstance(prompt, str) and not data.chat else render.messages(prompt, origin)
-        for prompt, origin in zip(prompts, origins)
-    ]
+    texts, messages = [], []
+    for prompt, origin in zip(prompts, origins):
+        text, chat = render(prompt, origin)
+        texts.append(text)
+        messages.append(chat)
     ids = []
     for text, origin in zip(texts, origins):
         ids.append(tokenizer(text, add_special_tokens=False).input_ids)

@@ -102,11 +102,11 @@ class Rollouts:
         if any(o is not None for o in observations):  # each row's prompt its own
             texts = [self._observed(prompts, i, o, text) for i, o, text in zip(rows, observations, texts)]
             ids, per_prompt = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts], 1
-            room = self.sampler.max_seq_len - self.config.rollout.max_new_tokens
-            if max(len(i) for i in ids) > room:
+            longest, room = max(map(len, ids)), self.sampler.max_seq_len - self.config.rollout.max_new_tokens
+            if longest > room:
                 raise UsageError(
-                    f"{self.agent.environment.what}: a prompt with reset's observation is "
-                    f"{max(len(i) for i in ids)} tokens, more than the {room} the sampler has room for"
+                    f"{self.agent.environment.what}: a prompt with reset's observation is {longest} "
+                    f"tokens, more than the {room} the sampler has room for"
                 )
         turns = self.agent.episodes(instances)
         rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns)

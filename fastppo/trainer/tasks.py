@@ -113,9 +113,8 @@ def multiply_prompts(count: int = 1024, seed: int = 0) -> list:
 
 def multiply_eval_prompts(count: int = 64, seed: int = 0) -> list:
     """``count`` products that :func:`multiply_prompts` (same seed) never asks: held out."""
-    seen = {row["answer"] + row["prompt"][-1]["content"] for row in multiply_prompts(seed=seed)}
-    fresh = [r for r in multiply_rows(4 * count, seed + 1) if r["answer"] + r["prompt"][-1]["content"] not in seen]
-    return fresh[:count]
+    seen = {row["prompt"][-1]["content"] for row in multiply_prompts(seed=seed)}  # the questions asked
+    return [row for row in multiply_rows(4 * count, seed + 1) if row["prompt"][-1]["content"] not in seen][:count]
 
 
 @dataclass(frozen=True)
