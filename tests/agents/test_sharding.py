@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from fastppo.agents import parsing
@@ -27,6 +28,7 @@ def _episode_worker(rank, port, out_dir, fields):
     leave()
 
 
+@pytest.mark.slow  # two processes: with the other end-to-end runs, out of the default suite
 def test_two_sharded_ranks_make_the_episode_update_of_one_unsharded_rank(tmp_path, every_turn_calls):
     tokenizer = char_tokenizer()
     turn_taking_policy(tokenizer).save_pretrained(tmp_path / "model")
