@@ -4,7 +4,8 @@ One module per kernel family (``logprobs``, ``ppo_loss``, ``gae``, ``sampling``)
 takes tensors already shaped the way its kernel expects and writes into output tensors it is
 given. Nothing here validates arguments, chooses dtypes or knows about autograd: that is the job
 of ``fastppo.ops``. ``layout`` holds what the kernels share with their PyTorch twins and imports
-no triton, so the families are imported on first use, not with the package.
+no triton, so the families are imported on first use, not with the package; ``vectors`` is what
+the vocabulary kernels share to read rows that start between 16-byte vectors.
 """
 
 import importlib

@@ -31,7 +31,9 @@ Rows labelled ``ignore_index`` are never read: their outputs are 0, their gradie
 exact zeros, and in the forward a tile of such rows skips the vocabulary loop.
 
 Logits are addressed as a ``(B, T, V)`` view with arbitrary strides, so slices such as
-``logits[:, :-1]`` are read in place with no copy. Rows are indexed on grid axis 0 (no 65,535
+``logits[:, :-1]`` are read in place with no copy. Rows that start between 16-byte vectors (an
+odd vocabulary: GPT-2's 50,257) are read, and their gradient written, as an aligned body in whole
+vectors and two masked edges (``vectors.py``). Rows are indexed on grid axis 0 (no 65,535
 limit) and all offsets are int64. A program handles ``BLOCK_N`` rows at once, so small
 vocabularies do not waste a program per row. Temperature is a runtime value (a scalar or a
 per-row tensor), never a compile-time constant.
@@ -42,6 +44,7 @@ import triton.language as tl
 
 from .fastmath import LN2, LOG2E, exp2, log2
 from .layout import row_unit
+from .vectors import body_columns, edge_columns, row_shift, shared_shift
 
 # Where exp2 underflows to 0 (flush to zero): differences below it are clamped before use.
 _EXP2_FLOOR = tl.constexpr(126.0)
@@ -66,6 +69,32 @@ def _inverse_temperature(temp_ptr, rows, row_ok, inv_temp, HAS_TEMP: tl.constexp
 
 
 @triton.jit
+def _fwd_tile(x, cols, ok, labels, scale2, m_x, m, s, w, q, x_sum, before, HAS_STATS: tl.constexpr):
+    # One tile of logits x (BLOCK_N, BLOCK_V) fp32, unscaled, -inf where not ok, at columns cols
+    # (broadcastable to x) -> the running statistics of the online softmax, updated.
+    # The scale is positive (or NaN, which then reaches every output): max(x) * scale2 is
+    # max(y), so the scale costs one FFMA per element, inside d = x * scale2 - ref.
+    m_x = tl.maximum(m_x, tl.max(x, axis=1))
+    m_new = m_x * scale2
+    # While a row has seen only -inf, keep its reference point finite so no inf - inf appears.
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    shift = tl.where(m == float("-inf"), 0.0, m - ref)  # <= 0
+    decay = exp2(shift)
+    d = x * scale2[:, None] - ref[:, None]
+    e = exp2(d)
+    # e * d is 0 * -inf = NaN at a -inf logit: clamping d (where e is already 0) costs one
+    # instruction where a select on the logit cost two, and keeps a NaN logit's NaN.
+    w = decay * (w + shift * s) + tl.sum(e * tl.maximum(d, -_EXP2_FLOOR), axis=1)
+    s = decay * s + tl.sum(e, axis=1)
+    if HAS_STATS:
+        q = decay * decay * q + tl.sum(e * e, axis=1)
+        x_sum += tl.sum(tl.where(ok, x, 0.0), axis=1)
+        left = cols < labels[:, None]
+        before = tl.maximum(before, tl.max(tl.where(left, x, float("-inf")), axis=1))
+    return m_x, m_new, s, w, q, x_sum, before
+
+
+@triton.jit(do_not_specialize=["first"])
 def _logprobs_fwd_kernel(
     logits_ptr,
     stride_b,
@@ -82,11 +111,15 @@ def _logprobs_fwd_kernel(
     T,
     V_units,
     ignore_index,
+    first,
+    body,
     HAS_TEMP: tl.constexpr,
     HAS_STATS: tl.constexpr,
     UNIT: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    EDGE_V: tl.constexpr,
 ):
     V = V_units * UNIT
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -112,32 +145,30 @@ def _logprobs_fwd_kernel(
     q = tl.zeros((BLOCK_N,), tl.float32)
     x_sum = tl.zeros((BLOCK_N,), tl.float32)
     before = tl.full((BLOCK_N,), float("-inf"), tl.float32)  # the largest logit left of the label
-    for v0 in range(0, V_live, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
-        ok = live[:, None] & (cols < V)[None, :]
-        x = tl.load(
-            logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v, mask=ok, other=float("-inf")
-        ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
-        # The scale is positive (or NaN, which then reaches every output): max(x) * scale2 is
-        # max(y), so the scale costs one FFMA per element, inside d = x * scale2 - ref.
-        m_x = tl.maximum(m_x, tl.max(x, axis=1))
-        m_new = m_x * scale2
-        # While a row has seen only -inf, keep its reference point finite so no inf - inf appears.
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        shift = tl.where(m == float("-inf"), 0.0, m - ref)  # <= 0
-        decay = exp2(shift)
-        d = x * scale2[:, None] - ref[:, None]
-        e = exp2(d)
-        # e * d is 0 * -inf = NaN at a -inf logit: clamping d (where e is already 0) costs one
-        # instruction where a select on the logit cost two, and keeps a NaN logit's NaN.
-        w = decay * (w + shift * s) + tl.sum(e * tl.maximum(d, -_EXP2_FLOOR), axis=1)
-        s = decay * s + tl.sum(e, axis=1)
-        if HAS_STATS:
-            q = decay * decay * q + tl.sum(e * e, axis=1)
-            x_sum += tl.sum(tl.where(ok, x, 0.0), axis=1)
-            left = cols[None, :] < labels[:, None]
-            before = tl.maximum(before, tl.max(tl.where(left, x, float("-inf")), axis=1))
-        m = m_new
+    if VEC == 1:  # rows start at multiples of UNIT: one loop, masked at the row's end
+        for v0 in range(0, V_live, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V)
+            ok = live[:, None] & (cols < V)
+            x = tl.load(logits_ptr + base[:, None] + cols.to(tl.int64) * stride_v, mask=ok, other=float("-inf"))
+            m_x, m, s, w, q, x_sum, before = _fwd_tile(
+                x.to(tl.float32), cols, ok, labels, scale2, m_x, m, s, w, q, x_sum, before, HAS_STATS
+            )
+    else:  # rows start between 16-byte vectors: an aligned body in whole vectors, then the edges
+        head = (-(base + first)) & (VEC - 1)  # (BLOCK_N,) columns before the row's first vector
+        start = tl.multiple_of(base + head, VEC)  # (BLOCK_N,) where the body starts: vector-aligned
+        for v0 in range(0, tl.where(V_live > 0, body, 0), BLOCK_V):
+            at = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) within the body
+            x = tl.load(logits_ptr + start[:, None] + at, mask=live[:, None], other=float("-inf"))
+            cols = head[:, None] + at  # (BLOCK_N, BLOCK_V)
+            m_x, m, s, w, q, x_sum, before = _fwd_tile(
+                x.to(tl.float32), cols, live[:, None], labels, scale2, m_x, m, s, w, q, x_sum, before, HAS_STATS
+            )
+        for r0 in range(0, tl.where(V_live > 0, V - body, 0), EDGE_V):  # fewer than BLOCK_V + VEC columns
+            cols, ok = edge_columns(r0, head, body, V, live, EDGE_V)
+            x = tl.load(logits_ptr + base[:, None] + cols, mask=ok, other=float("-inf"))
+            m_x, m, s, w, q, x_sum, before = _fwd_tile(
+                x.to(tl.float32), cols, ok, labels, scale2, m_x, m, s, w, q, x_sum, before, HAS_STATS
+            )
 
     # s >= 1 in exact arithmetic (the max contributes exp2(0)); rounding in d may leave it a hair
     # under, which would make the max's log-prob positive. NaN passes; an all -inf row has
@@ -159,6 +190,20 @@ def _logprobs_fwd_kernel(
 
 
 @triton.jit
+def _bwd_tile(x, cols, labels, ignored, scale, lse, g_lp, entropy, g_ent, HAS_G_ENT: tl.constexpr):
+    # One tile of logits x (BLOCK_N, BLOCK_V) fp32, unscaled, -inf where not read, at columns
+    # cols (broadcastable to x) -> its gradient dz / T, fp32.
+    log_p = x * scale[:, None] - lse[:, None]
+    p = exp2(log_p * LOG2E)
+    dz = tl.where(cols == labels[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
+    if HAS_G_ENT:
+        # log p = -inf where p = 0: the clamp (below exp2's floor) keeps p * log p at 0, not NaN.
+        dz -= g_ent[:, None] * (p * (tl.maximum(log_p, -_EXP2_FLOOR * LN2) + entropy[:, None]))
+    # Exactly 0 in an ignored row, whatever its logits hold (0 * NaN would be NaN).
+    return tl.where(ignored[:, None], 0.0, dz * scale[:, None])
+
+
+@triton.jit(do_not_specialize=["first"])
 def _logprobs_bwd_kernel(
     logits_ptr,
     stride_b,
@@ -179,11 +224,16 @@ def _logprobs_bwd_kernel(
     T,
     V_units,
     ignore_index,
+    first,
+    body,
     HAS_TEMP: tl.constexpr,
     HAS_G_ENT: tl.constexpr,
     UNIT: tl.constexpr,
+    VEC: tl.constexpr,
+    GRAD_VEC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    EDGE_V: tl.constexpr,
 ):
     V = V_units * UNIT
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -200,32 +250,38 @@ def _logprobs_bwd_kernel(
     g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     # An ignored row gets exactly zero gradient; an out-of-range label gets NaN (never a finite lie).
     g_lp = tl.where(ignored, 0.0, tl.where(in_range, g_lp, float("nan")))
+    entropy, g_ent = lse, lse  # read only with HAS_G_ENT
     if HAS_G_ENT:
         entropy = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         g_ent = tl.where(ignored, 0.0, g_ent)
 
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        ok = row_ok[:, None] & (cols < V)[None, :]
-        x = tl.load(
-            logits_ptr + base[:, None] + cols[None, :].to(tl.int64) * stride_v,
-            mask=ok & live[:, None],
-            other=float("-inf"),
-        ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
-        log_p = x * scale[:, None] - lse[:, None]
-        p = exp2(log_p * LOG2E)
-        dz = tl.where(cols[None, :] == labels[:, None], g_lp[:, None], 0.0) - g_lp[:, None] * p
-        if HAS_G_ENT:
-            # log p = -inf where p = 0: the clamp (below exp2's floor) keeps p * log p at 0, not NaN.
-            dz -= g_ent[:, None] * (p * (tl.maximum(log_p, -_EXP2_FLOOR * LN2) + entropy[:, None]))
-        # Exactly 0 in an ignored row, whatever its logits hold (0 * NaN would be NaN).
-        dz = tl.where(ignored[:, None], 0.0, dz * scale[:, None])
-        tl.store(
-            grad_ptr + gbase[:, None] + cols[None, :].to(tl.int64) * gstride_v,
-            dz.to(grad_ptr.dtype.element_ty),
-            mask=ok,
-        )
+    if VEC == 1:  # rows start at multiples of UNIT: one loop, masked at the row's end
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V)
+            ok = row_ok[:, None] & (cols < V)
+            at = cols.to(tl.int64)
+            x = tl.load(logits_ptr + base[:, None] + at * stride_v, mask=ok & live[:, None], other=float("-inf"))
+            dz = _bwd_tile(x.to(tl.float32), cols, labels, ignored, scale, lse, g_lp, entropy, g_ent, HAS_G_ENT)
+            tl.store(grad_ptr + gbase[:, None] + at * gstride_v, dz.to(grad_ptr.dtype.element_ty), mask=ok)
+    else:  # rows start between 16-byte vectors: an aligned body in whole vectors, then the edges
+        head = (-(base + first)) & (VEC - 1)  # (BLOCK_N,) columns before the row's first vector
+        start = tl.multiple_of(base + head, VEC)  # (BLOCK_N,) where the body starts: vector-aligned
+        # The gradient's rows are vector-aligned alike when its layout matches (``vectors.shared_shift``).
+        gstart = tl.multiple_of(gbase + head * gstride_v, GRAD_VEC)
+        for v0 in range(0, body, BLOCK_V):
+            at = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) within the body
+            x = tl.load(logits_ptr + start[:, None] + at, mask=live[:, None], other=float("-inf"))
+            cols = head[:, None] + at  # (BLOCK_N, BLOCK_V)
+            dz = _bwd_tile(x.to(tl.float32), cols, labels, ignored, scale, lse, g_lp, entropy, g_ent, HAS_G_ENT)
+            tl.store(
+                grad_ptr + gstart[:, None] + at * gstride_v, dz.to(grad_ptr.dtype.element_ty), mask=row_ok[:, None]
+            )
+        for r0 in range(0, V - body, EDGE_V):  # fewer than BLOCK_V + VEC columns
+            cols, ok = edge_columns(r0, head, body, V, row_ok, EDGE_V)
+            x = tl.load(logits_ptr + base[:, None] + cols, mask=ok & live[:, None], other=float("-inf"))
+            dz = _bwd_tile(x.to(tl.float32), cols, labels, ignored, scale, lse, g_lp, entropy, g_ent, HAS_G_ENT)
+            tl.store(grad_ptr + gbase[:, None] + cols * gstride_v, dz.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
 # Elements a program touches per loop iteration, and the widest vocabulary block. A block of the
@@ -235,6 +291,7 @@ def _logprobs_bwd_kernel(
 # ``fastppo bench --sass``); 8 warps took 13.6. Vocabularies of 1024 or fewer run one warp per
 # program, several rows each, so their reductions are warp shuffles with no barrier at all.
 _TILE, _WARPS = 4096, 4
+_EDGE_TILE = 1024
 _SMALL_TILE = 1024
 _MAX_BLOCK_N = 64
 
@@ -247,7 +304,7 @@ def _tiling(V, block_v):
     return BLOCK_N, BLOCK_V, 1 if small else _WARPS
 
 
-def _launch(logits, temperature, inv_temperature, block_v, *other_row_strides):
+def _launch(logits, temperature, inv_temperature, block_v, grad=None):
     """What both launchers pass besides tensors: grid, row strides and sizes, runtime scalars and
     compile-time switches. None when there are no rows. A per-row temperature tensor wins over the
     scalar, which otherwise rides along as a runtime argument.
@@ -256,13 +313,24 @@ def _launch(logits, temperature, inv_temperature, block_v, *other_row_strides):
     if B * T == 0:
         return None
     BLOCK_N, BLOCK_V, num_warps = _tiling(V, block_v)
-    row_strides = (*logits.stride()[:2], *other_row_strides)
+    row_strides = (*logits.stride()[:2], *(grad.stride()[:2] if grad is not None else ()))
     unit = row_unit(V, *row_strides)
+    if grad is None:
+        vec, first = row_shift(logits, unit)
+    else:
+        vec, grad_vec, first = shared_shift(logits, grad, unit)
+    body = body_columns(V, vec, BLOCK_V) if vec > 1 else 0
     has_temp = temperature is not None
     temperature_args = (temperature, 1.0) if has_temp else (None, inv_temperature)
-    switches = dict(HAS_TEMP=has_temp, UNIT=unit, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)
+    switches = dict(HAS_TEMP=has_temp, UNIT=unit, VEC=vec, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)
+    # The edges' tile: narrower than the body's, so their scalar loads and 8-byte addresses do not
+    # set the registers of the whole kernel (triton 3.6 gave the backward 194 with full tiles).
+    switches["EDGE_V"] = min(BLOCK_V, _EDGE_TILE)
+    if grad is not None:
+        switches["GRAD_VEC"] = grad_vec
     strides = tuple(stride // unit for stride in row_strides)
-    return (triton.cdiv(B * T, BLOCK_N),), strides, temperature_args, (B * T, T, V // unit), switches
+    sizes = (B * T, T, V // unit)
+    return (triton.cdiv(B * T, BLOCK_N),), strides, temperature_args, sizes, (first, body), switches
 
 
 def logprobs_forward(
@@ -274,7 +342,7 @@ def logprobs_forward(
         return
     if entropy is None:  # not wanted: the kernel computes it in its one pass anyway, into scratch
         entropy = lse.new_empty(lse.shape)
-    grid, (stride_b, stride_t), temperature_args, sizes, switches = launch
+    grid, (stride_b, stride_t), temperature_args, sizes, shift, switches = launch
     _logprobs_fwd_kernel[grid](
         logits,
         stride_b,
@@ -288,6 +356,7 @@ def logprobs_forward(
         stats,
         *sizes,
         ignore_index,
+        *shift,
         HAS_STATS=stats is not None,
         **switches,
     )
@@ -308,10 +377,10 @@ def logprobs_backward(
     block_v=None,
 ):
     """The launcher of ``fastppo/ops/launchers.py``; ``block_v`` overrides the vocabulary tile."""
-    launch = _launch(logits, temperature, inv_temperature, block_v, *grad.stride()[:2])
+    launch = _launch(logits, temperature, inv_temperature, block_v, grad)
     if launch is None:
         return
-    grid, (stride_b, stride_t, gstride_b, gstride_t), temperature_args, sizes, switches = launch
+    grid, (stride_b, stride_t, gstride_b, gstride_t), temperature_args, sizes, shift, switches = launch
     _logprobs_bwd_kernel[grid](
         logits,
         stride_b,
@@ -329,6 +398,7 @@ def logprobs_backward(
         grad_entropy,
         *sizes,
         ignore_index,
+        *shift,
         HAS_G_ENT=grad_entropy is not None,
         **switches,
     )

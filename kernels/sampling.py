@@ -26,6 +26,10 @@ the vocabulary is split across ``SPLITS`` programs per row: each writes its part
 ``(m_x, s, best, best_col)`` and ``_combine_kernel`` merges them per row. With one split the
 main kernel finishes the row itself.
 
+Greedy rows that start between 16-byte vectors (an odd vocabulary: GPT-2's 50,257) are read as
+an aligned body in whole vectors and two masked edges (``vectors.py``); the last split merges the
+edges into its row's result, where a tie with the head's columns, met last, compares columns.
+
 The uniforms come from Triton's counter-based Philox-4x32 generator keyed by ``seed``. One Philox
 evaluation yields four numbers, so all four are used: column ``c`` of row ``r`` takes output
 ``c % 4`` of counter ``r * ceil(V / 4) + c // 4`` (int64). A draw thus depends on the seed and
@@ -39,6 +43,7 @@ import triton.language as tl
 
 from .fastmath import LN2, LOG2E, exp2, log2
 from .layout import row_unit
+from .vectors import body_columns, edge_columns, row_shift
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
 _SMALLEST_UNIFORM = tl.constexpr(2.0**-32)
@@ -83,7 +88,50 @@ def _finish(logits_ptr, rows, row_ok, stride_b, stride_v, m_x, s, col, inv_temp,
     tl.store(logp_ptr + rows, z - lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
+def _uniforms(seed, v0, per_row, rows, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    # The uniforms of columns v0 + 0 .. BLOCK_V - 1 (v0 a multiple of 4) of each row ->
+    # (BLOCK_N, BLOCK_V): column c takes output c % 4 of counter rows * per_row + c // 4.
+    counters = rows[:, None] * per_row + v0 // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)  # (BLOCK_N, BLOCK_V // 4) each
+    # Interleave so that column 4k + j takes output j of counter k.
+    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_N, BLOCK_V))
+
+
+@triton.jit
+def _draw_tile(x, u, cols, ok, scale2, m_x, s, best, best_col, GREEDY: tl.constexpr):
+    # One tile of logits x (BLOCK_N, BLOCK_V) fp32, unscaled, -inf where not ok, at columns cols,
+    # with their uniforms u -> the lanes' running statistics, updated. Each lane meets its columns
+    # in increasing order.
+    m_new = tl.maximum(m_x, tl.max(x, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)  # finite while a row has seen only -inf
+    decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))  # s is 0 until then
+    s = s * decay[:, None] + exp2(x * scale2 - ref[:, None])
+    if GREEDY:
+        score = x
+    else:
+        score = x * scale2 + _gumbel2(u)
+    better = ok & (score > best)  # strictly: a later column with an equal score loses the tie
+    best = tl.where(better, score, best)
+    best_col = tl.where(better, cols, best_col)
+    return m_new, s, best, best_col
+
+
+@triton.jit
+def _greedy_edge(x, cols, ok, scale2, m_x, s_row, top, col):
+    # A tile of a row's edge columns x (BLOCK_N, EDGE_V), -inf where not ok, merged into the row's
+    # max, sum and best logit with its column (BLOCK_N,) each. The head's columns come after the
+    # body's here, so a tie goes to the lower column.
+    m_new = tl.maximum(m_x, tl.max(x, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)
+    decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))  # s_row is 0 until then
+    s_row = s_row * decay + tl.sum(exp2(x * scale2 - ref[:, None]), axis=1)
+    edge_top, edge_col = _first_best(x, tl.where(ok, cols, _NO_COLUMN))
+    take = (edge_top > top) | ((edge_top == top) & (edge_col < col))
+    return m_new, s_row, tl.where(take, edge_top, top), tl.where(take, edge_col, col)
+
+
+@triton.jit(do_not_specialize=["seed", "first"])
 def _sample_kernel(
     logits_ptr,
     stride_b,
@@ -97,20 +145,24 @@ def _sample_kernel(
     B,
     V_units,
     split_cols,
+    first,
+    body,
     GREEDY: tl.constexpr,
     SPLITS: tl.constexpr,
     UNIT: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    EDGE_V: tl.constexpr,
 ):
     # stride_b and V come in units of UNIT elements (``layout.row_unit``): rows start at multiples of it.
     V = V_units * UNIT
+    per_row = tl.cdiv(V, 4)  # Philox counters per row
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_start = rows * stride_b * UNIT  # (BLOCK_N,) offset of each row's first logit
     row_ok = rows < B
     split = tl.program_id(1)
     v_begin = split * split_cols  # a multiple of BLOCK_V
-    v_end = tl.minimum(V, v_begin + split_cols)
     scale2 = inv_temp * LOG2E
 
     m_x = tl.full((BLOCK_N,), float("-inf"), tl.float32)
@@ -120,33 +172,38 @@ def _sample_kernel(
     # Pipelined: the compiler copies the next two tiles into shared memory (cp.async) while this
     # one is reduced, so a trip no longer waits the DRAM latency (``fastppo bench --sass``: the
     # greedy kernel's latency bound fell from 33 to 19 us at [256, 151936]).
-    for v0 in tl.range(v_begin, v_end, BLOCK_V, num_stages=3):
-        cols = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,) int32: V < 2**31
-        ok = row_ok[:, None] & (cols < v_end)[None, :]
-        x = tl.load(
-            logits_ptr + row_start[:, None] + cols[None, :].to(tl.int64) * stride_v, mask=ok, other=float("-inf")
-        ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
-
-        m_new = tl.maximum(m_x, tl.max(x, axis=1))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)  # finite while a row has seen only -inf
-        decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))  # s is 0 until then
-        s = s * decay[:, None] + exp2(x * scale2 - ref[:, None])
-        m_x = m_new
-
-        if GREEDY:
-            score = x
-        else:
-            counters = rows[:, None] * tl.cdiv(V, 4) + v0 // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
-            u0, u1, u2, u3 = tl.rand4x(seed, counters)  # (BLOCK_N, BLOCK_V // 4) each
-            # Interleave so that column 4k + j takes output j of counter k.
-            u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_N, BLOCK_V))
-            score = x * scale2 + _gumbel2(u)
-        better = ok & (score > best)  # strictly: a later column with an equal score loses the tie
-        best = tl.where(better, score, best)
-        best_col = tl.where(better, cols[None, :], best_col)
+    if VEC == 1:  # rows start at multiples of UNIT: one loop, masked at the split's end
+        v_end = tl.minimum(V, v_begin + split_cols)
+        for v0 in tl.range(v_begin, v_end, BLOCK_V, num_stages=3):
+            cols = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V)
+            ok = row_ok[:, None] & (cols < v_end)
+            x = tl.load(
+                logits_ptr + row_start[:, None] + cols.to(tl.int64) * stride_v, mask=ok, other=float("-inf")
+            ).to(tl.float32)  # (BLOCK_N, BLOCK_V), unscaled
+            u = x
+            if not GREEDY:
+                u = _uniforms(seed, v0, per_row, rows, BLOCK_N, BLOCK_V)
+            m_x, s, best, best_col = _draw_tile(x, u, cols, ok, scale2, m_x, s, best, best_col, GREEDY)
+    else:  # greedy, rows start between 16-byte vectors: each split's share of the aligned body
+        head = (-(row_start + first)) & (VEC - 1)  # (BLOCK_N,) columns before the row's first vector
+        start = tl.multiple_of(row_start + head, VEC)  # (BLOCK_N,) where the body starts: vector-aligned
+        v_end = tl.minimum(body, v_begin + split_cols)
+        for v0 in tl.range(v_begin, v_end, BLOCK_V, num_stages=3):
+            at = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) within the body
+            x = tl.load(logits_ptr + start[:, None] + at, mask=row_ok[:, None], other=float("-inf")).to(tl.float32)
+            cols = (head[:, None] + at).to(tl.int32)  # (BLOCK_N, BLOCK_V): V < 2**31
+            m_x, s, best, best_col = _draw_tile(x, x, cols, row_ok[:, None], scale2, m_x, s, best, best_col, True)
 
     top, col = _first_best(best, best_col)  # (BLOCK_N,) each
     s_row = tl.sum(s, axis=1)
+    if VEC > 1:
+        if split == SPLITS - 1:  # the edges, by the last split, row by row in narrower tiles
+            for r0 in range(0, V - body, EDGE_V):  # fewer than BLOCK_V + VEC columns
+                edge_cols, ok = edge_columns(r0, head, body, V, row_ok, EDGE_V)
+                x = tl.load(logits_ptr + row_start[:, None] + edge_cols, mask=ok, other=float("-inf"))
+                m_x, s_row, top, col = _greedy_edge(
+                    x.to(tl.float32), edge_cols.to(tl.int32), ok, scale2, m_x, s_row, top, col
+                )
     if SPLITS == 1:
         _finish(logits_ptr, rows, row_ok, stride_b * UNIT, stride_v, m_x, s_row, col, inv_temp, tokens_ptr, logp_ptr)
     else:
@@ -195,6 +252,7 @@ def _combine_kernel(
 # registers (about 110 per thread), so twice the programs are resident to cover memory latency
 # (``fastppo bench --sass``).
 _TILE, _WARPS = 2048, 4
+_EDGE_TILE = 1024  # the tile of a greedy row's edges (see ``vectors.py``)
 _MAX_BLOCK_N = 64
 # Programs to aim for when splitting the vocabulary: about 8 per multiprocessor of a 132-SM GPU.
 _TARGET_PROGRAMS = 1024
@@ -225,11 +283,18 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, b
         return
     BLOCK_N, BLOCK_V, num_warps = _sample_tiling(V, block_v)
     SPLITS = splits or _splits(B, V, BLOCK_N, BLOCK_V)
-    split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
+    unit = row_unit(V, logits.stride(0))
+    # Greedy rows that start between vectors are read by their aligned bodies. Drawn rows are not:
+    # a body's groups of 4 columns would straddle two Philox counters, and two evaluations per
+    # group cost more instructions (71 per element against 52, ``fastppo bench --sass`` at
+    # [256, 50257]) than the 2-byte loads they replace.
+    vec, first = row_shift(logits, unit) if greedy else (1, 0)
+    # The columns the splits share: all of V, or every row's aligned body (its edges go to the last split).
+    body = body_columns(V, vec, BLOCK_V) if vec > 1 else V
+    split_cols = triton.cdiv(triton.cdiv(body, SPLITS), BLOCK_V) * BLOCK_V
     part = logprobs.new_empty((B, SPLITS, 3) if SPLITS > 1 else (0,))  # fp32 m_x, s, best
     part_col = tokens.new_empty((B, SPLITS) if SPLITS > 1 else (0,))  # int64 columns
     outputs = (tokens, logprobs, part, part_col)
-    unit = row_unit(V, logits.stride(0))
     _sample_kernel[(triton.cdiv(B, BLOCK_N), SPLITS)](
         logits,
         logits.stride(0) // unit,
@@ -240,11 +305,15 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, b
         B,
         V // unit,
         split_cols,
+        first,
+        body,
         GREEDY=greedy,
         SPLITS=SPLITS,
         UNIT=unit,
+        VEC=vec,
         BLOCK_N=BLOCK_N,
         BLOCK_V=BLOCK_V,
+        EDGE_V=min(BLOCK_V, _EDGE_TILE),
         num_warps=num_warps,
     )
     if SPLITS > 1:

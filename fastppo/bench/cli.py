@@ -72,6 +72,12 @@ def main(argv=None) -> int:
     sass.add_argument("--gpu-copy-tbs", type=float, help=f"copy bandwidth, read + write (default: {gpu.copy_tbs})")
     sass.add_argument("--gpu-matmul-tflops", type=float, help=f"dense bf16 matmul rate (default: {gpu.matmul_tflops})")
     sass.add_argument("--gpu-latency-us", type=float, help=f"DRAM latency under load (default: {gpu.latency_us})")
+    sass.add_argument(
+        "--beside",
+        type=Path,
+        metavar="JSON",
+        help="a --sass --json report made under another triton: compare the two per kernel",
+    )
     args = parser.parse_args(argv)
     if args.sass:
         return _sass(args, parser)
@@ -131,6 +137,7 @@ def _sharding(args) -> int:
 
 def _sass(args, parser) -> int:
     import datetime
+    import json
     import os
     from dataclasses import asdict
 
@@ -158,13 +165,20 @@ def _sass(args, parser) -> int:
         matmul_tflops=args.gpu_matmul_tflops,
         latency_us=args.gpu_latency_us,
     )
+    beside = None
+    if args.beside is not None:
+        try:
+            beside = json.loads(args.beside.read_text())
+            beside["meta"]["triton"], beside["kernels"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--beside {args.beside}: not a --sass --json report ({error})")
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "triton": triton.__version__}
     rows = [estimate(case, gpu) for case in all_cases()]
     plans = from_hidden_plans(gpu)
     return _report(
         args,
         {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "from_hidden": plans},
-        roofline_markdown(rows, plans, gpu, meta),
+        roofline_markdown(rows, plans, gpu, meta, beside),
     )
 
 

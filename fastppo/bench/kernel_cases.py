@@ -51,28 +51,41 @@ def logprob_cases(N: int = 8192, V: int = 151936, device="cpu") -> list:
     return cases
 
 
-def sample_cases(B: int = 256, V: int = 151936, device="cpu") -> list:
+def sample_cases(B: int = 256, V: int = 151936, device="cpu", greedy_only: bool = False, splits=None) -> list:
+    """The sampling kernel, drawing and greedy, and the combine kernel when the vocabulary is split
+    (``splits``: as the launcher picks, or forced)."""
     BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
-    SPLITS = sampling._splits(B, V, BLOCK_N, BLOCK_V)
+    SPLITS = splits or sampling._splits(B, V, BLOCK_N, BLOCK_V)
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
     logits = _empty(B, V, dtype=torch.bfloat16, device=device)
     tokens, logp = _empty(B, dtype=torch.long, device=device), _empty(B, device=device)
+    shape = f"bf16 [{B}, {V}], {SPLITS} splits"
     cases = []
-    for greedy in (False, True):
-        launch = launched(
-            sampling,
-            "_sample_kernel",
-            lambda greedy=greedy: sampling.sample_forward(logits, 1.0, greedy, 7, tokens, logp),
-        )
+    for greedy in (True,) if greedy_only else (False, True):
+        run = lambda greedy=greedy: sampling.sample_forward(logits, 1.0, greedy, 7, tokens, logp, splits=SPLITS)  # noqa: E731
         cases.append(
             KernelCase(
                 f"sample_tokens{' (greedy)' if greedy else ''}",
-                f"bf16 [{B}, {V}], {SPLITS} splits",
-                launch,
+                shape,
+                launched(sampling, "_sample_kernel", run),
                 trips=triton.cdiv(split_cols, BLOCK_V),
                 elements_per_trip=BLOCK_N * BLOCK_V,
                 bytes=2 * B * V + 12 * B,
                 target=0.75 if greedy else 0.7,
+            )
+        )
+    if SPLITS > 1 and not greedy_only:
+        # The splits' partials (m_x, s, best fp32; the column int64) in, a token and its log-prob out,
+        # and the chosen logit read again (a 32-byte sector per row).
+        run = lambda: sampling.sample_forward(logits, 1.0, False, 7, tokens, logp, splits=SPLITS)  # noqa: E731
+        cases.append(
+            KernelCase(
+                "sample_tokens combine",
+                shape,
+                launched(sampling, "_combine_kernel", run),
+                trips=1,
+                elements_per_trip=32 * SPLITS,
+                bytes=B * SPLITS * 20 + B * (12 + 32),
             )
         )
     return cases
@@ -122,12 +135,17 @@ def ppo_loss_cases(N: int = 512 * 8192, device="cpu") -> list:
 
 def all_cases(device="cpu", toy: bool = False) -> list:
     """Every case, its tensors on ``device``; ``toy``: at shapes the Triton interpreter runs in a
-    second (the kernel check's dry run), the reported shapes otherwise."""
-    N, V, rows = (16, 4096, 64) if toy else (8192, 151936, 65536)
+    second (the kernel check's dry run), the reported shapes otherwise. Besides the real step's
+    shapes: GPT-2's odd vocabulary (50,257: rows between 16-byte vectors), and greedy sampling at
+    330 rows, two whole waves where 256 rows fill one and a half (the same predicted time)."""
+    N, V, odd_V, rows = (16, 4096, 4097, 64) if toy else (8192, 151936, 50257, 65536)
     return (
         logprob_cases(N, V, device)
         + logprob_cases(rows, 1000, device)[:1]  # the one-warp tiling
+        + logprob_cases(N, odd_V, device)
         + sample_cases(8 if toy else 256, V, device)
+        + sample_cases(10 if toy else 330, V, device, greedy_only=True)
+        + sample_cases(8 if toy else 256, odd_V, device)
         + gae_cases(*((4, 256) if toy else (512, 8192)), device)
         + ppo_loss_cases(4096 if toy else 512 * 8192, device)
     )

@@ -4,22 +4,28 @@ Every kernel is compiled as its launcher launches it at a realistic shape, speci
 runtime would specialise it (``launches.py``), and its SASS is read (``sass.py``). Three times
 bound the kernel from below, and the largest is the prediction:
 
-* **issue**: each SM runs its share of the programs, and each program's instructions occupy the
-  dispatch and the pipes at their rates (``schedule.py``: fp32 FMA at full rate, IMAD and the
-  integer/compare ALU at half, shuffles and loads/stores at a quarter, MUFU and conversions at an
-  eighth). The busiest pipe binds, and the report names it.
+* **issue**: the busiest SM runs ``ceil(programs / SMs)`` programs, and each program's
+  instructions occupy the dispatch and the pipes at their rates (``schedule.py``: fp32 and IMAD
+  sharing the two FMA pipes, IMAD alone on FMA-heavy, the integer/compare ALU at half rate,
+  shuffles and loads/stores at a quarter, MUFU and conversions at an eighth). The busiest pipe
+  binds, and the report names it.
 * **latency**: one program's time, replayed from the control bits ptxas scheduled (each trip of the
-  hot loop waits its loads' DRAM latency, then its reductions, shuffles and barriers), over the
-  programs resident per SM (from warps, registers and shared memory): what an SM achieves when its
-  resident programs' trips overlap perfectly and nothing else limits them. No loop here issues a
-  trip's loads before the previous trip's reductions, so this is the bound that prefetching moves.
+  hot loop waits its loads' DRAM latency, unless the loop is pipelined, then its reductions,
+  shuffles and barriers), times the *waves*: programs of equal length fill the SMs' resident
+  slots (from warps, registers and shared memory) and refill them whole, so 1024 programs in 660
+  slots take two program times, not 1.55. What an SM achieves when its resident programs' trips
+  overlap perfectly and nothing else limits them.
 * **memory**: the fewest bytes the kernel must move over the copy bandwidth.
 
-The *share of copy* is the memory time over the prediction. It is an estimate from compiled code,
-and says so: the latencies of variable-latency instructions and of DRAM are assumptions (in
-``schedule.LATENCY`` and ``GPU.latency_us``); resident programs contend for the pipes, which the
-latency bound ignores; the tail of a partial wave, the L2 and clocks below boost are ignored.
-``bench/gpu_check.sh`` measures the real thing.
+The *share of copy* is the memory time over the prediction. When another bound is within 20% of
+the largest, they compete, and taking the largest alone is optimistic: such a row is flagged and
+given as a range, from the largest (perfect overlap) to the sum of the two largest (none).
+
+It is an estimate from compiled code, and says so: the latencies of variable-latency instructions
+and of DRAM are assumptions (in ``schedule.LATENCY`` and ``GPU.latency_us``, which
+``bench/kernel_check.py`` measures on a GPU); resident programs contend for the pipes, which the
+latency bound ignores; the L2 and clocks below boost are ignored. ``bench/gpu_check.sh`` measures
+the real thing.
 
 The ops from hidden states and the LM head (log-probs and the PPO loss) are bound by their
 matmuls, whose cost is cuBLAS's, not SASS of ours: they get a FLOP/byte model of the launcher's
@@ -52,6 +58,10 @@ class GPU:
     shared_bytes: int = 228 * 1024
 
 
+# Bounds within this factor of the largest compete: the row gives a range.
+CLOSE = 0.8
+
+
 @dataclass(frozen=True)
 class KernelCase:
     """A kernel as its launcher launches it at one shape, and what it must move."""
@@ -79,13 +89,52 @@ def resident_programs(gpu: GPU, registers: int, shared_bytes: int, warps: int) -
     )
 
 
-def estimate(case: KernelCase, gpu: GPU) -> dict:
-    """Compile ``case``, read its SASS, and predict its time on ``gpu``: one table row."""
-    launch = case.launch
+def predict(gpu: GPU, programs: int, resident: int, program_pipes: dict, program_cycles: float, bytes: int) -> dict:
+    """The three bounds of ``programs`` equal programs, ``resident`` per SM at once, each taking
+    ``program_pipes`` clocks of each pipe and ``program_cycles`` from start to finish, moving
+    ``bytes`` in all; which binds, and the range where others compete."""
+    clock = gpu.clock_ghz * 1e9
+    busiest_sm = -(-programs // min(gpu.sms, programs))  # programs the busiest SM runs
+    slots = gpu.sms * resident
+    waves = -(-programs // slots)
+    busiest = max(program_pipes, key=program_pipes.get)
+    bounds = {
+        "issue": busiest_sm * program_pipes[busiest] / clock,
+        "latency": waves * program_cycles / clock,
+        "memory": bytes / (gpu.copy_tbs * 1e12),
+    }
+    bound, t = max(bounds.items(), key=lambda x: x[1])
+    competing = sorted((name for name, time in bounds.items() if time >= CLOSE * t), key=bounds.get, reverse=True)
+    upper = sum(bounds[name] for name in competing[:2])  # the two largest, not overlapping at all
+    return {
+        "busiest_pipe": busiest,
+        "issue_us": bounds["issue"] * 1e6,
+        "latency_us": bounds["latency"] * 1e6,
+        "memory_us": bounds["memory"] * 1e6,
+        "waves": waves,
+        "last_wave": (programs - (waves - 1) * slots) / slots,  # the share of the slots the last wave fills
+        "predicted_us": t * 1e6,
+        "predicted_upper_us": upper * 1e6,
+        "bound": bound if bound != "issue" else f"issue ({busiest})",
+        "competing": competing if len(competing) > 1 else [],
+        "copy_share": bounds["memory"] / t,
+        "copy_share_low": bounds["memory"] / upper,
+    }
+
+
+def machine_code(launch: Launch) -> tuple:
+    """Compile ``launch`` for sm_90: (its SASS instructions, its resources, its shared memory bytes)."""
     compiled = compile_launch(launch)
     instructions, res = disassemble(compiled.asm["cubin"])
     # Triton allocates its shared memory dynamically at launch; res-usage shows only the static part.
-    shared_bytes = max(res.shared_bytes, compiled.metadata.shared)
+    return instructions, res, max(res.shared_bytes, compiled.metadata.shared)
+
+
+def estimate(case: KernelCase, gpu: GPU, code: Optional[tuple] = None) -> dict:
+    """Compile ``case`` (or take its ``machine_code``), read its SASS, and predict its time on
+    ``gpu``: one table row."""
+    launch = case.launch
+    instructions, res, shared_bytes = code or machine_code(launch)
     loop = hot_loop(instructions)
     # Without a loop the whole body is what runs per program, once.
     first, last = loop if loop else (0, len(instructions) - 1)
@@ -95,29 +144,22 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
     warps = launch.num_warps
     per_thread = case.elements_per_trip / (32 * warps)  # elements one thread handles per trip
 
-    clock = gpu.clock_ghz * 1e9
-    programs = launch.programs
-    per_sm = programs / min(gpu.sms, programs)  # programs each busy SM runs
     resident = resident_programs(gpu, res.registers, shared_bytes, warps)
-
+    # What one program occupies: each pipe's clocks, and its replay (DRAM latency included).
     trip_pipes, once_pipes = pipe_cycles(body, warps), pipe_cycles(rest, warps)
-    pipes = {name: per_sm * (once_pipes[name] + trips * trip_pipes[name]) for name in trip_pipes}
-    busiest = max(pipes, key=pipes.get)
-    t_issue = pipes[busiest] / clock
-
-    dram = gpu.latency_us * 1e-6 * clock
+    program_pipes = {name: once_pipes[name] + trips * trip_pipes[name] for name in trip_pipes}
+    dram = gpu.latency_us * 1e-6 * gpu.clock_ghz * 1e9
     program_cycles = warp_cycles(program(instructions, loop, trips), dram)
-    # A trip's share of it in steady state: two trips in a row, less one.
-    trip_cycles = warp_cycles(body * 2, dram) - warp_cycles(body, dram) if loop else program_cycles
-    t_latency = per_sm / min(resident, per_sm) * program_cycles / clock
-
-    t_memory = case.bytes / (gpu.copy_tbs * 1e12)
-    bound, t = max((("issue", t_issue), ("latency", t_latency), ("memory", t_memory)), key=lambda x: x[1])
+    # A trip in steady state, from the whole program (its prologue issues a pipelined loop's first
+    # loads): what each trip after the first adds.
+    one_trip = warp_cycles(program(instructions, loop, 1), dram)
+    trip_cycles = (program_cycles - one_trip) / (trips - 1) if loop and trips > 1 else program_cycles
+    timing = predict(gpu, launch.programs, resident, program_pipes, program_cycles, case.bytes)
     return {
         "kernel": case.name,
         "shape": case.shape,
         "warps": warps,
-        "programs": programs,
+        "programs": launch.programs,
         "registers": res.registers,
         "spill_bytes": res.local_bytes,
         "shared_bytes": shared_bytes,
@@ -131,13 +173,7 @@ def estimate(case: KernelCase, gpu: GPU) -> dict:
         "shuffles": hot.shuffles,
         "mufu_per_element": hot.mufu / per_thread,
         "trip_cycles": trip_cycles,
-        "busiest_pipe": busiest,
-        "issue_us": t_issue * 1e6,
-        "latency_us": t_latency * 1e6,
-        "memory_us": t_memory * 1e6,
-        "predicted_us": t * 1e6,
-        "bound": bound if bound != "issue" else f"issue ({busiest})",
-        "copy_share": t_memory / t,
+        **timing,
         "target": case.target,
     }
 
@@ -207,7 +243,25 @@ def from_hidden_model(
     }
 
 
-def markdown(rows: list, plans: list, gpu: GPU, meta: dict) -> str:
+def predicted(r: dict) -> tuple:
+    """(predicted us, bound, copy share) of a row as printed: a range where bounds compete."""
+    if not r["competing"]:
+        return f"{r['predicted_us']:.1f}", r["bound"], f"{r['copy_share']:.0%}"
+    others = [name for name in r["competing"] if not r["bound"].startswith(name)]
+    return (
+        f"**{r['predicted_us']:.1f}-{r['predicted_upper_us']:.1f}**",
+        f"**{r['bound']} ~ {', '.join(others)}**",
+        f"**{r['copy_share_low']:.0%}-{r['copy_share']:.0%}**",
+    )
+
+
+def waves(r: dict) -> str:
+    last = r["last_wave"]
+    return str(r["waves"]) if last == 1 else f"{r['waves']} (last {f'{last:.0%}' if last >= 0.01 else '<1%'})"
+
+
+def markdown(rows: list, plans: list, gpu: GPU, meta: dict, beside: Optional[dict] = None) -> str:
+    """The report; ``beside``: the JSON of the same report under another triton, compared per kernel."""
     lines = [
         f"# fastppo kernels on {gpu.name}, predicted from sm_90 machine code (an estimate, not a measurement)",
         "",
@@ -216,26 +270,47 @@ def markdown(rows: list, plans: list, gpu: GPU, meta: dict) -> str:
         f"{gpu.name}: {gpu.sms} SMs at {gpu.clock_ghz} GHz, {gpu.copy_tbs} TB/s copy, {gpu.matmul_tflops:.0f} "
         f"TFLOP/s bf16 matmul, {gpu.latency_us} us DRAM latency under load (assumed). Each kernel is compiled "
         "as its launcher launches it on real tensors (the runtime's specialization). Instructions are SASS per "
-        "thread in the hot loop; loads are global load instructions per warp per trip; resident = programs an "
-        "SM holds at once. Predicted = the largest of: issue (the busiest pipe at its rate), latency (one "
-        "program's trips as ptxas scheduled them, DRAM latency included, over the resident programs) and "
-        "memory (the bytes at copy bandwidth); copy share = memory over predicted.",
+        "thread in the hot loop; loads are global load instructions per warp per trip; trip cycles = what each "
+        "trip adds to one program in steady state; resident = programs an SM holds at once; waves = the "
+        "resident slots filled in turn (the last one's share of them). Predicted = the largest of: issue (the "
+        "busiest SM's programs, the busiest pipe at its rate), latency (one program's trips as ptxas scheduled "
+        "them, DRAM latency included, times the waves) and memory (the bytes at copy bandwidth); copy share = "
+        f"memory over predicted. **Bold**: another bound within {1 - CLOSE:.0%} of the largest; they compete, "
+        "and the row is a range from the largest alone to the sum of the two largest.",
         "",
-        "| kernel | shape | warps x programs | regs | resident | ld/st bits | instr/elem | loads/trip | bar | "
-        "shfl | trip cycles | issue us | latency us | memory us | predicted us | bound | copy share | target |",
-        "| --- " * 18 + "|",
+        "| kernel | shape | warps x programs | regs | resident | waves | ld/st bits | instr/elem | loads/trip | "
+        "bar | shfl | trip cycles | issue us | latency us | memory us | predicted us | bound | copy share | target |",
+        "| --- " * 19 + "|",
     ]
     for r in rows:
         bits = f"{','.join(map(str, r['load_bits']))}/{','.join(map(str, r['store_bits']))}"
         target = f"{r['target']:.0%}" if r["target"] else ""
         spills = f" (+{r['spill_bytes']} B spilled)" if r["spill_bytes"] else ""
+        us, bound, share = predicted(r)
         lines.append(
             f"| {r['kernel']} | {r['shape']} | {r['warps']} x {r['programs']} | {r['registers']}{spills} | "
-            f"{r['resident']} | {bits} | {r['instructions_per_element']:.1f} | {r['loads_per_trip']} | "
-            f"{r['barriers']} | {r['shuffles']} | {r['trip_cycles']:.0f} | {r['issue_us']:.0f} | "
-            f"{r['latency_us']:.0f} | {r['memory_us']:.0f} | {r['predicted_us']:.0f} | {r['bound']} | "
-            f"{r['copy_share']:.0%} | {target} |"
+            f"{r['resident']} | {waves(r)} | {bits} | {r['instructions_per_element']:.1f} | "
+            f"{r['loads_per_trip']} | {r['barriers']} | {r['shuffles']} | {r['trip_cycles']:.0f} | "
+            f"{r['issue_us']:.1f} | {r['latency_us']:.1f} | {r['memory_us']:.1f} | {us} | {bound} | {share} | "
+            f"{target} |"
         )
+    if beside:
+        other = {(r["kernel"], r["shape"]): r for r in beside["kernels"]}
+        mine, theirs = meta["triton"], beside["meta"]["triton"]
+        lines += [
+            "",
+            f"## Side by side: triton {mine} and triton {theirs}",
+            "",
+            f"The same kernels, shapes and model compiled by triton {theirs} (commit {beside['meta']['commit']}).",
+            "",
+            f"| kernel | shape | {mine}: predicted us | bound | copy share | {theirs}: predicted us | bound | "
+            "copy share |",
+            "| --- " * 8 + "|",
+        ]
+        for r in rows:
+            o = other.get((r["kernel"], r["shape"]))
+            theirs_cells = " | ".join(predicted(o)) if o else "not in that report | | "
+            lines.append(f"| {r['kernel']} | {r['shape']} | {' | '.join(predicted(r))} | {theirs_cells} |")
     if plans:
         lines += [
             "",

@@ -3,11 +3,15 @@
 Two lower bounds on a trip through a kernel's hot loop, both read from the machine code:
 
 * **Pipes.** Every warp instruction is dispatched by its scheduler (4 per SM per clock) and runs
-  on one pipe, whose rate is in warp instructions per SM per clock: fp32 FMA 4, integer multiply
-  (IMAD) 2, the integer/compare/select ALU 2, shuffles and loads/stores 1, special functions and
-  conversions (MUFU, I2F, F2F) 0.5 (16 lanes). A program's trip occupies each pipe for
-  ``warps x count / rate`` clocks; the busiest pipe (or dispatch) bounds it. Uniform-datapath,
-  branch and barrier instructions cost dispatch only.
+  on one pipe, whose rate is in warp instructions per SM per clock. Hopper, like GA10x, has two
+  fp32 pipes per scheduler of 16 lanes each: FMA-heavy, which also runs the integer multiply
+  (IMAD, IDP), and FMA-lite, fp32 only (NVIDIA's description of the sm_86 and sm_90 pipes; half2
+  arithmetic issues to both at once). So fp32 and IMAD together share a rate of 4 (``fma``), and
+  IMAD alone is bounded by FMA-heavy's 2 (``fmaheavy``). The integer/compare/select ALU runs at 2,
+  shuffles and loads/stores at 1, special functions and conversions (MUFU, I2F, F2F) at 0.5 (16
+  lanes). A program's trip occupies each pipe for ``warps x slots / rate`` clocks; the busiest
+  pipe (or dispatch) bounds it. Uniform-datapath, branch and barrier instructions cost dispatch
+  only.
 * **One warp's latency.** :func:`warp_cycles` replays the instructions in order as ptxas scheduled
   them (``sass.Instruction``'s control bits): each waits for the scoreboards it names, stalls the
   cycles encoded after it, and a variable-latency instruction releases its scoreboard after the
@@ -25,10 +29,11 @@ kinds are assumptions (from published Volta-to-Hopper microbenchmarks, rounded),
 
 import re
 
-PIPE_RATES = {"dispatch": 4.0, "fma": 4.0, "imad": 2.0, "alu": 2.0, "shfl": 1.0, "lsu": 1.0, "mufu": 0.5}
+PIPE_RATES = {"dispatch": 4.0, "fma": 4.0, "fmaheavy": 2.0, "alu": 2.0, "shfl": 1.0, "lsu": 1.0, "mufu": 0.5}
 
-_FMA = ("FFMA", "FADD", "FMUL", "HFMA2", "HADD2", "HMUL2", "FSWZADD")
-_IMAD = ("IMAD", "IDP")
+_FMA = ("FFMA", "FADD", "FMUL", "FSWZADD")  # FMA-heavy or FMA-lite
+_FMA_HEAVY = ("IMAD", "IDP")  # FMA-heavy only
+_HALF2 = ("HFMA2", "HADD2", "HMUL2")  # FMA-heavy and FMA-lite at once
 _LSU = ("LDG", "STG", "LDS", "STS", "LD", "ST", "ATOM", "ATOMS", "ATOMG", "RED", "LDSM", "LDGSTS")
 _MUFU = ("MUFU", "I2F", "F2I", "F2F", "FRND", "I2FP", "F2IP")
 _ALU = (
@@ -49,13 +54,19 @@ def family(opcode: str) -> str:
     return opcode.split(".")[0]
 
 
-def pipe(opcode: str) -> str:
-    """The pipe a warp instruction occupies besides dispatch ("dispatch" when none)."""
+def pipe_slots(opcode: str) -> dict:
+    """The pipe slots one warp instruction takes besides dispatch: ``{pipe: slots}``."""
     name = family(opcode)
-    for pipe_name, names in (("fma", _FMA), ("imad", _IMAD), ("lsu", _LSU), ("mufu", _MUFU), ("alu", _ALU)):
+    if name in _FMA:
+        return {"fma": 1}
+    if name in _FMA_HEAVY:
+        return {"fma": 1, "fmaheavy": 1}
+    if name in _HALF2:
+        return {"fma": 2, "fmaheavy": 1}
+    for pipe_name, names in (("lsu", _LSU), ("mufu", _MUFU), ("alu", _ALU)):
         if name in names:
-            return pipe_name
-    return "shfl" if name == "SHFL" else "dispatch"
+            return {pipe_name: 1}
+    return {"shfl": 1} if name == "SHFL" else {}
 
 
 def pipe_cycles(instructions: list, warps: int) -> dict:
@@ -65,8 +76,8 @@ def pipe_cycles(instructions: list, warps: int) -> dict:
         if ins.opcode == "NOP":
             continue
         counts["dispatch"] += 1
-        if (unit := pipe(ins.opcode)) != "dispatch":
-            counts[unit] += 1
+        for unit, slots in pipe_slots(ins.opcode).items():
+            counts[unit] += slots
     return {name: warps * count / PIPE_RATES[name] for name, count in counts.items()}
 
 

@@ -129,8 +129,20 @@ def test_temperature_and_ignore_index_are_runtime_arguments():
     for kernel in (kernels._logprobs_fwd_kernel, kernels._logprobs_bwd_kernel):
         constexprs = set(kernel.fn.__annotations__)
         assert {"inv_temp", "ignore_index", "N", "T", "V_units"}.isdisjoint(constexprs)
-        # UNIT, the power of two (1 to 16) dividing the row strides and V, takes five values at most.
-        assert constexprs <= {"HAS_TEMP", "HAS_G_ENT", "HAS_STATS", "UNIT", "BLOCK_N", "BLOCK_V"}
+        # UNIT, the power of two (1 to 16) dividing the row strides and V, takes five values at most;
+        # VEC and GRAD_VEC (elements per 16 bytes, or 1) three each.
+        assert constexprs <= {
+            "HAS_TEMP",
+            "HAS_G_ENT",
+            "HAS_STATS",
+            "UNIT",
+            "VEC",
+            "GRAD_VEC",
+            "BLOCK_N",
+            "BLOCK_V",
+            "EDGE_V",
+        }
+        assert {"first", "body"}.isdisjoint(constexprs)
 
 
 def test_the_row_unit_is_the_largest_power_of_two_up_to_16_dividing_every_row_stride_and_v():
