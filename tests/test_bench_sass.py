@@ -39,6 +39,16 @@ def test_the_hot_loop_is_the_backward_branch_and_its_mix_is_counted():
     whole = sass.mix(instructions)
     assert whole.load_bits == (64, 128) and whole.store_bits == (16,)
     assert sass.hot_loop(sass.parse(SNIPPET.replace("BRA 0x20", "BRA 0x80"))) is None
+    # A second loop after the main one (a row's edges, read apart) is not the hot loop, however
+    # long; a loop inside the main one is part of it.
+    two = SNIPPET.replace("BRA 0xa0", "BRA 0x80")  # 0x80-0x90: a loop after the first
+    instructions = sass.parse(two)
+    assert [(instructions[a].address, instructions[b].address) for a, b in [sass.hot_loop(instructions)]] == [
+        (0x20, 0x70)
+    ]
+    nested = sass.parse(SNIPPET.replace("BRA 0x20", "BRA 0x40").replace("BRA 0xa0", "BRA 0x10"))
+    first, last = sass.hot_loop(nested)
+    assert (nested[first].address, nested[last].address) == (0x10, 0x90)
 
 
 # cuobjdump prints each instruction's high 64-bit word on the line below it; its top 23 bits are

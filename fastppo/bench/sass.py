@@ -12,9 +12,11 @@ Microbenchmarking", 2018, and unchanged through Hopper): the cycles to stall bef
 instruction, the scoreboard a variable-latency instruction (a load, a MUFU, a shuffle) sets when
 its result is ready, and the scoreboards an instruction waits on. ``schedule.py`` replays them.
 
-The *hot loop* is the region of the widest backward branch (SASS addresses ``[target, branch]``):
-each fastppo kernel has one loop, over vocabulary or time blocks, and everything else runs once
-per program. A kernel with no loop has no hot loop; its whole body is the per-program cost.
+The *hot loop* is the first loop in address order that no other loop contains (a loop is the
+region of a backward branch, SASS addresses ``[target, branch]``): each fastppo kernel's main loop,
+over vocabulary or time blocks, comes first; a kernel that reads a row's ragged edges apart does
+so after it, in a loop of its own that runs a trip or two, counted with the code that runs once per
+program. A kernel with no loop has no hot loop; its whole body is the per-program cost.
 """
 
 import re
@@ -114,14 +116,16 @@ def resources(res_usage: str) -> Resources:
 
 
 def hot_loop(instructions: list) -> Optional[tuple]:
-    """(first, last) index of the widest backward branch's region, or None without a loop."""
+    """(first, last) index of the first loop (a backward branch's region) not inside another, or
+    None without a loop."""
     index = {ins.address: i for i, ins in enumerate(instructions)}
     loops = []
     for i, ins in enumerate(instructions):
         target = re.match(r"(?:`\()?0x([0-9a-f]+)", ins.operands) if ins.opcode.startswith("BRA") else None
         if target and int(target.group(1), 16) < ins.address and int(target.group(1), 16) in index:
             loops.append((index[int(target.group(1), 16)], i))
-    return max(loops, key=lambda r: r[1] - r[0], default=None)
+    outermost = [r for r in loops if not any(o[0] <= r[0] and r[1] <= o[1] and o != r for o in loops)]
+    return min(outermost, default=None)
 
 
 def _width(opcode: str) -> int:
