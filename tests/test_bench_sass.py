@@ -218,10 +218,11 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
     # ... yet its 1024 programs take two whole waves, and 330 rows' 1320 programs the same two.
     probe = rows["sample_tokens (greedy)", "bf16 [330, 151936], 4 splits"]
     assert greedy["waves"] == probe["waves"] == 2 and greedy["latency_us"] == probe["latency_us"]
-    # GPT-2's odd vocabulary: rows between vectors, their bodies read 16 bytes at a time.
-    for name in ("token_logprobs forward", "token_logprobs backward", "sample_tokens", "sample_tokens (greedy)"):
+    # GPT-2's odd vocabulary: rows between vectors, their bodies read 16 bytes at a time (drawn
+    # rows excepted: kernels/sampling.py says why).
+    for name in ("token_logprobs forward", "token_logprobs backward", "sample_tokens (greedy)", "sample_tokens"):
         odd = next(r for r in report["kernels"] if r["kernel"] == name and "50257" in r["shape"])
-        assert max(odd["load_bits"]) == 128, odd
+        assert max(odd["load_bits"]) == (16 if name == "sample_tokens" else 128), odd
     assert any(r["kernel"] == "sample_tokens combine" for r in report["kernels"])
     assert any(m["default"] for m in report["from_hidden"])
 
@@ -255,6 +256,7 @@ def test_sass_refuses_the_interpreter_in_one_line():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # every section in the interpreter: about a minute on 2 cores
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="the kernel check runs the Triton kernels")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="bench/gpu_check.sh runs it for real on a GPU")
 def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):

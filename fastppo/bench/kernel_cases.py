@@ -143,7 +143,7 @@ def all_cases(device="cpu", toy: bool = False) -> list:
         logprob_cases(N, V, device)
         + logprob_cases(rows, 1000, device)[:1]  # the one-warp tiling
         + logprob_cases(N, odd_V, device)
-        + sample_cases(8 if toy else 256, V, device)
+        + sample_cases(8 if toy else 256, 16384 if toy else V, device)  # toy: 2 splits, so a combine
         + sample_cases(10 if toy else 330, V, device, greedy_only=True)
         + sample_cases(8 if toy else 256, odd_V, device)
         + gae_cases(*((4, 256) if toy else (512, 8192)), device)
