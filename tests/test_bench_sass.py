@@ -290,3 +290,19 @@ def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):
         assert row in names, row  # the combine kernel, odd V, the wave probe, poisoned oracles, draws
     assert any("latency_us" in line for line in lines) and any("GBps" in line for line in lines)
     assert "| peaked |" in (tmp_path / "kernel_check.md").read_text()
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="the calibration runs a Triton kernel")
+def test_the_pointer_chase_follows_one_cycle_through_every_node():
+    from fastppo.bench import calibrate
+
+    chain = calibrate.pointer_chain(1 << 16, 512, torch.device("cpu"))  # 8192 entries, a node every 512
+    at, seen = 0, []
+    for _ in range(16):
+        seen.append(at)
+        at = int(chain[at])
+    assert at == 0 and sorted(seen) == list(range(0, 8192, 512))  # back at the start, every node once
+    # The kernel walks the same chain, each load waiting for the one before.
+    out = torch.empty(1, dtype=torch.int64)
+    calibrate._chase_kernel[(1,)](chain, out, 0, 5, num_warps=1)
+    assert int(out) == seen[5]
