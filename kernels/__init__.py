@@ -9,6 +9,10 @@ the vocabulary kernels share to read rows that start between 16-byte vectors.
 """
 
 import importlib
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
 
 FAMILIES = ("logprobs", "ppo_loss", "gae", "sampling")
 __all__ = [*FAMILIES, "layout"]
@@ -18,3 +22,23 @@ def __getattr__(name):
     if name in FAMILIES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _hand_over_to_the_distribution():
+    """This folder installs as ``fastppo.kernels``. Imported as a top-level ``kernels``, it is only
+    because the repository root is on ``sys.path`` (pytest, ``python -m`` from the root) ahead of
+    the ``kernels`` distribution (Hugging Face's, which transformers 5.25 on imports): put that
+    in its place, so the import gets what it asked for. The importer returns what
+    ``sys.modules`` holds once this runs."""
+    root = Path(__file__).resolve().parents[1]
+    elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None:
+        raise ImportError("No module named 'kernels' (the repository's kernels/ is fastppo.kernels)", name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_to_the_distribution()

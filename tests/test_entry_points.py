@@ -77,3 +77,31 @@ def test_cli_usage_and_unknown_command():
     assert result.returncode == 0 and "demo" in result.stdout
     result = subprocess.run([sys.executable, "-m", "fastppo", "fly"], capture_output=True, text=True)
     assert result.returncode == 2
+
+
+def test_the_repository_kernels_folder_does_not_hide_the_kernels_distribution():
+    # kernels/ installs as fastppo.kernels; with the repository root first on sys.path (pytest,
+    # `python -m` from the root) a top-level `import kernels`, which transformers 5.25 on makes,
+    # gets the installed `kernels` distribution, or fails as it would without this folder.
+    import importlib.metadata
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probe = (
+        f"import sys; sys.path.insert(0, {str(root)!r}); import fastppo.kernels.layout as ours\n"
+        "try:\n    import kernels\nexcept ImportError as error:\n    print('missing', error.name)\n"
+        "else:\n    print('found', kernels.__file__)\n"
+        "print('ours', ours.__file__)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=root)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert Path(lines["ours"]).resolve() == root / "kernels" / "layout.py"
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert lines.get("missing") == "kernels", result.stdout
+    else:
+        assert "found" in lines and Path(lines["found"]).resolve().parent != root / "kernels", result.stdout
