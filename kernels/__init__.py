@@ -29,12 +29,14 @@ def _hand_over_to_the_distribution():
     because the repository root is on ``sys.path`` (pytest, ``python -m`` from the root) ahead of
     the ``kernels`` distribution (Hugging Face's, which transformers 5.25 on imports): put that
     in its place, so the import gets what it asked for. The importer returns what
-    ``sys.modules`` holds once this runs."""
+    ``sys.modules`` holds once this runs. Without the distribution this module stays, as
+    transformers before 5.25 expects: it imports whatever ``kernels`` is found and, finding no
+    version of it installed, leaves it alone."""
     root = Path(__file__).resolve().parents[1]
     elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
     if spec is None:
-        raise ImportError("No module named 'kernels' (the repository's kernels/ is fastppo.kernels)", name="kernels")
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)
