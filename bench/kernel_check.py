@@ -29,7 +29,6 @@ checks this script), and there each section must also finish within ``DRY_SECOND
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -45,7 +44,14 @@ import fastppo  # noqa: E402
 from fastppo.bench.calibrate import dram_latency_us, rotating_ms  # noqa: E402
 from fastppo.bench.measure import copy_bandwidth_gbps, time_call  # noqa: E402
 from fastppo.kernels import logprobs, sampling  # noqa: E402
-from tests.oracles import gae_oracle, logprobs_grad_oracle, logprobs_oracle, ppo_loss_oracle, relative_error  # noqa: E402
+from tests.oracles import (  # noqa: E402
+    chi2_critical,
+    gae_oracle,
+    logprobs_grad_oracle,
+    logprobs_oracle,
+    ppo_loss_oracle,
+    relative_error,
+)
 
 DEFAULT_BUDGET_S = 240.0  # what bench/gpu_check.sh gives the whole check
 DRY_SECONDS = 90.0  # what one section may take in the interpreter at toy shapes
@@ -81,12 +87,23 @@ class Check:
         """Median milliseconds: do_bench on CUDA (the L2 flushed before each run), wall-clock on CPU."""
         return time_call(call, self.device, quick=self.dry).median_ms
 
+    def copy(self) -> float:
+        """GB/s of a device copy (read + written), measured once."""
+        if self.copy_gbps is None:
+            self.copy_gbps = copy_bandwidth_gbps(self.device, quick=self.dry)
+        return self.copy_gbps
+
+    def timed(self, case) -> dict:
+        """``case`` launched over fresh buffers past the L2: microseconds, and its share of a copy."""
+        ms = rotating_ms(case.launch, case.bytes, l2_bytes=self.l2_bytes, rounds=3 if self.dry else 7)
+        return {"us": round(ms * 1e3, 1), "share": round(case.bytes / ms / 1e6 / self.copy(), 3)}
+
     def gpu(self, measured_latency: bool = False):
         """The model's GPU with this machine's copy bandwidth (and DRAM latency, when asked)."""
         from fastppo.bench.roofline import GPU
 
         latency = self.latency_us if measured_latency and self.latency_us else GPU().latency_us
-        return GPU(copy_tbs=(self.copy_gbps or 4300) / 1e3, latency_us=latency)
+        return GPU(copy_tbs=self.copy() / 1e3, latency_us=latency)
 
     def predicted(self, case) -> dict:
         """The model's copy share for ``case`` on this machine, at the assumed and the measured
@@ -113,8 +130,7 @@ class Check:
 
 
 def calibrate(c: Check):
-    c.copy_gbps = copy_bandwidth_gbps(c.device, quick=c.dry)
-    c.record("calibrate", "torch copy (read + written)", GBps=round(c.copy_gbps))
+    c.record("calibrate", "torch copy (read + written)", GBps=round(c.copy()))
     buffer = c.size(1 << 30, 1 << 16)
     c.latency_us = dram_latency_us(c.device, buffer_bytes=buffer, hops=c.size(20000, 50))
     c.record(
@@ -125,7 +141,7 @@ def calibrate(c: Check):
     )
     c.record(
         "calibrate",
-        f"the model with these figures: fastppo bench --sass --gpu-copy-tbs {c.copy_gbps / 1e3:.2f} "
+        f"the model with these figures: fastppo bench --sass --gpu-copy-tbs {c.copy() / 1e3:.2f} "
         f"--gpu-latency-us {c.latency_us:.2f}",
     )
 
@@ -135,13 +151,8 @@ def bandwidth(c: Check):
     the GPU), as a share of the copy bandwidth, beside the share the model predicts."""
     from fastppo.bench.kernel_cases import all_cases
 
-    copy_gbps = c.copy_gbps or copy_bandwidth_gbps(c.device, quick=c.dry)
     for case in all_cases(c.device, toy=c.dry):
-        ms = rotating_ms(case.launch, case.bytes, l2_bytes=c.l2_bytes, rounds=3 if c.dry else 7)
-        share = case.bytes / ms / 1e6 / copy_gbps
-        c.record(
-            "bandwidth", f"{case.name} {case.shape}", us=round(ms * 1e3, 1), share=round(share, 3), **c.predicted(case)
-        )
+        c.record("bandwidth", f"{case.name} {case.shape}", **c.timed(case), **c.predicted(case))
 
 
 def poison(x, invalid):
@@ -275,11 +286,6 @@ def peaked(c: Check):
     )
 
 
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """The chi-square quantile at p = 0.001 (z = 3.09), by Wilson and Hilferty's approximation."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def distribution(c: Check):
     """Draws of one known row, repeated: the counts of K marked columns and of the rest against
     the softmax of the row at temperature 0.8, by chi-square (a draw per row per seed)."""
@@ -318,15 +324,8 @@ def occupancy(c: Check):
     B, V = c.size(256, 8), c.size(151936, 4096)
     for splits in (1, 2, 4, 8, 16) if not c.dry else (1, 2):
         (case,) = sample_cases(B, V, c.device, greedy_only=True, splits=splits)
-        ms = rotating_ms(case.launch, case.bytes, l2_bytes=c.l2_bytes, rounds=3 if c.dry else 7)
-        share = case.bytes / ms / 1e6 / (c.copy_gbps or copy_bandwidth_gbps(c.device, quick=c.dry))
-        c.record(
-            "occupancy",
-            f"greedy [{B}, {V}], {splits} splits: {case.launch.programs} programs",
-            us=round(ms * 1e3, 1),
-            share=round(share, 3),
-            **c.predicted(case),
-        )
+        name = f"greedy [{B}, {V}], {splits} splits: {case.launch.programs} programs"
+        c.record("occupancy", name, **c.timed(case), **c.predicted(case))
 
 
 def from_hidden(c: Check):

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .fastmath import LN2, LOG2E, exp2, log2
 from .layout import row_unit
-from .vectors import body_columns, edge_columns, row_shift, shared_shift
+from .vectors import EDGE_TILE, body_columns, body_start, edge_columns, row_shift, shared_shift
 
 # Where exp2 underflows to 0 (flush to zero): differences below it are clamped before use.
 _EXP2_FLOOR = tl.constexpr(126.0)
@@ -154,8 +154,7 @@ def _logprobs_fwd_kernel(
                 x.to(tl.float32), cols, ok, labels, scale2, m_x, m, s, w, q, x_sum, before, HAS_STATS
             )
     else:  # rows start between 16-byte vectors: an aligned body in whole vectors, then the edges
-        head = (-(base + first)) & (VEC - 1)  # (BLOCK_N,) columns before the row's first vector
-        start = tl.multiple_of(base + head, VEC)  # (BLOCK_N,) where the body starts: vector-aligned
+        head, start = body_start(base, first, VEC)  # (BLOCK_N,) each
         for v0 in range(0, tl.where(V_live > 0, body, 0), BLOCK_V):
             at = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) within the body
             x = tl.load(logits_ptr + start[:, None] + at, mask=live[:, None], other=float("-inf"))
@@ -265,8 +264,7 @@ def _logprobs_bwd_kernel(
             dz = _bwd_tile(x.to(tl.float32), cols, labels, ignored, scale, lse, g_lp, entropy, g_ent, HAS_G_ENT)
             tl.store(grad_ptr + gbase[:, None] + at * gstride_v, dz.to(grad_ptr.dtype.element_ty), mask=ok)
     else:  # rows start between 16-byte vectors: an aligned body in whole vectors, then the edges
-        head = (-(base + first)) & (VEC - 1)  # (BLOCK_N,) columns before the row's first vector
-        start = tl.multiple_of(base + head, VEC)  # (BLOCK_N,) where the body starts: vector-aligned
+        head, start = body_start(base, first, VEC)  # (BLOCK_N,) each
         # The gradient's rows are vector-aligned alike when its layout matches (``vectors.shared_shift``).
         gstart = tl.multiple_of(gbase + head * gstride_v, GRAD_VEC)
         for v0 in range(0, body, BLOCK_V):
@@ -291,7 +289,6 @@ def _logprobs_bwd_kernel(
 # ``fastppo bench --sass``); 8 warps took 13.6. Vocabularies of 1024 or fewer run one warp per
 # program, several rows each, so their reductions are warp shuffles with no barrier at all.
 _TILE, _WARPS = 4096, 4
-_EDGE_TILE = 1024
 _SMALL_TILE = 1024
 _MAX_BLOCK_N = 64
 
@@ -323,9 +320,7 @@ def _launch(logits, temperature, inv_temperature, block_v, grad=None):
     has_temp = temperature is not None
     temperature_args = (temperature, 1.0) if has_temp else (None, inv_temperature)
     switches = dict(HAS_TEMP=has_temp, UNIT=unit, VEC=vec, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, num_warps=num_warps)
-    # The edges' tile: narrower than the body's, so their scalar loads and 8-byte addresses do not
-    # set the registers of the whole kernel (triton 3.6 gave the backward 194 with full tiles).
-    switches["EDGE_V"] = min(BLOCK_V, _EDGE_TILE)
+    switches["EDGE_V"] = min(BLOCK_V, EDGE_TILE)
     if grad is not None:
         switches["GRAD_VEC"] = grad_vec
     strides = tuple(stride // unit for stride in row_strides)

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .fastmath import LN2, LOG2E, exp2, log2
 from .layout import row_unit
-from .vectors import body_columns, edge_columns, row_shift
+from .vectors import EDGE_TILE, body_columns, body_start, edge_columns, row_shift
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
 _SMALLEST_UNIFORM = tl.constexpr(2.0**-32)
@@ -99,13 +99,22 @@ def _uniforms(seed, v0, per_row, rows, BLOCK_N: tl.constexpr, BLOCK_V: tl.conste
 
 
 @triton.jit
+def _rescale(m_x, x, scale2):
+    # A row's running max m_x (BLOCK_N,) meets a tile x (BLOCK_N, K) -> the new max, the reference
+    # point of the sums in base-2 units (finite while a row has seen only -inf), and the factor
+    # that carries the sums so far over to it (anything: they are 0 until then).
+    m_new = tl.maximum(m_x, tl.max(x, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)
+    decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))
+    return m_new, ref, decay
+
+
+@triton.jit
 def _draw_tile(x, u, cols, ok, scale2, m_x, s, best, best_col, GREEDY: tl.constexpr):
     # One tile of logits x (BLOCK_N, BLOCK_V) fp32, unscaled, -inf where not ok, at columns cols,
     # with their uniforms u -> the lanes' running statistics, updated. Each lane meets its columns
     # in increasing order.
-    m_new = tl.maximum(m_x, tl.max(x, axis=1))
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)  # finite while a row has seen only -inf
-    decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))  # s is 0 until then
+    m_new, ref, decay = _rescale(m_x, x, scale2)
     s = s * decay[:, None] + exp2(x * scale2 - ref[:, None])
     if GREEDY:
         score = x
@@ -122,9 +131,7 @@ def _greedy_edge(x, cols, ok, scale2, m_x, s_row, top, col):
     # A tile of a row's edge columns x (BLOCK_N, EDGE_V), -inf where not ok, merged into the row's
     # max, sum and best logit with its column (BLOCK_N,) each. The head's columns come after the
     # body's here, so a tie goes to the lower column.
-    m_new = tl.maximum(m_x, tl.max(x, axis=1))
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new * scale2)
-    decay = exp2(tl.where(m_x == float("-inf"), 0.0, m_x * scale2 - ref))  # s_row is 0 until then
+    m_new, ref, decay = _rescale(m_x, x, scale2)
     s_row = s_row * decay + tl.sum(exp2(x * scale2 - ref[:, None]), axis=1)
     edge_top, edge_col = _first_best(x, tl.where(ok, cols, _NO_COLUMN))
     take = (edge_top > top) | ((edge_top == top) & (edge_col < col))
@@ -185,8 +192,7 @@ def _sample_kernel(
                 u = _uniforms(seed, v0, per_row, rows, BLOCK_N, BLOCK_V)
             m_x, s, best, best_col = _draw_tile(x, u, cols, ok, scale2, m_x, s, best, best_col, GREEDY)
     else:  # greedy, rows start between 16-byte vectors: each split's share of the aligned body
-        head = (-(row_start + first)) & (VEC - 1)  # (BLOCK_N,) columns before the row's first vector
-        start = tl.multiple_of(row_start + head, VEC)  # (BLOCK_N,) where the body starts: vector-aligned
+        head, start = body_start(row_start, first, VEC)  # (BLOCK_N,) each
         v_end = tl.minimum(body, v_begin + split_cols)
         for v0 in tl.range(v_begin, v_end, BLOCK_V, num_stages=3):
             at = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) within the body
@@ -252,7 +258,6 @@ def _combine_kernel(
 # registers (about 110 per thread), so twice the programs are resident to cover memory latency
 # (``fastppo bench --sass``).
 _TILE, _WARPS = 2048, 4
-_EDGE_TILE = 1024  # the tile of a greedy row's edges (see ``vectors.py``)
 _MAX_BLOCK_N = 64
 # Programs to aim for when splitting the vocabulary: about 8 per multiprocessor of a 132-SM GPU.
 _TARGET_PROGRAMS = 1024
@@ -313,7 +318,7 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, b
         VEC=vec,
         BLOCK_N=BLOCK_N,
         BLOCK_V=BLOCK_V,
-        EDGE_V=min(BLOCK_V, _EDGE_TILE),
+        EDGE_V=min(BLOCK_V, EDGE_TILE),
         num_warps=num_warps,
     )
     if SPLITS > 1:

@@ -13,6 +13,9 @@ import triton
 import triton.language as tl
 
 VECTOR_BYTES = 16  # the widest global load or store of one thread
+# The edges' tile: narrower than a body's, so their scalar loads and 8-byte addresses do not set
+# the registers of the whole kernel (triton 3.6 gave the log-prob backward 194 with full tiles).
+EDGE_TILE = 1024
 
 
 def row_shift(tensor, unit: int) -> tuple:
@@ -48,6 +51,14 @@ def shared_shift(logits, grad, unit: int) -> tuple:
 def body_columns(V: int, vec: int, block: int) -> int:
     """Columns every row reads in whole tiles of ``block`` after its head (at most ``vec - 1``)."""
     return max(0, V - (vec - 1)) // block * block
+
+
+@triton.jit
+def body_start(row_offset, first, VEC: tl.constexpr):
+    # row_offset (BLOCK_N,) int64 -> (head, start): the columns before each row's first whole
+    # vector, and the offset of that vector, which the compiler is told is vector-aligned.
+    head = (-(row_offset + first)) & (VEC - 1)
+    return head, tl.multiple_of(row_offset + head, VEC)
 
 
 @triton.jit

@@ -4,6 +4,8 @@ Each oracle takes the op's inputs upcast to float64 (so for bf16/fp16 inputs it 
 values the op saw) and is differentiable, so gradients are checked with autograd on the oracle.
 """
 
+import math
+
 import torch
 
 
@@ -232,3 +234,8 @@ def gae_oracle(rewards, values, mask, gamma, lam):
             next_value, next_adv = v, float(adv[b, t])
     device = torch.get_default_device()
     return adv.to(device), ret.to(device)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (z = 3.09), by Wilson and Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

@@ -18,6 +18,7 @@ both here and re-runs the model with them, next to each kernel's measured time:
 
 import math
 import statistics
+import time
 
 import torch
 import triton
@@ -64,8 +65,6 @@ def dram_latency_us(device, *, buffer_bytes: int = 1 << 30, hops: int = 20000) -
 
 
 def _now(device) -> float:
-    import time
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

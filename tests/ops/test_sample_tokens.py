@@ -13,7 +13,7 @@ import triton.language as tl
 import fastppo
 from fastppo.kernels import sampling as sampling_kernels
 from fastppo.kernels.sampling import sample_forward
-from tests.oracles import philox_uniform4
+from tests.oracles import chi2_critical, philox_uniform4
 
 
 def gumbel_oracle(logits, temperature, seed):
@@ -97,11 +97,6 @@ def test_kernel_draw_from_rows_padded_apart_is_the_oracle_draw(device, width):
         clear = gap > 1e-4
         assert clear.sum() >= 5 and torch.equal(tokens[clear], ref_tokens[clear])
         torch.testing.assert_close(logprobs.double()[clear], ref_logprobs[clear], rtol=0, atol=2e-5)
-
-
-def chi2_critical(df, z=3.09):
-    # Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def test_draws_follow_softmax_over_temperature(backend, device):

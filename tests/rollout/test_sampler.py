@@ -1,12 +1,11 @@
 """Sampler: greedy equals Hugging Face generate(), log-probs equal a recomputed forward, the draw
 follows softmax(logits / T), stopping and padding are exact, and the weights are the live ones."""
 
-import math
-
 import pytest
 import torch
 
 import fastppo
+from tests.oracles import chi2_critical
 from tests.rollout.models import FAMILIES, PROMPTS, V, hf_greedy, recomputed_logprobs, tiny
 
 
@@ -74,11 +73,6 @@ def test_prefill_groups_bound_padding_and_size(monkeypatch):
     assert all(len(g) * max(lengths[i] for i in g) <= 30 or len(g) == 1 for g in sampler_module.prefill_groups(lengths))
 
 
-def _chi2_critical(df, z=3.09):
-    # Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def test_sampling_follows_softmax_over_temperature():
     model, prompt, temperature, draws = tiny("llama"), [3, 1, 4], 0.8, 4096
     rollout = fastppo.Sampler(model, max_batch_size=draws, max_seq_len=8).generate(
@@ -92,7 +86,7 @@ def test_sampling_follows_softmax_over_temperature():
     observed = torch.cat([counts[big], counts[~big].sum().view(1)])
     expected = torch.cat([expected[big], expected[~big].sum().view(1)])
     chi2 = ((observed - expected) ** 2 / expected).sum().item()
-    assert chi2 < _chi2_critical(len(observed) - 1), chi2
+    assert chi2 < chi2_critical(len(observed) - 1), chi2
 
 
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (5, 0.3)])
