@@ -1,11 +1,13 @@
-"""Attention over the sampler's :class:`~fastppo.rollout.kv_cache.KVCache`, with per-row positions.
+"""Attention over the sampler's KV cache, static (``kv_cache.py``) or paged (``paged.py``), with
+per-row positions. The cache stores (``write``, ``read``, ``flash_args``); this attends.
 
 Prefill stores a group of right-padded prompts' keys and values in their slots and attends
 causally with SDPA (which on CUDA dispatches to a flash kernel of its own). Decode stores each
 row's new key and value at its own position and attends over the row's valid prefix (and its
 sliding window, if the layer has one): either flash-attn's ``flash_attn_with_kvcache``, which
-appends and attends in one launch reading only each row's live keys, or SDPA over ``[:span]``
-with a mask, reading the cache through a transposed view (no copy). ``flash.py`` chooses.
+appends and attends in one launch reading only each row's live keys (through the block table
+when paged), or SDPA over ``[:span]`` with a mask, reading the static cache through a transposed
+view (no copy) or gathering a paged row's blocks. ``flash.py`` chooses.
 Extend (a multi-turn row's continuation) stores a few rows' new keys after the ones they hold and
 attends over each row's prefix so far with SDPA.
 """
@@ -16,11 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kv_cache import KVCache
-
 
 class CacheAttention:
-    def __init__(self, cache: KVCache, flash_decode: Optional[Callable] = None):
+    def __init__(self, cache, flash_decode: Optional[Callable] = None):
         self.cache = cache
         self.flash_decode = flash_decode  # flash_attn_with_kvcache, or None for SDPA
 
@@ -29,9 +29,10 @@ class CacheAttention:
     ) -> Tensor:
         """Store a group of right-padded prompts' keys and values in ``slots`` and attend causally.
         q: (G, H, L, D); k, v: (G, KVH, L, D) -> (G, H, L, D)."""
-        L = q.shape[2]
-        self.cache.k[layer][slots, :L] = k.transpose(1, 2)
-        self.cache.v[layer][slots, :L] = v.transpose(1, 2)
+        G, L = q.shape[0], q.shape[2]
+        rows = slots[:, None].expand(G, L).flatten()
+        positions = torch.arange(L, device=q.device).repeat(G)
+        self.cache.write(layer, rows, positions, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
         mask = None
         if window is not None and L > window:
             pos = torch.arange(L, device=q.device)
@@ -61,14 +62,13 @@ class CacheAttention:
         n, C = positions.shape
         real = torch.arange(C, device=q.device)[None, :] < lengths[:, None]  # (n, C)
         row = slots[:, None].expand(n, C)[real]
-        self.cache.k[layer][row, positions[real]] = k.transpose(1, 2)[real].to(self.cache.k[layer].dtype)
-        self.cache.v[layer][row, positions[real]] = v.transpose(1, 2)[real].to(self.cache.v[layer].dtype)
+        self.cache.write(layer, row, positions[real], k.transpose(1, 2)[real], v.transpose(1, 2)[real])
         span = int(positions.max()) + 1
         keys = torch.arange(span, device=q.device)
         mask = keys[None, None, :] <= positions[:, :, None]  # (n, C, span)
         if window is not None:
             mask &= keys[None, None, :] > positions[:, :, None] - window
-        cached_k, cached_v = (c[layer][slots, :span].transpose(1, 2).to(q.dtype) for c in (self.cache.k, self.cache.v))
+        cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, slots, span))
         return F.scaled_dot_product_attention(
             q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -105,11 +105,9 @@ class CacheAttention:
         if self.flash_decode is not None:
             return self._flash(layer, q, k, v, positions, span, scale, window)
         B = q.shape[0]
-        rows = torch.arange(B, device=q.device)
-        self.cache.k[layer][rows, positions] = k[:, :, 0]
-        self.cache.v[layer][rows, positions] = v[:, :, 0]
+        self.cache.write(layer, torch.arange(B, device=q.device), positions, k[:, :, 0], v[:, :, 0])
         # The cache may be stored in another dtype than the model computes in; .to is then a cast.
-        cached_k, cached_v = (c[layer][:B, :span].transpose(1, 2).to(q.dtype) for c in (self.cache.k, self.cache.v))
+        cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, B, span))
         return F.scaled_dot_product_attention(
             q,
             cached_k,
@@ -125,8 +123,7 @@ class CacheAttention:
         # (the last of the row) sees keys [position - (window - 1), position], as HF's window does.
         out = self.flash_decode(
             q.transpose(1, 2),
-            self.cache.k[layer][:B, :span],
-            self.cache.v[layer][:B, :span],
+            **self.cache.flash_args(layer, B, span),
             k=k.transpose(1, 2),
             v=v.transpose(1, 2),
             cache_seqlens=positions.to(torch.int32),

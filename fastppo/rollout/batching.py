@@ -22,6 +22,13 @@ continuation go to the row's output with mask 0 and log-prob 0; ``max_new`` boun
 model draws per episode, and a row's context (``max_len``) bounds all its tokens: a continuation
 that would not leave room for one more drawn token ends the episode as truncated.
 
+Memory (a paged cache, ``paged.py``): a prompt's samples enter only when the decoder *claims*
+their memory, and at every check each decoding row must *hold* the positions the steps to the
+next check will write. A row refused *stalls*: it keeps its slot and cache and draws nothing
+until memory comes back (the decoder refuses only what could leave the running rows stuck, so
+some row always goes on), and no prompt is admitted while a row stalls. Ended rows release
+theirs at once.
+
 Between checks an ended row stays in the batch, writing only slots and output cells nobody
 reads. Every row keeps its own step count: its token, log-prob and mask go to its own output row
 and column, so a ``Rollout`` comes out in the order of the prompts whatever the schedule. The
@@ -43,6 +50,11 @@ from .turns import Turns
 SYNC_EVERY = 16  # decode steps between the host's looks at which rows have ended, on an accelerator
 CPU_SYNC_EVERY = 1  # and on the CPU, where ops are synchronous anyway and a look costs microseconds
 TOOL_STEPS = 16  # decode steps a paused row's tools have before the loop waits for them
+
+
+def sync_every(device: torch.device) -> int:
+    """Decode steps between the host's looks at the rows, on ``device``."""
+    return CPU_SYNC_EVERY if device.type == "cpu" else SYNC_EVERY
 
 
 class RolloutLoop:
@@ -100,12 +112,16 @@ class RolloutLoop:
         # joined, which bounds its position at every later step (for the attention span).
         self.offset = {}
         self.paused = {}  # slot -> the decode step at which its continuation is taken
+        self.stalled = set()  # slots waiting for memory
+        self.continued = {}  # output row -> a continuation taken but waiting for memory
         self.turn_start = {}  # output row -> the column its current turn starts at
         self.pending = deque(range(len(prompts)))
         self.b = 0  # slots 0 .. b-1 are decoded
         self.steps_run = 0
         self.rows_decoded = 0  # slots run, summed over the decode steps
-        self.sync_every = CPU_SYNC_EVERY if device.type == "cpu" else SYNC_EVERY
+        self.peak_rows = 0  # the most rows in flight (decoding, paused or stalled) at a check
+        self.memory_waits = 0  # looks at which a row stalled, a resume or a prompt with free slots waited
+        self.sync_every = sync_every(device)
 
     def run(self) -> Rollout:
         self._admit(list(range(self.capacity)))
@@ -141,26 +157,52 @@ class RolloutLoop:
         self.active[slots] = live & ~hit & (generated < self.limit[slots]) & room
 
     def _check(self) -> bool:
-        """The host sync: pause or free the slots of rows whose turn ended, refill, resume, pack.
-        False when all is done."""
-        active = self.active[: self.b].nonzero().flatten().tolist()
-        if len(active) + len(self.paused) == len(self.offset) and not self._due(active):
+        """The host sync: pause or free the slots of rows whose turn ended, give the rows going on
+        their memory, refill, resume, pack. False when all is done."""
+        state = torch.stack([self.active[: self.b], self.prompt_len[: self.b] + self.drawn[: self.b] - 1])
+        live, positions = state.tolist() if self.b else ([], [])  # one host copy
+        active = [s for s, a in enumerate(live) if a]
+        waiting = len(self.paused) + len(self.stalled)
+        if len(active) + waiting == len(self.offset) and not self._due(active):
+            self._hold(active, positions)
             return True  # no row has ended since the last look, and none is to resume
         decoding = set(active)
-        ended = [s for s in self.offset if s not in self.paused and s not in decoding]
+        ended = [s for s in self.offset if s not in self.paused and s not in self.stalled and s not in decoding]
         if self.turns is not None:
             ended = self._end_turns(ended)
         self._end(ended)
-        self._refill()
+        self._hold(active, positions)
+        if not self.stalled:
+            self._refill()
         self._resume(self._due(self.active[: self.b].nonzero().flatten().tolist()))
         if not self.offset:  # every row resumed was truncated
             self._refill()
-        live = sorted(self.offset)  # slots holding a row, decoding or paused
+        live = sorted(self.offset)  # slots holding a row, decoding, paused or stalled
         if not live:
             return False
+        self.peak_rows = max(self.peak_rows, len(live))
         if len(live) < self.compact_below * self.b or live[-1] + 1 < self.b:
             self._pack(live)
         return True
+
+    def _hold(self, active: list, positions: list) -> None:
+        """Memory for the positions the decoding and stalled rows write before the next check:
+        rows refused stall, stalled rows granted decode again (their last token fed anew)."""
+        slots = [s for s in active if s in self.offset] + sorted(self.stalled)
+        if not slots:
+            return
+        granted = self.decoder.hold(slots, [positions[s] + self.sync_every for s in slots])
+        stall = [s for s, ok in zip(slots, granted) if not ok and s not in self.stalled]
+        go = [s for s, ok in zip(slots, granted) if ok and s in self.stalled]
+        self.stalled.update(stall)
+        self.stalled.difference_update(go)
+        self.memory_waits += len(stall)
+        if stall:
+            self.active[torch.tensor(stall, device=self.row.device)] = False
+        if go:
+            index = torch.tensor(go, device=self.row.device)
+            self.active[index] = True
+            self.token[index] = self.tokens_out[self.row[index], self.drawn[index] - 1]
 
     def _refill(self) -> None:
         """Waiting prompts into the free slots (for a decoder that cannot refill, once all are free)."""
@@ -176,6 +218,7 @@ class RolloutLoop:
         if self.on_rows_ended is not None:
             self.on_rows_ended(len(slots))
         self._free(torch.tensor(slots, device=self.row.device, dtype=torch.long))
+        self.decoder.release(slots)
         for s in slots:
             del self.offset[s]
 
@@ -221,12 +264,17 @@ class RolloutLoop:
         state = torch.stack([rows, drawn, self.prompt_len[index], self.tokens_out[rows, drawn - 1]]).t().tolist()
         fed, feeding, starts, truncated = [], [], [], []
         for s, (row, d, P, last) in zip(slots, state):
-            del self.paused[s]
-            tokens = list(self.turns.continuation(row))
+            tokens = self.continued.pop(row, None) or list(self.turns.continuation(row))
             if P + d + len(tokens) >= self.max_len:
+                del self.paused[s]
                 self.turns.truncated(row)
                 truncated.append(s)
                 continue
+            if not self.decoder.hold([s], [P + d + len(tokens) + self.sync_every])[0]:
+                self.paused[s], self.continued[row] = self.steps_run, tokens  # no memory yet: at the next look
+                self.memory_waits += 1
+                continue
+            del self.paused[s]
             self.tokens_out[row, d : d + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             self.turn_start[row] = d + len(tokens)
             fed.append(s)
@@ -262,6 +310,11 @@ class RolloutLoop:
         and draw their first tokens."""
         chosen = []
         while self.pending and len(free) >= self.n:
+            j = self.pending[0]
+            P = len(self.prompts[j])
+            if not self.decoder.claim(free[: self.n], P, self.cap(j), P + self.sync_every):
+                self.memory_waits += 1
+                break
             chosen.append((self.pending.popleft(), free[: self.n]))
             free = free[self.n :]
         if not chosen:
@@ -281,6 +334,15 @@ class RolloutLoop:
                 self.offset[s] = len(self.prompts[j]) - self.steps_run
         self.b = max(self.b, max(s for _, ss in chosen for s in ss) + 1)
 
+    def cap(self, prompt: int) -> int:
+        """The most positions a row of prompt ``prompt`` reaches: its prompt and budget, or (an
+        episode, whose tool tokens count too) its context."""
+        return (
+            self.max_len
+            if self.turns is not None
+            else min(len(self.prompts[prompt]) + self.max_new[prompt], self.max_len)
+        )
+
     def _pack(self, live: list) -> None:
         """Shrink the batch to the live rows: all of them moved into the holes below ``len(live)``
         when fewer than ``compact_below`` of the batch are live, else only the free slots past the
@@ -298,6 +360,7 @@ class RolloutLoop:
         self._free(slice(k, self.b))
         self.offset = {new: self.offset[old] for new, old in enumerate(order) if old in self.offset}
         self.paused = {new: self.paused[old] for new, old in enumerate(order) if old in self.paused}
+        self.stalled = {new for new, old in enumerate(order) if old in self.stalled}
         self.b = k
 
     def _rollout(self) -> Rollout:

@@ -4,7 +4,11 @@ A decoder holds the model's cache for a decode batch of *slots*, ``0 .. B-1``, e
 row (a sample of a prompt) or nothing. The loop prefills prompts into free slots, feeds every
 slot one token per step, and now and then packs the rows still going into the lowest slots so
 that the batch shrinks as rows finish. In a multi-turn rollout a row paused between turns gets
-the tokens that follow its turn prefilled onto its cache at its position (``extend``). Two
+the tokens that follow its turn prefilled onto its cache at its position (``extend``). A decoder
+whose cache is paged (``paged.py``) gives rows memory as they grow: the loop *claims* a group's
+blocks before its prefill, has every row *hold* the positions it will write before each stretch
+of steps, and *releases* a row's blocks when it ends; elsewhere each slot has all of its positions
+from the start, and the defaults below grant everything. Two
 implementations: the lean decoders of ``lean.py``
 (their own forward over a preallocated :class:`~fastppo.rollout.kv_cache.KVCache`) and the
 generic one of ``generic.py`` (any causal LM, through its own forward and cache).
@@ -47,3 +51,18 @@ class Decoder(ABC):
         """Make slot ``i`` hold what slot ``order[i]`` held (its first ``length`` positions), for
         ``i < len(order)``; every ``order[i]`` is ``i`` or a slot not in ``order``'s range. The batch
         is then ``len(order)`` slots. Returns False (and changes nothing) if this cache cannot."""
+
+    def claim(self, slots: list, prompt_len: int, cap: int, positions: int) -> bool:
+        """Memory for a new group in ``slots`` (one row each, prompts of ``prompt_len`` tokens, rows
+        reaching at most ``cap`` positions), enough for their first ``positions``. False, with
+        nothing taken, when it cannot be had without risking the rows running."""
+        return True
+
+    def hold(self, slots: list, positions: list) -> list:
+        """Memory for the first ``positions[i]`` positions of slot ``slots[i]``'s row; which slots
+        have it (a slot refused stalls: it keeps what it holds and decodes nothing)."""
+        return [True] * len(slots)
+
+    def release(self, slots: list) -> None:
+        """The rows of ``slots`` ended: their memory may go to others."""
+        return None

@@ -4,7 +4,8 @@
 over the row's valid prefix in one kernel, reading only the live part of the cache, where PyTorch
 SDPA reads the whole ``[:span]`` window with a mask. It needs the flash-attn package, CUDA, a
 float16 or bfloat16 model with a KV cache of the same dtype, and a head size up to 256 that is a
-multiple of 8. ``attention="auto"`` takes it when all of that holds; ``"flash"`` insists and
+multiple of 8, and for a paged cache blocks of a multiple of 256 positions (flash-attn 2's page
+size rule). ``attention="auto"`` takes it when all of that holds; ``"flash"`` insists and
 says which condition failed; ``"sdpa"`` never takes it. Prefill always runs SDPA, which on CUDA
 already dispatches causal attention to a flash kernel of its own.
 """
@@ -16,6 +17,7 @@ import torch
 
 ATTENTIONS = ("auto", "flash", "sdpa")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_BLOCK = 256  # flash-attn 2 pages a KV cache in blocks of a multiple of this many positions
 
 
 def _load_flash() -> Callable:
@@ -25,9 +27,10 @@ def _load_flash() -> Callable:
 
 
 def _why_not_flash(
-    device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int
+    device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, block_size=None
 ) -> Optional[str]:
-    """None when flash-attn's decode can serve this model, else the reason it cannot."""
+    """None when flash-attn's decode can serve this model and cache (paged in blocks of
+    ``block_size`` positions, or static: None), else the reason it cannot."""
     if importlib.util.find_spec("flash_attn") is None:
         return "the flash-attn package is not installed"
     if device.type != "cuda":
@@ -39,16 +42,23 @@ def _why_not_flash(
         )
     if head_dim > 256 or head_dim % 8:
         return f"flash-attn needs a head size up to 256 and a multiple of 8, got {head_dim}"
+    if block_size is not None and block_size % FLASH_BLOCK:
+        return f"flash-attn pages a KV cache in blocks of a multiple of {FLASH_BLOCK} positions, got {block_size}"
     return None
 
 
 def flash_decode(
-    attention: str, device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int
+    attention: str,
+    device: torch.device,
+    model_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    head_dim: int,
+    block_size: Optional[int] = None,
 ) -> Optional[Callable]:
     """``flash_attn_with_kvcache`` if ``attention`` (one of ``ATTENTIONS``) picks it, else None (SDPA)."""
     if attention == "sdpa":
         return None
-    reason = _why_not_flash(device, model_dtype, cache_dtype, head_dim)
+    reason = _why_not_flash(device, model_dtype, cache_dtype, head_dim, block_size)
     if reason is None:
         try:
             return _load_flash()

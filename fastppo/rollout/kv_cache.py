@@ -1,10 +1,14 @@
-"""The sampler's KV cache: storage only, allocated once, one slot per row of the decode batch.
+"""The sampler's static KV cache: storage only, allocated once, every slot ``max_len`` positions.
 
 ``k[layer]`` and ``v[layer]`` are ``(slots, max_len, kv_heads, head_dim)``, token-major: the layout
 ``flash_attn_with_kvcache`` reads, and one in which a decode step's write of a row's new key is a
 single contiguous ``kv_heads * head_dim`` run. A row's prompt is written at positions ``0 .. L-1``
 by the prefill of its group, and each decode step writes every row at its own position, so rows
 of ragged lengths share one cache. Reading and writing it for attention is ``attention.py``'s.
+
+The paged cache (``paged.py``) keeps the same storage interface (``write``, ``read``,
+``flash_args``, ``share``, ``move``) and adds blocks a row claims as it grows; here every slot has
+all of its positions from the start.
 """
 
 import torch
@@ -12,6 +16,8 @@ from torch import Tensor
 
 
 class KVCache:
+    paged = False
+
     def __init__(
         self,
         num_layers: int,
@@ -34,10 +40,37 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
-    def copy_slots(self, src: Tensor, dst: Tensor, length: int) -> None:
-        """Give slots ``dst`` the first ``length`` positions of slots ``src`` (the two disjoint): a
-        prompt's prefill shared by its samples, or rows moved when the batch is packed. One copy
-        per layer."""
+    def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k``, ``v`` ``(n, KVH, D)`` at ``positions`` ``(n,)`` of slots ``rows`` ``(n,)``."""
+        self.k[layer][rows, positions] = k.to(self.k[layer].dtype)
+        self.v[layer][rows, positions] = v.to(self.v[layer].dtype)
+
+    def read(self, layer: int, rows, span: int) -> tuple:
+        """Positions ``0 .. span-1`` of slots ``rows`` (a tensor, or ``B`` for ``0 .. B-1``, a view
+        with no copy): keys and values ``(n, span, KVH, D)`` each."""
+        if isinstance(rows, int):
+            return self.k[layer][:rows, :span], self.v[layer][:rows, :span]
+        return self.k[layer][rows, :span], self.v[layer][rows, :span]
+
+    def flash_args(self, layer: int, rows: int, span: int) -> dict:
+        """What ``flash_attn_with_kvcache`` reads for slots ``0 .. rows-1``."""
+        return dict(k_cache=self.k[layer][:rows, :span], v_cache=self.v[layer][:rows, :span])
+
+    def share(self, src: list, dst: list, lengths: list) -> None:
+        """Give slot ``dst[i]`` the first ``lengths[i]`` positions of slot ``src[i]`` (a prompt's
+        prefill shared by its samples): one copy per layer, of the longest."""
+        device = self.k[0].device
+        self.move_positions(torch.tensor(src, device=device), torch.tensor(dst, device=device), max(lengths))
+
+    def move(self, order: list, length: int) -> bool:
+        """Slot ``i`` takes what slot ``order[i]`` holds (its first ``length`` positions)."""
+        moves = [(src, dst) for dst, src in enumerate(order) if src != dst]
+        if moves:
+            src, dst = torch.tensor(moves, device=self.k[0].device).unbind(1)
+            self.move_positions(src, dst, length)
+        return True
+
+    def move_positions(self, src: Tensor, dst: Tensor, length: int) -> None:
         for k, v in zip(self.k, self.v):
             k[dst, :length] = k[src, :length]
             v[dst, :length] = v[src, :length]

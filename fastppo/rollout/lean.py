@@ -8,8 +8,9 @@ is the one list of what runs here; anything else goes through ``generic.py``.
 
 Prompts are prefilled in groups of similar length, one right-padded forward per group (padding
 bounded by ``PREFILL_PADDING``), into the first slot of each prompt; its other samples' slots get
-a copy. Only the positions whose logits are wanted go through the final norm and the LM head (a
-prompt's last token; a step's token), never all L x V of a prompt.
+a copy (static cache) or its blocks (paged: the full ones shared, the partial last one copied).
+Only the positions whose logits are wanted go through the final norm and the LM head (a prompt's
+last token; a step's token), never all L x V of a prompt.
 """
 
 from abc import abstractmethod
@@ -21,8 +22,9 @@ from torch import Tensor
 from ..windows import UnknownWindows, layer_windows
 from .attention import CacheAttention
 from .decoder import Decoder
-from .flash import flash_decode
+from .flash import FLASH_BLOCK, flash_decode
 from .kv_cache import KVCache
+from .paged import PagedKVCache, paged_blocks
 
 PREFILL_PADDING = 0.25  # a prefill group's padded tokens stay under this share of its real ones
 PREFILL_TOKENS = 8192  # and its padded size under this many tokens (activations, attention scores)
@@ -84,10 +86,10 @@ class LeanDecoder(Decoder):
             if first is None:
                 first = logits.new_empty(len(prompts), logits.shape[1])
             first[torch.tensor(group, device=self.device)] = logits
-        copies = [(s[0], other) for s in slots for other in s[1:]]
+        copies = [(s[0], other, len(p)) for s, p in zip(slots, prompts) for other in s[1:]]
         if copies:
-            src, dst = torch.tensor(copies, device=self.device).unbind(1)
-            self.cache.copy_slots(src, dst, max(len(p) for p in prompts))
+            src, dst, lengths = zip(*copies)
+            self.cache.share(list(src), list(dst), list(lengths))
         return first
 
     def _prefill_group(self, slots: Tensor, ids: Tensor, lengths: Tensor) -> Tensor:
@@ -130,11 +132,17 @@ class LeanDecoder(Decoder):
         return self.logits(x[torch.arange(n, device=self.device), lengths - 1])  # (n, V)
 
     def pack(self, order: list, length: int) -> bool:
-        moves = [(src, dst) for dst, src in enumerate(order) if src != dst]
-        if moves:
-            src, dst = torch.tensor(moves, device=self.device).unbind(1)
-            self.cache.copy_slots(src, dst, length)
-        return True
+        return self.cache.move(order, length)
+
+    def claim(self, slots: list, prompt_len: int, cap: int, positions: int) -> bool:
+        return not self.cache.paged or self.cache.claim(slots, prompt_len, cap, positions)
+
+    def hold(self, slots: list, positions: list) -> list:
+        return self.cache.hold(slots, positions) if self.cache.paged else super().hold(slots, positions)
+
+    def release(self, slots: list) -> None:
+        if self.cache.paged:
+            self.cache.release(slots)
 
 
 class LlamaLikeDecoder(LeanDecoder):
@@ -216,9 +224,20 @@ FAMILIES = {
 }
 
 
-def lean_decoder(model, slots: int, max_len: int, dtype: Optional[torch.dtype], attention: str):
+def lean_decoder(
+    model,
+    slots: int,
+    max_len: int,
+    dtype: Optional[torch.dtype],
+    attention: str,
+    kv_cache: str = "paged",
+    block_size: Optional[int] = None,
+    memory: Optional[int] = None,
+):
     """A lean decoder with a KV cache of ``slots`` rows for ``model``, or None when its family has no
-    fast path. ``attention`` picks the decode attention (see ``flash.py``)."""
+    fast path. ``attention`` picks the decode attention (see ``flash.py``); ``kv_cache`` the layout,
+    ``"paged"`` (blocks of ``block_size`` positions in ``memory`` bytes, see ``paged.py``) or
+    ``"static"`` (``kv_cache.py``)."""
     family = FAMILIES.get(model.config.model_type)
     shapes = family and family.shapes(model)
     if shapes is None:
@@ -226,7 +245,20 @@ def lean_decoder(model, slots: int, max_len: int, dtype: Optional[torch.dtype], 
     layers, kv_heads, head_dim, windows = shapes
     param = next(model.parameters())
     dtype = dtype or param.dtype
-    cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device)
-    return family(
-        model, CacheAttention(cache, flash_decode(attention, param.device, param.dtype, dtype, head_dim)), windows
+
+    def decode_attention(block):
+        return flash_decode(attention, param.device, param.dtype, dtype, head_dim, block)
+
+    if kv_cache == "static":
+        cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device)
+        return family(model, CacheAttention(cache, decode_attention(None)), windows)
+    if block_size is None:  # flash-attn's page when it would take one, else vLLM's default
+        block_size = (
+            FLASH_BLOCK if flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK) else 16
+        )
+    flash = decode_attention(block_size)
+    num_blocks = paged_blocks(memory, slots, max_len, block_size, layers * kv_heads * head_dim * dtype.itemsize)
+    cache = PagedKVCache(
+        layers, slots, kv_heads, max_len, head_dim, dtype, param.device, block_size=block_size, num_blocks=num_blocks
     )
+    return family(model, CacheAttention(cache, flash), windows)

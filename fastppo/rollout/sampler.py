@@ -1,7 +1,9 @@
 """``Sampler``: batched, KV-cached generation on the live training weights, returning a Rollout.
 
-For the families of ``lean.FAMILIES`` it runs the lean decoders of ``lean.py`` over a KV cache of
-``max_batch_size`` slots allocated once per sampler (decode attention from ``attention.py``,
+For the families of ``lean.FAMILIES`` it runs the lean decoders of ``lean.py`` over a KV cache
+allocated once per sampler: paged by default (``paged.py``: blocks through a block table, a
+prompt's blocks shared by its samples, rows admitted while memory covers them), or static
+(``kv_cache.py``: every one of ``max_batch_size`` slots at ``max_seq_len``) (decode attention from ``attention.py``,
 flash-attn or SDPA, chosen in ``flash.py``; on CUDA each step a replayed CUDA graph). Other causal
 LMs go through ``generic.py``. Both run the continuous-batching loop of ``batching.py``: rows
 enter free slots as earlier rows finish, finished rows leave the batch, and each step's draw is
@@ -18,13 +20,16 @@ import torch
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
-from .batching import RolloutLoop
+from .batching import RolloutLoop, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
 from .lean import FAMILIES, lean_decoder
+from .paged import GiB, KVMemoryError
 from .rollout import Rollout
 from .turns import Turns
+
+KV_CACHES = ("paged", "static")
 
 
 def _positive_int(x, name: str) -> int:
@@ -68,6 +73,12 @@ class Sampler:
             every 16 steps on an accelerator, every step on the CPU), the live rows move into the
             holes and the batch shrinks to them; 1 packs whenever a row has ended, 0 never moves
             a row (free slots past the last live one still leave the batch).
+        kv_cache: the lean path's KV layout, ``"paged"`` or ``"static"``.
+        kv_block_size: positions per block of the paged cache (default: 256 where flash-attn's
+            decode runs, which pages in multiples of 256, else 16).
+        kv_memory: bytes of the paged cache; rows enter while it covers them, so it bounds the
+            rows in flight with ``max_batch_size`` (default: enough for every slot at
+            ``max_seq_len``, the static layout's memory).
     """
 
     def __init__(
@@ -80,6 +91,9 @@ class Sampler:
         cuda_graphs: bool = True,
         attention: str = "auto",
         compact_below: float = 1.0,
+        kv_cache: str = "paged",
+        kv_block_size: Optional[int] = None,
+        kv_memory: Optional[int] = None,
     ):
         self.model = model
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
@@ -91,7 +105,15 @@ class Sampler:
         if not checks.is_real(compact_below) or not 0 <= compact_below <= 1:
             raise ValueError(f"compact_below must be a number in [0, 1], got {compact_below!r}")
         self.compact_below = float(compact_below)
-        self.lean = lean_decoder(model, max_batch_size, max_seq_len, dtype, attention)
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+        if kv_block_size is not None:
+            _positive_int(kv_block_size, "kv_block_size")
+        if kv_memory is not None:
+            _positive_int(kv_memory, "kv_memory")
+        self.lean = lean_decoder(
+            model, max_batch_size, max_seq_len, dtype, attention, kv_cache, kv_block_size, kv_memory
+        )
         if self.lean is None and attention != "auto":
             raise ValueError(
                 f"attention={attention!r} applies to the lean decoders ({', '.join(FAMILIES)}); a "
@@ -105,6 +127,15 @@ class Sampler:
         self.rows_decoded = 0
         #: Tokens the last ``generate`` prefilled: prompts, and episodes' continuations.
         self.prefill_tokens = 0
+        #: The most rows the last ``generate`` had in flight (decoding, paused or waiting for memory).
+        self.peak_rows = 0
+        #: How often in the last ``generate`` a row or a prompt waited for KV memory (paged cache).
+        self.memory_waits = 0
+
+    @property
+    def kv_cache(self):
+        """The lean path's KV cache (``paged.py``'s or ``kv_cache.py``'s), None on the generic path."""
+        return None if self.lean is None else self.lean.cache
 
     @property
     def fast_path(self) -> bool:
@@ -217,6 +248,10 @@ class Sampler:
 
         if turns is not None and self.lean is None:
             self._check_generic_turns()
+        cache = self.kv_cache
+        if cache is not None and cache.paged:
+            self._check_kv_memory(prompts, n, max_new, turns is not None)
+            cache.reset_peak()
         if self.lean is not None:
             decoder, decode = self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
         else:
@@ -242,4 +277,21 @@ class Sampler:
         with _sampling_mode(self.model):
             rollout = loop.run()
         self.rows_decoded, self.prefill_tokens = loop.rows_decoded, decoder.prefilled
+        self.peak_rows, self.memory_waits = loop.peak_rows, loop.memory_waits
         return rollout
+
+    def _check_kv_memory(self, prompts, n: int, max_new: list, episodes: bool) -> None:
+        """Refuse a rollout a prompt of which the paged cache could never admit, even empty."""
+        cache, ahead = self.kv_cache, sync_every(self.device)
+        need = max(
+            cache.smallest(len(p), n, self.max_seq_len if episodes else len(p) + new, len(p) + ahead)
+            for p, new in zip(prompts, max_new)
+        )
+        if need > cache.num_blocks:
+            smallest = need * cache.block_bytes
+            raise KVMemoryError(
+                f"kv_memory={cache.num_blocks * cache.block_bytes / GiB:.3g} GiB ({cache.num_blocks} blocks) "
+                f"cannot admit {n} samples of the longest prompt: {need} blocks needed, "
+                f"the smallest that works is {smallest / GiB:.3g} GiB ({smallest:,} bytes)",
+                smallest,
+            )

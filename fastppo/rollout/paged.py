@@ -1,0 +1,279 @@
+"""The paged KV cache: keys and values in blocks of ``block_size`` positions, reached through a block
+table, so a row holds the blocks of its current length, not of the cap, and the samples of a
+prompt hold its full blocks once.
+
+Storage per layer is ``(num_blocks, block_size, kv_heads, head_dim)``: token-major within a block,
+the layout ``flash_attn_with_kvcache`` pages through (flash-attn 2 wants ``block_size`` a multiple
+of 256). ``table`` ``(slots, max_blocks)`` int32, on the device, maps a slot's ``i``-th block of
+positions to a block of the pool; entries a slot does not hold point at block 0, the *trash*
+block, which no row owns: whatever a free, ended, paused or stalled slot writes at its position
+lands there or in a block it holds, and nothing reads the trash for a live row. The table is one
+fixed tensor updated in place, so a CUDA graph replays over it.
+
+**Sharing.** A group's prompt is prefilled once into its first sample's blocks; every other sample
+references its full blocks (a reference count per block) and gets its own copy of the partial
+last one, which each sample writes into at its first step (copy on write, done up front since the
+write is certain).
+
+**Admission, never eviction.** Rows grow one position per decode step, and the host looks at them
+only every few steps (``lookahead``), so before each stretch a row must hold the blocks it will
+write. Blocks are granted only while the state stays *safe* in the banker's sense: some order
+exists in which every row can reach its cap, each row finishing and returning its blocks before
+the next needs them. A grant that would leave no such order is refused: the row *stalls* (keeps
+its blocks, decodes nothing) until blocks come back, and a group is admitted only into a safe
+state. In a safe state the row of least need can always be served, so some row always makes
+progress: the cache never deadlocks and no running row is ever evicted. Shared blocks count as
+returned only by their last holder, which keeps the check conservative. The cost is one cap's
+worth of blocks held back, not one per row.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+TRASH = 0  # the block every unheld table entry points at
+GiB = 1 << 30
+
+
+class KVMemoryError(ValueError):
+    """A KV budget too small for one row at the cap; ``smallest`` is the least that works, in bytes."""
+
+    def __init__(self, message: str, smallest: int):
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def paged_blocks(memory, slots: int, max_len: int, block_size: int, token_bytes: int) -> int:
+    """The blocks (the trash block included) that ``memory`` bytes hold, a position's key (or value)
+    taking ``token_bytes`` over all layers; ``memory`` None: enough for every slot at ``max_len``
+    (the static layout's memory, and a block)."""
+    block_bytes = 2 * block_size * token_bytes
+    per_row = math.ceil(max_len / block_size)
+    if memory is None:
+        return 1 + slots * per_row
+    blocks = memory // block_bytes
+    if blocks < 1 + per_row:
+        smallest = (1 + per_row) * block_bytes
+        raise KVMemoryError(
+            f"kv_memory={memory / GiB:.3g} GiB holds {blocks} blocks of {block_size} positions "
+            f"({block_bytes:,} bytes each), fewer than one row at the cap needs ({per_row} and the trash "
+            f"block): the smallest that works is {smallest / GiB:.3g} GiB ({smallest:,} bytes)",
+            smallest,
+        )
+    return blocks
+
+
+class PagedKVCache:
+    """Blocks, a block table and the free list; the attention reads and writes through ``table``.
+
+    Args:
+        num_blocks: the pool's blocks, the trash block included.
+        slots: the table's rows (the decode batch's slots); ``max_len``: positions a row may reach.
+    """
+
+    paged = True
+
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        block_size: int,
+        num_blocks: int,
+    ):
+        self.block_size, self.max_len, self.num_blocks = block_size, max_len, num_blocks
+        self.max_blocks = math.ceil(max_len / block_size)
+        self.block_bytes = 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize  # K and V
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.table = torch.full((slots, self.max_blocks), TRASH, dtype=torch.int32, device=device)
+        self.free = list(range(num_blocks - 1, TRASH, -1))  # popped from the end: low blocks first
+        self.refs = [0] * num_blocks
+        self.held = [[] for _ in range(slots)]  # each slot's blocks, in position order
+        self.prompt = [0] * slots  # how many of them, at the front, are its group's shared prompt
+        self.caps = [0] * slots  # the positions each slot's row may reach (0: no row)
+        self.peak_blocks = 0  # the most blocks held at once since the last reset_peak
+
+    # ---- the storage, for the attention ----------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self.table.shape[0]
+
+    def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k``, ``v`` ``(n, KVH, D)`` at ``positions`` ``(n,)`` of slots ``rows`` ``(n,)``."""
+        blocks = self.table[rows, positions // self.block_size].long()
+        offsets = positions % self.block_size
+        self.k[layer][blocks, offsets] = k.to(self.k[layer].dtype)
+        self.v[layer][blocks, offsets] = v.to(self.v[layer].dtype)
+
+    def read(self, layer: int, rows, span: int) -> tuple:
+        """Positions ``0 .. span-1`` of slots ``rows`` (a tensor, or ``B`` for ``0 .. B-1``), gathered
+        from their blocks: keys and values ``(n, span, KVH, D)`` each."""
+        table = self.table[:rows] if isinstance(rows, int) else self.table[rows]
+        blocks = table[:, : math.ceil(span / self.block_size)].long()  # (n, nb)
+        return tuple(c[layer][blocks].flatten(1, 2)[:, :span] for c in (self.k, self.v))  # (n, span, KVH, D)
+
+    def flash_args(self, layer: int, rows: int, span: int) -> dict:
+        """What ``flash_attn_with_kvcache`` reads for slots ``0 .. rows-1``: the pool and their table."""
+        return dict(k_cache=self.k[layer], v_cache=self.v[layer], block_table=self.table[:rows])
+
+    # ---- rows' blocks, for the decoder and the loop --------------------------------------------
+
+    def _blocks_for(self, positions: int) -> int:
+        return math.ceil(positions / self.block_size)
+
+    def _need(self, slot: int) -> int:
+        return self._blocks_for(self.caps[slot]) - len(self.held[slot])
+
+    def _own(self, slot: int) -> int:
+        """The blocks this slot's row returns when it ends (a group's prompt blocks: by the last)."""
+        held = self.held[slot]
+        return len(held) - (self.prompt[slot] if self.prompt[slot] and self.refs[held[0]] > 1 else 0)
+
+    def _safe(self, free: int, rows: list) -> bool:
+        """Whether every row of ``rows`` (``(need, returned)`` pairs) can reach its cap in some
+        order with ``free`` blocks: least need first, each returning its blocks when done."""
+        for need, returned in sorted(rows):
+            if need > free:
+                return False
+            free += returned
+        return True
+
+    def _state(self, extra: dict) -> list:
+        """``(need, returned)`` of every row, with ``extra`` slot -> blocks granted on top."""
+        rows = []
+        for s in range(self.slots):
+            if self.caps[s]:
+                more = extra.get(s, 0)
+                rows.append((self._need(s) - more, self._own(s) + more))
+        return rows
+
+    def hold(self, slots: list, positions: list) -> list:
+        """Give each slot the blocks for its first ``positions[i]`` positions, least need first,
+        while the state stays safe. Returns which slots hold theirs (the others stall)."""
+        want = {}
+        for s, p in zip(slots, positions):
+            more = self._blocks_for(min(p, self.caps[s])) - len(self.held[s])
+            if more > 0:
+                want[s] = more
+        order = sorted(want, key=self._need)
+
+        def grantable(k: int) -> bool:  # the first k of ``order`` served together
+            extra = {s: want[s] for s in order[:k]}
+            free = len(self.free) - sum(extra.values())
+            return free >= 0 and self._safe(free, self._state(extra))
+
+        # Serving a row never makes an unsafe state safe, so the grantable prefixes are those up to
+        # some length: found by bisection (one safety check, in the common case of plenty).
+        lo, hi = 0, len(order)
+        if not grantable(hi):
+            while lo < hi - 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if grantable(mid) else (lo, mid)
+            hi = lo
+        for s in order[:hi]:
+            self._take(s, want[s])
+        self._sync_rows(order[:hi])
+        granted = set(order[:hi])
+        return [s not in want or s in granted for s in slots]
+
+    def claim(self, slots: list, prompt_len: int, cap: int, positions: int) -> bool:
+        """Blocks for a new group, one row per slot: the prompt's full blocks shared, a partial last
+        block and the first ``positions`` positions each. False (nothing taken) if that would leave
+        the state unsafe."""
+        full = prompt_len // self.block_size
+        each = self._blocks_for(min(positions, cap)) - full  # a row's own blocks
+        total = full + len(slots) * each
+        if total > len(self.free):
+            return False
+        rows = self._state({})
+        rows += [(self._blocks_for(cap) - full - each, each)] * (len(slots) - 1)
+        rows.append((self._blocks_for(cap) - full - each, each + full))  # the last holder returns the prompt
+        if not self._safe(len(self.free) - total, rows):
+            return False
+        shared = [self._pop() for _ in range(full)]
+        for b in shared:
+            self.refs[b] = len(slots)
+        for s in slots:
+            self.caps[s] = cap
+            self.held[s], self.prompt[s] = list(shared), full
+            self._take(s, each)
+        self._sync_rows(slots)
+        return True
+
+    def smallest(self, prompt_len: int, n: int, cap: int, positions: int) -> int:
+        """The fewest blocks (trash included) in which a group of ``n`` rows with this prompt and
+        cap is admitted into an empty cache."""
+        full = prompt_len // self.block_size
+        each = self._blocks_for(min(positions, cap)) - full
+        return 1 + full + (n - 1) * each + max(self._blocks_for(cap) - full, each)
+
+    def share(self, src: list, dst: list, lengths: list) -> None:
+        """Give slot ``dst[i]`` the prompt of ``lengths[i]`` tokens slot ``src[i]`` prefilled: the
+        full blocks are its already (``claim``); the partial last block, if any, is copied."""
+        pairs = [
+            (self.held[s][n // self.block_size], self.held[d][n // self.block_size])
+            for s, d, n in zip(src, dst, lengths)
+            if n % self.block_size
+        ]
+        if not pairs:
+            return
+        frm, to = torch.tensor(pairs, device=self.table.device).unbind(1)
+        for k, v in zip(self.k, self.v):
+            k[to] = k[frm]
+            v[to] = v[frm]
+
+    def release(self, slots: list) -> None:
+        """The rows of ``slots`` are done: their blocks go back as their last holder lets go."""
+        for s in slots:
+            for b in self.held[s]:
+                self.refs[b] -= 1
+                if self.refs[b] == 0:
+                    self.free.append(b)
+            self.held[s], self.prompt[s], self.caps[s] = [], 0, 0
+        self._sync_rows(slots)
+
+    def move(self, order: list, length: int) -> bool:
+        """Slot ``i`` takes slot ``order[i]``'s blocks (its table row, no data moved); the slots past
+        ``len(order)`` hold nothing."""
+        k = len(order)
+        for state in (self.held, self.prompt, self.caps):
+            state[:k] = [state[s] for s in order]
+        for s in range(k, self.slots):
+            self.held[s], self.prompt[s], self.caps[s] = [], 0, 0
+        self._sync_rows(range(self.slots))
+        return True
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self.refs) - 1 - len(self.free)
+
+    def reset_peak(self) -> None:
+        self.peak_blocks = self.used_blocks
+
+    def _pop(self) -> int:
+        b = self.free.pop()
+        self.refs[b] = 1
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+        return b
+
+    def _take(self, slot: int, n: int) -> None:
+        self.held[slot] += [self._pop() for _ in range(n)]
+
+    def _sync_rows(self, slots) -> None:
+        """Write the table rows of ``slots`` from ``held`` (unheld entries: the trash block)."""
+        slots = list(slots)
+        if not slots:
+            return
+        rows = torch.full((len(slots), self.max_blocks), TRASH, dtype=torch.int32)
+        for i, s in enumerate(slots):
+            rows[i, : len(self.held[s])] = torch.tensor(self.held[s], dtype=torch.int32)
+        self.table[torch.tensor(slots, device=self.table.device)] = rows.to(self.table.device)
