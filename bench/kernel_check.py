@@ -20,6 +20,9 @@ finishes (OUT_DIR/kernel_check.jsonl, one JSON line per check, and OUT_DIR/kerne
 5. ``occupancy``: greedy sampling forced to 1 to 16 splits (one to several waves of programs),
    measured against predicted: how far the model's waves and latency hold.
 6. ``from_hidden``: ``ppo_loss_from_hidden`` against its three bare matmuls and the FLOP/byte model.
+7. ``paged_decode``: the sampler's decode attention over the paged KV cache against the static
+   one holding the same keys, SDPA and (where flash-attn is installed) flash-attn: equal outputs,
+   and the time of each with its share of a copy of the keys and values it must read.
 
 Every section declares the seconds it may take on the GPU; one that would not fit in what is left
 of ``--budget-s`` is skipped and says so, and one that raises is recorded and the next one runs.
@@ -366,6 +369,66 @@ def from_hidden(c: Check):
     )
 
 
+def paged_decode(c: Check):
+    """One layer's decode step, Qwen2.5-7B's attention shape (28 heads, 4 KV heads of 128), rows at
+    ragged positions, over a static cache and a paged one (blocks of 16 for SDPA, 256 for flash)."""
+    import math
+
+    from fastppo.rollout.attention import CacheAttention
+    from fastppo.rollout.flash import flash_decode
+    from fastppo.rollout.kv_cache import KVCache
+    from fastppo.rollout.paged import PagedKVCache
+
+    B, H, KVH, D, L = c.size(256, 4), 28, 4, 128, c.size(4096, 40)
+    dtype = torch.bfloat16 if not c.dry else torch.float32
+    positions = torch.randint(L // 2, L, (B,), device=c.device)
+    span = int(positions.max()) + 1
+    q = torch.randn(B, H, 1, D, device=c.device, dtype=dtype)
+    k, v = (torch.randn(B, KVH, 1, D, device=c.device, dtype=dtype) for _ in range(2))
+    keys, values = (torch.randn(B, L, KVH, D, device=c.device, dtype=dtype) for _ in range(2))
+    read = 2 * int(positions.sum() + B) * KVH * D * keys.element_size()  # each row's live keys and values
+    rows = torch.arange(B, device=c.device).repeat_interleave(L)
+    at = torch.arange(L, device=c.device).repeat(B)
+    outputs = {}
+    for attention in ("sdpa", "flash"):
+        try:
+            flash = flash_decode(attention, c.device, dtype, dtype, D, None if attention == "sdpa" else 256)
+        except ValueError as why:
+            c.record("paged_decode", f"{attention}: skipped ({why})")
+            continue
+        for layout, block in (("static", None), ("paged", 256 if flash else 16)):
+            if block is None:
+                cache = KVCache(1, B, KVH, L, D, dtype, c.device)
+            else:
+                cache = PagedKVCache(
+                    1, B, KVH, L, D, dtype, c.device, block_size=block, num_blocks=1 + B * math.ceil(L / block)
+                )
+                for row in range(B):
+                    assert cache.claim([row], prompt_len=1, cap=L, positions=L)
+            cache.write(0, rows, at, keys.flatten(0, 1), values.flatten(0, 1))
+            attend = CacheAttention(cache, flash)
+            masks = attend.decode_masks(positions, span, {None})
+
+            def step(attend=attend, masks=masks):
+                return attend.decode(0, q, k, v, positions, span, D**-0.5, None, masks)
+
+            outputs[attention, layout] = step().float()
+            ms = c.ms(step)
+            name = f"{attention} decode over a {layout} cache" + (f" (blocks of {block})" if block else "")
+            name += f", [{B} rows up to {span}, {H} heads, {KVH} KV heads of {D}]"
+            c.record("paged_decode", name, us=round(ms * 1e3, 1), share=round(read / ms / 1e6 / c.copy(), 3))
+    reference = outputs.get(("sdpa", "static"))
+    for (attention, layout), out in outputs.items():
+        if (attention, layout) != ("sdpa", "static"):
+            diff = (out - reference).abs().max().item()
+            c.record(
+                "paged_decode",
+                f"{attention}, {layout}: against SDPA over the static cache",
+                ok=diff < 2e-2,
+                max_abs_diff=diff,
+            )
+
+
 # Each section and the seconds it may take on the GPU (a cold machine: compiling included), in the
 # order that matters when time runs out.
 SECTIONS = (
@@ -379,6 +442,7 @@ SECTIONS = (
     (distribution, 15),
     (occupancy, 25),
     (from_hidden, 20),
+    (paged_decode, 15),
 )
 
 

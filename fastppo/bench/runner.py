@@ -17,6 +17,7 @@ from .advantages import gae_cases, whiten_cases
 from .logprobs import logprobs_cases, logprobs_from_hidden_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
+from .paged import paged_cases
 from .sampler import sampler_cases, sampling_cases
 from .trainer import trainer_cases, trainer_options_cases
 
@@ -27,6 +28,7 @@ FAMILIES = {
     "ppo_loss": ppo_loss_cases,
     "gae": gae_cases,
     "sampler": sampler_cases,
+    "rollout": paged_cases,
     "sampling": sampling_cases,
     "trainer": trainer_cases,
     "trainer_options": trainer_options_cases,

@@ -58,7 +58,8 @@ def sync_every(device: torch.device) -> int:
 
 
 class RolloutLoop:
-    """One ``generate`` call: ``prompts`` x ``n`` rows through ``decoder``'s ``slots`` slots.
+    """One ``generate`` call: ``prompts`` x ``n`` rows through ``decoder``'s ``slots`` slots, row
+    ``j * n + k`` (sample k of prompt j) drawing at most ``max_new[j * n + k]`` tokens.
 
     ``draw(logits (b, V)) -> (tokens, logprobs)`` samples a step; ``decode`` is the decoder's (or
     its CUDA graphs'); ``bucket(b)`` the number of slots one decode call runs (``b``, or more for
@@ -324,7 +325,9 @@ class RolloutLoop:
         slots = torch.tensor([s for _, ss in chosen for s in ss], device=device)
         self.row[slots] = torch.tensor([j * self.n + k for j, _ in chosen for k in range(self.n)], device=device)
         self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, ss in chosen for _ in ss], device=device)
-        self.limit[slots] = torch.tensor([self.max_new[j] for j, ss in chosen for _ in ss], device=device)
+        self.limit[slots] = torch.tensor(
+            [self.max_new[j * self.n + k] for j, ss in chosen for k in range(len(ss))], device=device
+        )
         self.drawn[slots] = 0
         self.generated[slots] = 0
         self.active[slots] = True
@@ -340,7 +343,9 @@ class RolloutLoop:
         return (
             self.max_len
             if self.turns is not None
-            else min(len(self.prompts[prompt]) + self.max_new[prompt], self.max_len)
+            else min(
+                len(self.prompts[prompt]) + max(self.max_new[prompt * self.n : (prompt + 1) * self.n]), self.max_len
+            )
         )
 
     def _pack(self, live: list) -> None:

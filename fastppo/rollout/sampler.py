@@ -149,23 +149,30 @@ class Sampler:
             return "model"
         return "flash" if self.lean.attention.flash_decode is not None else "sdpa"
 
-    def _check_prompts(self, prompts, max_new_tokens) -> list:
+    def _check_prompts(self, prompts, max_new_tokens, n: int) -> list:
+        """Each row's budget, ``n`` rows per prompt, from an int, one per prompt or one per row."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
             max_new_tokens = [max_new_tokens] * len(prompts)
-        if len(max_new_tokens) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
-        for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
-            _positive_int(new, f"max_new_tokens[{i}]")
+        if len(max_new_tokens) == len(prompts):
+            max_new_tokens = [new for new in max_new_tokens for _ in range(n)]
+        if len(max_new_tokens) != len(prompts) * n:
+            raise ValueError(
+                f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts of {n} samples"
+            )
+        for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
-            if len(prompt) + new > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({new}) exceeds max_seq_len={self.max_seq_len}"
-                )
+            for new in max_new_tokens[i * n : (i + 1) * n]:
+                _positive_int(new, f"max_new_tokens[{i}]")
+                if len(prompt) + new > self.max_seq_len:
+                    raise ValueError(
+                        f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({new}) exceeds "
+                        f"max_seq_len={self.max_seq_len}"
+                    )
         return list(max_new_tokens)
 
     def _default_stop_and_pad(self, stop_token_ids, pad_token_id):
@@ -215,7 +222,8 @@ class Sampler:
 
         Args:
             prompts: token-id lists, of any lengths.
-            max_new_tokens: an int, or one per prompt.
+            max_new_tokens: an int, one per prompt, or one per row (``num_samples_per_prompt``
+                rows per prompt, a prompt's samples together).
             temperature: 0 for greedy decoding; ``top_k`` (0: off) and ``top_p`` (1: off) restrict
                 the sampled tokens, not the returned log-probs.
             stop_token_ids: tokens that end a row (included in its response); default: the
@@ -229,8 +237,8 @@ class Sampler:
                 tokens; the response holds the continuations too, with mask 0 and log-prob 0, and
                 ``response_lens`` counts every token of it.
         """
-        max_new = self._check_prompts(prompts, max_new_tokens)
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
+        max_new = self._check_prompts(prompts, max_new_tokens, n)
         if n > self.max_batch_size:
             raise ValueError(
                 f"num_samples_per_prompt={n} exceeds max_batch_size={self.max_batch_size}: a prompt's "
@@ -284,8 +292,10 @@ class Sampler:
         """Refuse a rollout a prompt of which the paged cache could never admit, even empty."""
         cache, ahead = self.kv_cache, sync_every(self.device)
         need = max(
-            cache.smallest(len(p), n, self.max_seq_len if episodes else len(p) + new, len(p) + ahead)
-            for p, new in zip(prompts, max_new)
+            cache.smallest(
+                len(p), n, self.max_seq_len if episodes else len(p) + max(max_new[i * n : (i + 1) * n]), len(p) + ahead
+            )
+            for i, p in enumerate(prompts)
         )
         if need > cache.num_blocks:
             smallest = need * cache.block_bytes

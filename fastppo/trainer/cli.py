@@ -42,6 +42,13 @@ def main(argv=None) -> int:
     )
     plan.add_argument("--plan-world-size", type=int, metavar="N", help="ranks of the run (default: $WORLD_SIZE or 1)")
     plan.add_argument(
+        "--plan-mean-response-tokens",
+        type=int,
+        metavar="N",
+        help="the responses' mean length, for the rows in flight the KV cache allows "
+        "(default: a quarter of the budget)",
+    )
+    plan.add_argument(
         "--plan-device-memory",
         type=float,
         metavar="GIB",
@@ -115,6 +122,8 @@ def _check_plan_options(args) -> None:
         raise UsageError(f"--plan-prompt-tokens must be >= 1, got {args.plan_prompt_tokens}")
     if args.plan_world_size is not None and args.plan_world_size < 1:
         raise UsageError(f"--plan-world-size must be >= 1, got {args.plan_world_size}")
+    if args.plan_mean_response_tokens is not None and args.plan_mean_response_tokens < 1:
+        raise UsageError(f"--plan-mean-response-tokens must be >= 1, got {args.plan_mean_response_tokens}")
     memory = args.plan_device_memory
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise UsageError(f"--plan-device-memory must be a positive number of GiB, got {memory}")
@@ -159,7 +168,7 @@ def _plan(args) -> int:
     from . import data, tasks
     from .distributed import world_size
     from .models import DEFAULT_MODEL
-    from .plan import GiB, device_memory, fitting_microbatch, memory_plan, render, runtime_bytes
+    from .plan import GiB, device_memory, fitting_microbatch, kv_memory, memory_plan, render, runtime_bytes
 
     config = from_arguments(args)
     _check_plan_options(args)
@@ -197,6 +206,9 @@ def _plan(args) -> int:
     world = args.plan_world_size or world_size()
     reward_config = AutoConfig.from_pretrained(config.reward.reward_model) if config.reward.reward_model else None
     runtime = runtime_bytes() if device_type == "cpu" else 0
+    available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
+    common = dict(world_size=world, reward_model_config=reward_config, runtime=runtime)
+    kv = kv_memory(config, model_config, prompt_tokens=tokens, device_type=device_type, available=available, **common)
 
     def plan(**changes) -> list:  # the run's lines, or those of the run with ``changes``
         changed = TrainConfig.from_flat({**config.flat(), **changes}).validate()
@@ -205,16 +217,15 @@ def _plan(args) -> int:
             model_config,
             prompt_tokens=tokens,
             device_type=device_type,
-            world_size=world,
-            reward_model_config=reward_config,
-            runtime=runtime,
+            kv_memory=kv,
+            mean_response_tokens=args.plan_mean_response_tokens,
+            **common,
         )
 
     def total(**changes) -> int:
         return sum(line.bytes for line in plan(**changes))
 
     lines = plan()
-    available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
     print(
         render(
             lines,

@@ -54,6 +54,8 @@ RESUMABLE = {
     "eval_every",
     "eval_samples",
     "rollout_batch_size",
+    "rollout_kv_memory",
+    "rollout_kv_block_size",
 }
 
 

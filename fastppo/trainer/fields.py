@@ -267,6 +267,19 @@ class RolloutConfig:
         "finished ones",
         0,
     )
+    rollout_kv_memory: Optional[float] = _doc(
+        "GiB of the sampler's paged KV cache: rows enter while it covers them, a "
+        "prompt's blocks shared by its samples (default: on CUDA what the memory plan "
+        "leaves on the device, less a tenth of it; elsewhere enough for every slot at "
+        "the cap)",
+        bound=above(0),
+    )
+    rollout_kv_block_size: int = _doc(
+        "positions per block of the sampler's KV cache (0: 256 where flash-attn's "
+        "decode runs, which pages in multiples of 256, else 16)",
+        0,
+        bound=at_least(0),
+    )
     stop: Optional[list[str]] = _doc(
         "strings that end a response besides the end-of-sequence token; the response "
         "keeps the stop string and its mask ends there",

@@ -7,7 +7,10 @@ counted from the options, each line with its dtype:
 
 - exact: parameters (fp32 masters; with LoRA the frozen base in the rollout dtype and the fp32
   adapters), gradients, AdamW's two moments and step counters, the bf16 rollout copy, the
-  reference, the critic, the KV cache;
+  reference, the critic, the KV cache (the sampler's paged budget: ``--rollout-kv-memory``, on
+  CUDA by default what the other lines leave, less a tenth of the device, and never more than
+  every slot at the cap takes; the line says how many rows in flight it allows, against the
+  static layout's slot per row at the cap, for responses of an assumed mean length);
 - measured: on the CPU, the process itself (Python, torch, transformers: its resident memory
   before any model loads), which with freed tensor memory returned at once (``host_memory.py``)
   is what a run holds besides the lines above;
@@ -27,8 +30,10 @@ policy's root with its LM head in the masters' dtype, and the whole rollout copy
 during the rollout only.
 """
 
+import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -110,10 +115,14 @@ def memory_plan(
     world_size: int = 1,
     reward_model_config=None,
     runtime: int = 0,
+    kv_memory: Optional[int] = None,
+    mean_response_tokens: Optional[int] = None,
 ) -> list:
     """The lines of one device's memory for a run of ``config`` (a validated ``TrainConfig``) on the
     model ``model_config``, prompts of up to ``prompt_tokens`` tokens; ``runtime``: bytes the
-    process holds besides tensors (on the CPU, :func:`runtime_bytes`)."""
+    process holds besides tensors (on the CPU, :func:`runtime_bytes`); ``kv_memory``: the KV
+    budget in bytes (default: :func:`kv_line`'s); ``mean_response_tokens``: the responses' assumed
+    mean length, for the rows in flight (default: a quarter of the budget)."""
     from ..ops.token_logprobs_from_hidden import default_chunk_size
 
     r, a, lora = config.rollout, config.algo, config.lora
@@ -180,14 +189,7 @@ def memory_plan(
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
     rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots
-    length = prompt_tokens + config.response_tokens
-    lines.append(
-        Line(
-            "KV cache",
-            2 * m.layers * slots * length * m.kv_dim * rollout,
-            f"{m.layers} layers x K,V x {slots} slots x {length} positions x {m.kv_dim}",
-        )
-    )
+    lines.append(kv_line(config, m, prompt_tokens, rollout, kv_memory, mean_response_tokens, device_type))
     lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
     tokens, laid_out = forward_tokens(config, model_config, mb_rows, prompt_tokens)
@@ -217,6 +219,55 @@ def memory_plan(
     if runtime:
         lines.append(Line("runtime", runtime, "this process before any model: Python, torch, transformers"))
     return lines
+
+
+def kv_line(
+    config, m: ModelShape, prompt_tokens: int, size: int, memory, mean_response: Optional[int], device_type
+) -> Line:
+    """The sampler's KV cache: its budget (``memory`` bytes, else ``--rollout-kv-memory``, else every
+    slot at the cap), and the rows in flight it allows, static and paged, for responses of
+    ``mean_response`` tokens on average. Paged: one row at the cap held back (admission keeps a
+    row able to finish), each group's full prompt blocks once, each sample its partial prompt
+    block, its mean response and a stretch of steps (16 decode steps between looks)."""
+    from ..rollout.flash import FLASH_BLOCK
+    from ..rollout.paged import KVMemoryError, paged_blocks
+
+    r = config.rollout
+    block = r.rollout_kv_block_size or (FLASH_BLOCK if device_type == "cuda" else 16)
+    slots, n, cap = config.sampler_slots, r.samples_per_prompt, prompt_tokens + config.response_tokens
+    position = 2 * m.layers * m.kv_dim * size  # bytes of one position: K and V in every layer
+    if memory is None and r.rollout_kv_memory is not None:
+        memory = int(r.rollout_kv_memory * GiB)
+    try:
+        blocks = paged_blocks(memory, slots, cap, block, position // 2)
+    except KVMemoryError as error:
+        return Line("KV cache", memory, f"too small: {error}")
+    mean = min(mean_response or config.response_tokens // 4 or 1, config.response_tokens)
+    static = min(slots, blocks * block // cap)
+    per_group = prompt_tokens // block + n * math.ceil((prompt_tokens % block + mean + 16) / block)
+    groups = max(blocks - 1 - math.ceil(cap / block), 0) // per_group
+    paged = min(slots, groups * n)
+    return Line(
+        "KV cache",
+        blocks * block * position,
+        f"{position:,} B a position ({m.layers} layers x K,V x {m.kv_dim}); {blocks:,} blocks of {block}; a row "
+        f"{math.ceil(cap / block)} blocks at the cap ({cap:,}), {math.ceil((prompt_tokens + mean) / block)} at "
+        f"{prompt_tokens + mean:,} (mean response {mean:,}, assumed); rows in flight: {static} static, "
+        f"~{paged} paged, of {slots}",
+    )
+
+
+def kv_memory(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> Optional[int]:
+    """The sampler's KV budget in bytes: ``--rollout-kv-memory``; else on CUDA what the plan's
+    other lines leave of ``available``, less a tenth of it (what the plan does not count: the
+    allocator's fragmentation, the CUDA context); else None (every slot at the cap)."""
+    if config.rollout.rollout_kv_memory is not None:
+        return int(config.rollout.rollout_kv_memory * GiB)
+    if device_type != "cuda":
+        return None
+    lines = memory_plan(config, model_config, prompt_tokens=prompt_tokens, device_type=device_type, **plan)
+    others = sum(line.bytes for line in lines if line.name != "KV cache")
+    return max(available - available // 10 - others, 1)
 
 
 def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple:

@@ -35,7 +35,7 @@ from .errors import UsageError
 from .loss import minibatch_loss, step_normalisers, step_stats
 from .models import RewardModel, context_length
 from .optimizers import Optimizers
-from .plan import device_memory, fitting_microbatch
+from .plan import device_memory, fitting_microbatch, kv_memory
 from .rollouts import Rollouts, Scored
 from .run_lock import RunLock
 from .run_log import RunLog, iteration_metrics, postfix, progress, start_run_directory
@@ -106,7 +106,17 @@ class PPOTrainer:
                 available=device_memory("cuda"),
                 world_size=self.ranks.world,
             )
-        self.rollouts = Rollouts(config, models, rewards, prompts, fields, self.ranks, self.longest_prompt, self.agent)
+        kv = kv_memory(
+            config,
+            models.policy.config,
+            prompt_tokens=self.longest_prompt,
+            device_type=models.device.type,
+            available=device_memory(models.device.type),
+            world_size=self.ranks.world,
+        )
+        self.rollouts = Rollouts(
+            config, models, rewards, prompts, fields, self.ranks, self.longest_prompt, self.agent, kv_memory=kv
+        )
         self.optimizers = Optimizers(models.policy, models.critic, config.optim, config.run.iterations)
         self.state = TrainerState(kl_coef=config.algo.kl_coef)
         self.evaluations = []  # {"iteration", held-out metrics} of each evaluation

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..agents.episodes import episode_metrics
 from ..rollout import Sampler
+from ..rollout.paged import GiB, KVMemoryError
 from . import data, responses
 from .errors import UsageError
 
@@ -56,25 +57,42 @@ class Rollouts:
     """Samples on the live weights and scores: the sampler over the rollout copy of the weights,
     the rewards, and the training prompts in their epoch order."""
 
-    def __init__(self, config, models, rewards, prompts, fields: list, ranks, longest_prompt: int, agent=None):
+    def __init__(
+        self, config, models, rewards, prompts, fields: list, ranks, longest_prompt: int, agent=None, kv_memory=None
+    ):
         """``fields``: the prompt columns every reward call gets; ``longest_prompt``: the most tokens of
-        any prompt the sampler will see, training or held-out; ``agent``: the run's tools, if any."""
+        any prompt the sampler will see, training or held-out; ``agent``: the run's tools, if any;
+        ``kv_memory``: the sampler's KV budget in bytes (``plan.kv_memory``)."""
         self.config, self.rewards, self.prompts, self.fields, self.ranks = config, rewards, prompts, fields, ranks
         self.tokenizer, self.weights, self.device = models.tokenizer, models.rollout_weights, models.device
         self.agent = agent
-        self.sampler = Sampler(
-            models.rollout_weights.model,
-            max_batch_size=config.sampler_slots,
-            max_seq_len=longest_prompt + config.response_tokens,
-            cuda_graphs=not models.sharded,
-        )
+        r = config.rollout
+        try:
+            self.sampler = Sampler(
+                models.rollout_weights.model,
+                max_batch_size=config.sampler_slots,
+                max_seq_len=longest_prompt + config.response_tokens,
+                cuda_graphs=not models.sharded,
+                kv_block_size=r.rollout_kv_block_size or None,
+                kv_memory=kv_memory,
+            )
+        except KVMemoryError as error:
+            raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
         self.order = data.EpochOrder(len(prompts), config.run.seed)
 
     def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None, turns=None):
         """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
         the ``--stop`` strings; episodes of ``turns``, if given. The rollout copy must be refreshed."""
         r, tok = self.config.rollout, self.tokenizer
-        rollout = self.sampler.generate(
+        try:
+            rollout = self._generate(prompt_ids, temperature, n, seed, on_rows_ended, turns)
+        except KVMemoryError as error:
+            raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
+        return responses.cut_at_stop_strings(rollout, tok, r.stop)
+
+    def _generate(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended, turns):
+        r, tok = self.config.rollout, self.tokenizer
+        return self.sampler.generate(
             prompt_ids,
             max_new_tokens=r.max_new_tokens,
             temperature=temperature,
@@ -87,7 +105,6 @@ class Rollouts:
             on_rows_ended=on_rows_ended,
             turns=turns,
         )
-        return responses.cut_at_stop_strings(rollout, tok, r.stop)
 
     def roll(self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None) -> Rolled:
         """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
@@ -219,3 +236,11 @@ class Rollouts:
             }
             for i, text in zip(rows, texts)
         ]
+
+
+def _kv_memory_error(error: KVMemoryError, given) -> str:
+    """The one line for a KV budget too small: the option, and the least that works."""
+    least = f"{error.smallest / GiB:.3g} GiB is the least that works ({error})"
+    if given is not None:
+        return f"--rollout-kv-memory {given:g} is too small: {least}"
+    return f"the KV cache gets what the memory plan leaves on the device, too little: {least}; see --plan"

@@ -36,7 +36,14 @@ def nbytes(tensors) -> int:
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"lora_rank": 4}, {"estimator": "gae"}, {"kl_coef": 0.1, "rollout_dtype": "bf16"}, {"rollout_batch_size": 12}],
+    [
+        {},
+        {"lora_rank": 4},
+        {"estimator": "gae"},
+        {"kl_coef": 0.1, "rollout_dtype": "bf16"},
+        {"rollout_batch_size": 12},
+        {"rollout_kv_memory": 0.0005, "rollout_kv_block_size": 4},
+    ],
 )
 def test_weights_gradients_and_optimizer_state_are_exact(tmp_path, fields):
     plan, trainer, _ = planned_and_measured(tmp_path, **fields)
@@ -82,6 +89,34 @@ def test_checkpointing_and_lora_shrink_the_plan():
             assert "7,615,616,512 fp32" in lines["policy weights"].how  # Qwen2.5-7B's published 7.62B
             assert lines["rollout copy"].bytes == 2 * 7_615_616_512
     assert totals["lora"] < totals["checkpointing"] < totals["full"]
+
+
+def test_the_kv_line_counts_the_rows_in_flight_static_and_paged():
+    """The issue's shape: Qwen2.5-7B, 64 x 8 rows of a 1,024-token prompt and 8,192 new tokens, in
+    100 GiB of KV: a static slot per row at the cap (9,216 positions) against blocks as rows grow."""
+    from transformers import AutoConfig
+
+    qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-7b")
+    cfg = config(Path("/unused"), prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=8192)
+    plan = memory_plan(
+        cfg, qwen, prompt_tokens=1024, device_type="cuda", kv_memory=100 << 30, mean_response_tokens=1024
+    )
+    kv = next(line for line in plan if line.name == "KV cache")
+    position = 2 * 28 * 512 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16: 57,344 bytes
+    assert f"{position:,} B a position" in kv.how and "36 blocks at the cap (9,216)" in kv.how
+    static = (100 << 30) // (9216 * position)
+    assert f"rows in flight: {static} static" in kv.how  # 203 of 512
+    # a group: its 4 prompt blocks once, 8 samples of ceil((0 + 1,024 + 16) / 256) = 5 blocks
+    groups = ((100 << 30) // (256 * position) - 1 - 36) // (4 + 8 * 5)
+    assert f"~{min(512, 8 * groups)} paged, of 512" in kv.how and 8 * groups > 2 * static
+    assert kv.bytes <= 100 << 30
+
+
+def test_a_kv_budget_too_small_is_one_line_naming_the_option(tmp_path, capsys):
+    args = ["train", "--out", str(tmp_path / "run"), "--iterations", "1", "--rollout-kv-memory", "1e-6"]
+    assert fastppo_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--rollout-kv-memory 1e-06 is too small" in err and "least that works" in err
 
 
 def test_fsdp_divides_what_is_sharded_by_the_world_size_and_adds_what_is_gathered():
