@@ -6,7 +6,7 @@
 # kernel's share of a copy next to what `fastppo bench --sass` predicts on this machine, then the
 # float64 oracles at full size, past 2**31 elements, misaligned and odd vocabularies, peaked rows
 # and a chi-square of the sampler's draws, an occupancy sweep, the op from hidden states against
-# its bare matmuls), the GPU tests and the op and kernel tests with the compiled kernels, and the
+# its bare matmuls, the sampler's decode attention over the paged KV cache against the static one), the GPU tests and the op and kernel tests with the compiled kernels, and the
 # full bench, and writes into OUT_DIR (default bench/results/), each file as soon as it is known:
 #   gpu.txt            the GPU, driver and library versions
 #   kernel_check.md    the kernel check's table, rewritten after each section (kernel_check.jsonl:

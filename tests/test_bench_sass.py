@@ -276,7 +276,7 @@ def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):
     # What settles the claims runs first: the calibration, the kernels against a copy, the oracles.
     order = list(dict.fromkeys(line["section"] for line in lines))
     assert order == ["budget", "calibrate", "bandwidth", "ppo_loss_vs_oracle", "gae_vs_oracle"] + [
-        "logprobs_past_2_31", "misaligned", "peaked", "distribution", "occupancy", "from_hidden"
+        "logprobs_past_2_31", "misaligned", "peaked", "distribution", "occupancy", "from_hidden", "paged_decode"
     ]  # fmt: skip
     # Every section wrote its seconds, within its allowance, and the GPU budgets fit the whole.
     timed = [line for line in lines if line["name"] == "seconds"]
@@ -286,8 +286,9 @@ def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):
     assert len(checks) >= 29 and all(line["ok"] for line in checks)
     assert not any(line["name"] == "raised" or line["name"].startswith("skipped") for line in lines)
     names = " ".join(line["name"] for line in lines)
-    for row in ("sample_tokens combine", "4097]", "[10, 4096]", "NaN/inf/-inf", "[6, 1]", "chi-square"):
-        assert row in names, row  # the combine kernel, odd V, the wave probe, poisoned oracles, draws
+    rows = ("sample_tokens combine", "4097]", "[10, 4096]", "NaN/inf/-inf", "[6, 1]", "chi-square", "paged cache")
+    for row in rows:  # the combine kernel, odd V, the wave probe, poisoned oracles, draws, paged attention
+        assert row in names, row
     assert any("latency_us" in line for line in lines) and any("GBps" in line for line in lines)
     assert "| peaked |" in (tmp_path / "kernel_check.md").read_text()
 

@@ -24,7 +24,7 @@ from .attention import CacheAttention
 from .decoder import Decoder
 from .flash import FLASH_BLOCK, flash_decode
 from .kv_cache import KVCache
-from .paged import PagedKVCache, paged_blocks
+from .paged import DEFAULT_BLOCK, PagedKVCache, paged_blocks
 
 PREFILL_PADDING = 0.25  # a prefill group's padded tokens stay under this share of its real ones
 PREFILL_TOKENS = 8192  # and its padded size under this many tokens (activations, attention scores)
@@ -253,9 +253,8 @@ def lean_decoder(
         cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device)
         return family(model, CacheAttention(cache, decode_attention(None)), windows)
     if block_size is None:  # flash-attn's page when it would take one, else vLLM's default
-        block_size = (
-            FLASH_BLOCK if flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK) else 16
-        )
+        flash = flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK)
+        block_size = FLASH_BLOCK if flash else DEFAULT_BLOCK
     flash = decode_attention(block_size)
     num_blocks = paged_blocks(memory, slots, max_len, block_size, layers * kv_heads * head_dim * dtype.itemsize)
     cache = PagedKVCache(

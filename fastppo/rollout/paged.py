@@ -33,15 +33,17 @@ import torch
 from torch import Tensor
 
 TRASH = 0  # the block every unheld table entry points at
+DEFAULT_BLOCK = 16  # positions per block where flash-attn does not decode (vLLM's default too)
 GiB = 1 << 30
 
 
 class KVMemoryError(ValueError):
-    """A KV budget too small for one row at the cap; ``smallest`` is the least that works, in bytes."""
+    """A KV budget of ``memory`` bytes too small: ``reason`` says for what, ``smallest`` is the least
+    that works, in bytes. The message names the Sampler's argument; the trainer names its option."""
 
-    def __init__(self, message: str, smallest: int):
-        super().__init__(message)
-        self.smallest = smallest
+    def __init__(self, memory: int, reason: str, smallest: int):
+        self.memory, self.reason, self.smallest = memory, reason, smallest
+        super().__init__(f"kv_memory={memory:,} bytes {reason}")
 
 
 def paged_blocks(memory, slots: int, max_len: int, block_size: int, token_bytes: int) -> int:
@@ -56,9 +58,10 @@ def paged_blocks(memory, slots: int, max_len: int, block_size: int, token_bytes:
     if blocks < 1 + per_row:
         smallest = (1 + per_row) * block_bytes
         raise KVMemoryError(
-            f"kv_memory={memory / GiB:.3g} GiB holds {blocks} blocks of {block_size} positions "
-            f"({block_bytes:,} bytes each), fewer than one row at the cap needs ({per_row} and the trash "
-            f"block): the smallest that works is {smallest / GiB:.3g} GiB ({smallest:,} bytes)",
+            memory,
+            f"hold {blocks} blocks of {block_size} positions ({block_bytes:,} bytes each), fewer than one "
+            f"row at the cap needs ({per_row} and the trash block): the smallest that works is "
+            f"{smallest / GiB:.3g} GiB ({smallest:,} bytes)",
             smallest,
         )
     return blocks

@@ -300,8 +300,8 @@ class Sampler:
         if need > cache.num_blocks:
             smallest = need * cache.block_bytes
             raise KVMemoryError(
-                f"kv_memory={cache.num_blocks * cache.block_bytes / GiB:.3g} GiB ({cache.num_blocks} blocks) "
-                f"cannot admit {n} samples of the longest prompt: {need} blocks needed, "
-                f"the smallest that works is {smallest / GiB:.3g} GiB ({smallest:,} bytes)",
+                cache.num_blocks * cache.block_bytes,
+                f"({cache.num_blocks} blocks) cannot admit {n} samples of the longest prompt: {need} blocks "
+                f"needed, the smallest that works is {smallest / GiB:.3g} GiB ({smallest:,} bytes)",
                 smallest,
             )

@@ -30,6 +30,7 @@ policy's root with its LM head in the masters' dtype, and the whole rollout copy
 during the rollout only.
 """
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -225,15 +226,17 @@ def kv_line(
     config, m: ModelShape, prompt_tokens: int, size: int, memory, mean_response: Optional[int], device_type
 ) -> Line:
     """The sampler's KV cache: its budget (``memory`` bytes, else ``--rollout-kv-memory``, else every
-    slot at the cap), and the rows in flight it allows, static and paged, for responses of
+    slot at the cap), and the rows in flight it would allow, static and paged (beyond the slots the
+    sampler takes, to show the headroom), for responses of
     ``mean_response`` tokens on average. Paged: one row at the cap held back (admission keeps a
     row able to finish), each group's full prompt blocks once, each sample its partial prompt
     block, its mean response and a stretch of steps (16 decode steps between looks)."""
     from ..rollout.flash import FLASH_BLOCK
-    from ..rollout.paged import KVMemoryError, paged_blocks
+    from ..rollout.paged import DEFAULT_BLOCK, KVMemoryError, paged_blocks
 
     r = config.rollout
-    block = r.rollout_kv_block_size or (FLASH_BLOCK if device_type == "cuda" else 16)
+    flash = device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None  # as the sampler would
+    block = r.rollout_kv_block_size or (FLASH_BLOCK if flash else DEFAULT_BLOCK)
     slots, n, cap = config.sampler_slots, r.samples_per_prompt, prompt_tokens + config.response_tokens
     position = 2 * m.layers * m.kv_dim * size  # bytes of one position: K and V in every layer
     if memory is None and r.rollout_kv_memory is not None:
@@ -243,31 +246,31 @@ def kv_line(
     except KVMemoryError as error:
         return Line("KV cache", memory, f"too small: {error}")
     mean = min(mean_response or config.response_tokens // 4 or 1, config.response_tokens)
-    static = min(slots, blocks * block // cap)
+    static = blocks * block // cap
     per_group = prompt_tokens // block + n * math.ceil((prompt_tokens % block + mean + 16) / block)
-    groups = max(blocks - 1 - math.ceil(cap / block), 0) // per_group
-    paged = min(slots, groups * n)
+    paged = max(blocks - 1 - math.ceil(cap / block), 0) // per_group * n
     return Line(
         "KV cache",
         blocks * block * position,
         f"{position:,} B a position ({m.layers} layers x K,V x {m.kv_dim}); {blocks:,} blocks of {block}; a row "
         f"{math.ceil(cap / block)} blocks at the cap ({cap:,}), {math.ceil((prompt_tokens + mean) / block)} at "
-        f"{prompt_tokens + mean:,} (mean response {mean:,}, assumed); rows in flight: {static} static, "
-        f"~{paged} paged, of {slots}",
+        f"{prompt_tokens + mean:,} (mean response {mean:,}, assumed); rows in flight it allows: {static:,} "
+        f"static, ~{paged:,} paged (the sampler takes {slots})",
     )
 
 
 def kv_memory(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> Optional[int]:
     """The sampler's KV budget in bytes: ``--rollout-kv-memory``; else on CUDA what the plan's
     other lines leave of ``available``, less a tenth of it (what the plan does not count: the
-    allocator's fragmentation, the CUDA context); else None (every slot at the cap)."""
+    allocator's fragmentation, the CUDA context); else (or when nothing is left) None: every slot
+    at the cap."""
     if config.rollout.rollout_kv_memory is not None:
         return int(config.rollout.rollout_kv_memory * GiB)
     if device_type != "cuda":
         return None
     lines = memory_plan(config, model_config, prompt_tokens=prompt_tokens, device_type=device_type, **plan)
-    others = sum(line.bytes for line in lines if line.name != "KV cache")
-    return max(available - available // 10 - others, 1)
+    left = available - available // 10 - sum(line.bytes for line in lines if line.name != "KV cache")
+    return left if left > 0 else None  # nothing left: the plan does not fit, whatever the cache
 
 
 def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple:

@@ -239,8 +239,10 @@ class Rollouts:
 
 
 def _kv_memory_error(error: KVMemoryError, given) -> str:
-    """The one line for a KV budget too small: the option, and the least that works."""
-    least = f"{error.smallest / GiB:.3g} GiB is the least that works ({error})"
+    """The one line for a KV budget too small, naming the option."""
     if given is not None:
-        return f"--rollout-kv-memory {given:g} is too small: {least}"
-    return f"the KV cache gets what the memory plan leaves on the device, too little: {least}; see --plan"
+        return f"--rollout-kv-memory {given:g} is too small: {given:g} GiB would {error.reason}"
+    return (
+        f"the KV cache gets what the memory plan leaves on the device, {error.memory / GiB:.3g} GiB, too "
+        f"little: it would {error.reason}; give --rollout-kv-memory, or see --plan"
+    )

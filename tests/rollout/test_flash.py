@@ -27,7 +27,15 @@ def flash_on_cpu(monkeypatch):
 def test_flash_path_decodes_greedily_like_generate(flash_on_cpu, family):
     model = tiny(family)
     sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64, attention="flash")
-    assert sampler.attention == "flash"
+    assert sampler.attention == "flash" and sampler.kv_cache.block_size == 256  # flash-attn's page
+    rollout = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=())
+    for row, prompt in enumerate(PROMPTS):
+        assert rollout.response_ids[row].tolist() == hf_greedy(model, prompt, 10), f"row {row}"
+
+
+def test_flash_path_over_the_static_cache(flash_on_cpu):
+    model = tiny("mistral")  # a window shorter than the rows
+    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64, attention="flash", kv_cache="static")
     rollout = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=())
     for row, prompt in enumerate(PROMPTS):
         assert rollout.response_ids[row].tolist() == hf_greedy(model, prompt, 10), f"row {row}"
@@ -60,12 +68,14 @@ def test_auto_takes_sdpa_here_and_the_generic_path_its_own():
         ((torch.device("cuda"), torch.bfloat16, torch.float32, 64), "same dtype"),
         ((torch.device("cuda"), torch.float16, torch.float16, 260), "head size"),
         ((torch.device("cuda"), torch.float16, torch.float16, 12), "head size"),
+        ((torch.device("cuda"), torch.float16, torch.float16, 64, 16), "multiple of 256 positions"),
     ],
 )
 def test_why_flash_cannot_run(monkeypatch, args, reason):
     monkeypatch.setattr(flash.importlib.util, "find_spec", lambda name: object())
     assert reason in flash._why_not_flash(*args)
     assert flash._why_not_flash(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128) is None
+    assert flash._why_not_flash(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128, 512) is None
 
 
 def test_bad_attention_choices_are_named():
@@ -105,6 +115,26 @@ def test_real_flash_attn_keeps_the_contract(window):
         causal=True,
         window_size=window_size,
     )
+    assert torch.equal(theirs[0], ours[0]) and torch.equal(theirs[1], ours[1])
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn is not installed")
+def test_real_flash_attn_keeps_the_paged_contract():
+    from flash_attn import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    B, page, H, KVH, D = 6, 256, 8, 2, 64
+    table = (torch.randperm(2 * B) + 1).view(B, 2).to(torch.int32)  # 2 blocks a row, block 0 unused
+    q = torch.randn(B, 1, H, D, dtype=torch.bfloat16)
+    pools = [torch.randn(1 + 2 * B, page, KVH, D, dtype=torch.bfloat16) for _ in range(2)]
+    new = [torch.randn(B, 1, KVH, D, dtype=torch.bfloat16) for _ in range(2)]
+    seqlens = torch.tensor([0, 3, 255, 256, 300, 510], dtype=torch.int32)  # across a block's end too
+    ours, theirs = [p.clone() for p in pools], [p.clone() for p in pools]
+    common = dict(cache_seqlens=seqlens, softmax_scale=D**-0.5, causal=True, block_table=table)
+    expected = flash_reference.flash_attn_with_kvcache(q, *ours, *new, **common)
+    out = flash_attn_with_kvcache(q, *theirs, k=new[0], v=new[1], **common)
     assert torch.equal(theirs[0], ours[0]) and torch.equal(theirs[1], ours[1])
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2)
 
