@@ -265,7 +265,9 @@ class RolloutLoop:
         state = torch.stack([rows, drawn, self.prompt_len[index], self.tokens_out[rows, drawn - 1]]).t().tolist()
         fed, feeding, starts, truncated = [], [], [], []
         for s, (row, d, P, last) in zip(slots, state):
-            tokens = self.continued.pop(row, None) or list(self.turns.continuation(row))
+            tokens = self.continued.pop(row, None)
+            if tokens is None:
+                tokens = list(self.turns.continuation(row))
             if P + d + len(tokens) >= self.max_len:
                 del self.paused[s]
                 self.turns.truncated(row)

@@ -126,5 +126,5 @@ def test_the_memory_plan_counts_the_tool_results_room():
         )
         return line.how
 
-    assert "132 positions" in kv_positions()
-    assert "632 positions" in kv_positions(tools=["calculator"], max_tool_tokens=500)
+    assert "at the cap (132)" in kv_positions()
+    assert "at the cap (632)" in kv_positions(tools=["calculator"], max_tool_tokens=500)
