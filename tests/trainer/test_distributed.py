@@ -119,11 +119,11 @@ def _worker(rank, port, out_dir, fields):
 
 @pytest.mark.parametrize(
     "options",
-    [
-        {"estimator": "grpo"},
+    [  # one in the default run; the others (about 10 s each on 2 cores) with -m slow
+        pytest.param({"estimator": "grpo"}, marks=pytest.mark.slow),
         {"estimator": "gae"},
-        {"estimator": "dr_grpo"},
-        {"estimator": "grpo", "agg": "seq-mean-token-mean"},
+        pytest.param({"estimator": "dr_grpo"}, marks=pytest.mark.slow),
+        pytest.param({"estimator": "grpo", "agg": "seq-mean-token-mean"}, marks=pytest.mark.slow),
     ],
     ids=str,
 )

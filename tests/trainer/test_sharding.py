@@ -47,12 +47,12 @@ def tied_model(directory: Path) -> str:
 
 @pytest.mark.parametrize(
     "options",
-    [
-        {"estimator": "grpo"},
-        {"estimator": "gae"},
+    [  # two in the default run; the others (about 9 s each on 2 cores) with -m slow
+        pytest.param({"estimator": "grpo"}, marks=pytest.mark.slow),
+        pytest.param({"estimator": "gae"}, marks=pytest.mark.slow),
         {"estimator": "grpo", "lora_rank": 4},
-        {"estimator": "gae", "gradient_checkpointing": True},
-        {"estimator": "grpo", "tied": True},
+        pytest.param({"estimator": "gae", "gradient_checkpointing": True}, marks=pytest.mark.slow),
+        pytest.param({"estimator": "grpo", "tied": True}, marks=pytest.mark.slow),
         {"estimator": "gae", "kl_coef": 0.05, "max_tokens_per_microbatch": 40},  # ranks agree on the parts
     ],
     ids=str,
