@@ -240,11 +240,16 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
         raise UsageError(
             f"cannot resume {run_dir} with changed {', '.join(changed)}; only {', '.join(sorted(RESUMABLE))} may change"
         )
-    if "rollout_batch_size" in overrides and overrides["rollout_batch_size"] != saved.get("rollout_batch_size"):
-        warnings.warn(
-            "a changed rollout_batch_size decodes the rows in other slots, so the resumed run samples "
-            "other tokens than the uninterrupted run would: it continues the run, not exactly"
-        )
+    for field, effect in (
+        ("rollout_batch_size", "decodes the rows in other slots"),
+        ("rollout_kv_memory", "may make rows wait for KV memory at other steps, in other slots"),
+        ("rollout_kv_block_size", "may make rows wait for KV memory at other steps, in other slots"),
+    ):
+        if field in overrides and overrides[field] != saved.get(field):
+            warnings.warn(
+                f"a changed {field} {effect}, so the resumed run samples other tokens than the "
+                "uninterrupted run would: it continues the run, not exactly"
+            )
     config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
     inputs.check(run_dir)
     metrics = run_dir / "metrics.jsonl"

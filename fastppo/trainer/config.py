@@ -39,8 +39,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (a dep
     import tomli as tomllib
 
 # Fields a resumed run may change: how long it runs, how it saves and evaluates, how many rows its
-# sampler decodes at once (a memory bound, which moves where rows draw but not the math); nothing that
-# changes the math.
+# sampler decodes at once and in how much KV memory (memory bounds, which move where rows draw but not
+# the math); nothing that changes the math.
 RESUMABLE = {
     "iterations",
     "save",
