@@ -35,6 +35,11 @@ class Case:
     items: Optional[int] = None  # work items per call (generated tokens), for a rate column
 
 
+def unavailable(op: str, label: str, names: list, why) -> Case:
+    """A case whose every contender's row says why it cannot run (``why``)."""
+    return Case(op, label, dict, [Contender(n, status=f"unavailable: {why}") for n in names], bytes_fwd=1)
+
+
 def compiled(name: str, fn: Callable, device: torch.device) -> Contender:
     """``torch.compile`` of a naive version: on CUDA only, where users reach for it."""
     if device.type != "cuda":

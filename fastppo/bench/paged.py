@@ -23,9 +23,10 @@ import torch
 
 import fastppo
 
-from .case import Case, Contender
-from .sampler_real import BUDGET, QUESTIONS, long_tail_lengths, rollout_bytes
-from .smollm2 import Unavailable, smollm2
+from .case import Case, Contender, unavailable
+from .sampler import tiny_model
+from .sampler_real import BUDGET, QUESTIONS, kv_bytes_per_token, long_tail_lengths, rollout_bytes
+from .smollm2 import Unavailable, load_smollm2
 
 PROMPTS, SAMPLES = 6, 8
 BUDGET_ROWS = 8  # the same-memory case's budget: this many rows at the cap
@@ -59,23 +60,6 @@ def _prompts(tokenizer) -> list:
     ]
 
 
-def _tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return LlamaForCausalLM(config).eval(), [[(7 * i + j) % 1000 for j in range(40)] for i in range(2)]
-
-
 def _kv_note(sampler) -> str:
     cache = sampler.kv_cache
     if cache.paged:
@@ -89,39 +73,18 @@ def paged_cases(device: torch.device, quick: bool) -> list:
     """The equal-rows and same-memory cases; without the model, one case saying how to get it."""
     names = ["static cache", f"paged cache ({BLOCK}-position blocks)"]
     if quick:
-        model, prompts = _tiny()
-        model = model.to(device)
-        budget, samples = 16, 2
+        model, budget, samples = tiny_model(device, quick=True), 16, 2
+        prompts = [[(7 * i + j) % 1000 for j in range(40)] for i in range(2)]
     else:
         try:
-            path = smollm2()
+            model, tokenizer = load_smollm2(device)
         except Unavailable as why:
-            return [
-                Case(
-                    "rollout",
-                    "SmolLM2-135M-Instruct",
-                    dict,
-                    [Contender(n, status=f"unavailable: {why}") for n in names],
-                    bytes_fwd=1,
-                )
-            ]
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        prompts, budget, samples = _prompts(AutoTokenizer.from_pretrained(path)), BUDGET, SAMPLES
+            return [unavailable("rollout", "SmolLM2-135M-Instruct", names, why)]
+        prompts, budget, samples = _prompts(tokenizer), BUDGET, SAMPLES
     rows = len(prompts) * samples
     lengths = long_tail_lengths(rows, budget)
     longest = max(map(len, prompts)) + budget
-    config = model.config
-    token_bytes = (
-        2
-        * config.num_hidden_layers
-        * config.num_key_value_heads
-        * (config.hidden_size // config.num_attention_heads)
-        * model.dtype.itemsize
-    )
-    memory = BUDGET_ROWS * longest * token_bytes  # BUDGET_ROWS rows at the cap, in the static layout
+    memory = BUDGET_ROWS * longest * kv_bytes_per_token(model)  # BUDGET_ROWS rows at the cap, static layout
 
     def sampler(slots, **kv):
         return fastppo.Sampler(model, max_batch_size=slots, max_seq_len=longest, **kv)

@@ -37,7 +37,9 @@ DRAW_ROWS, DRAW_VOCABS = (1, 64, 256), (32000, 151936)
 QUICK_DRAW_ROWS, QUICK_DRAW_VOCABS = (64,), (1000,)
 
 
-def _model(device: torch.device, quick: bool):
+def tiny_model(device: torch.device, quick: bool):
+    """A random model from a config: a tiny fp32 Llama on CPU or for ``--quick``, else Qwen2.5-0.5B's
+    shape in bf16 (see the module's docstring)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -86,7 +88,7 @@ def _hf_generate(model, prompt_ids, new: int, **options):
 def sampler_cases(device: torch.device, quick: bool) -> list:
     sizes = QUICK if quick else FULL
     prompt, new = sizes["prompt"], sizes["new"]
-    model = _model(device, quick)
+    model = tiny_model(device, quick)
     cases = []
     for B in sizes["batches"]:
 

@@ -30,8 +30,8 @@ import torch
 
 import fastppo
 
-from .case import Case, Contender
-from .smollm2 import Unavailable, smollm2
+from .case import Case, Contender, unavailable
+from .smollm2 import Unavailable, load_smollm2
 
 QUESTIONS = (
     "What is 17 times 23?",
@@ -119,13 +119,17 @@ def _waste(decoded: int, lengths: list) -> str:
 def rollout_bytes(model, prompt_lens: list, lengths: list) -> int:
     """The fewest bytes a rollout of rows with these prompt and response lengths moves: all in one
     batch, each decode step reads every weight once and each row's live KV cache."""
-    config = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    return max(lengths) * weights + sum(
+        sum(p + s for s in range(n)) for p, n in zip(prompt_lens, lengths)
+    ) * kv_bytes_per_token(model)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of one position's keys and values over all of ``model``'s layers, in its dtype."""
+    config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
-    return (
-        max(lengths) * weights + sum(sum(p + s for s in range(n)) for p, n in zip(prompt_lens, lengths)) * kv_per_token
-    )
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
 def real_sampler_cases(device: torch.device, quick: bool) -> list:
@@ -138,22 +142,9 @@ def real_sampler_cases(device: torch.device, quick: bool) -> list:
         "transformers continuous batching",
     ]
     try:
-        path = smollm2()
+        model, tokenizer = load_smollm2(device)
     except Unavailable as why:
-        return [
-            Case(
-                "sampler",
-                "SmolLM2-135M-Instruct",
-                dict,
-                [Contender(n, status=f"unavailable: {why}") for n in contender_names],
-                bytes_fwd=1,
-            )
-        ]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        return [unavailable("sampler", "SmolLM2-135M-Instruct", contender_names, why)]
     rows = ROWS
     prompts = _prompts(tokenizer, rows)
     workloads = {"fixed": [FIXED_NEW] * rows, "long tail": long_tail_lengths(rows, BUDGET)}

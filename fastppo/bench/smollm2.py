@@ -72,3 +72,16 @@ def smollm2() -> Path:
         except Exception as error:  # a transformers or gguf that cannot read it: a row, not a crash
             raise Unavailable(f"converting {gguf.name} failed ({type(error).__name__}: {error})") from error
     return target
+
+
+def load_smollm2(device) -> tuple:
+    """``(model, tokenizer)``: the converted model on ``device`` in eval mode, bf16 on CUDA and fp32
+    elsewhere; raises :class:`Unavailable`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), AutoTokenizer.from_pretrained(
+        path
+    )

@@ -85,26 +85,22 @@ class Rollouts:
         the ``--stop`` strings; episodes of ``turns``, if given. The rollout copy must be refreshed."""
         r, tok = self.config.rollout, self.tokenizer
         try:
-            rollout = self._generate(prompt_ids, temperature, n, seed, on_rows_ended, turns)
-        except KVMemoryError as error:
+            rollout = self.sampler.generate(
+                prompt_ids,
+                max_new_tokens=r.max_new_tokens,
+                temperature=temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                stop_token_ids=(tok.eos_token_id,),
+                pad_token_id=tok.pad_token_id,
+                num_samples_per_prompt=n,
+                seed=seed,
+                on_rows_ended=on_rows_ended,
+                turns=turns,
+            )
+        except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
         return responses.cut_at_stop_strings(rollout, tok, r.stop)
-
-    def _generate(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended, turns):
-        r, tok = self.config.rollout, self.tokenizer
-        return self.sampler.generate(
-            prompt_ids,
-            max_new_tokens=r.max_new_tokens,
-            temperature=temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            stop_token_ids=(tok.eos_token_id,),
-            pad_token_id=tok.pad_token_id,
-            num_samples_per_prompt=n,
-            seed=seed,
-            on_rows_ended=on_rows_ended,
-            turns=turns,
-        )
 
     def roll(self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None) -> Rolled:
         """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
