@@ -1,8 +1,10 @@
 """The README's commands, CI and the command line stay what they claim to be."""
 
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from fastppo.demo import run_demo
@@ -22,9 +24,13 @@ def test_ci_runs_the_readme_test_command():
     ]
     assert ci_commands[0] == install_and_test  # first, verbatim; then ruff, the slow runs, the peers, older TRLs
     assert ci_commands[1] == ".venv/bin/ruff format --check . && .venv/bin/ruff check ."
-    assert ci_commands[2] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m slow"
-    assert ci_commands[3] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m peers"
-    assert all("trl" in line or line == "done" for line in ci_commands[4:-2])
+    # the wheel, built, installed into a fresh environment and trained from outside the repository
+    assert "pip wheel" in ci_commands[2] and "-m venv .wheel/venv" in ci_commands[2]
+    assert ci_commands[3].startswith(".wheel/venv/bin/pip install") and ".wheel/fastppo-" in ci_commands[3]
+    assert "mktemp -d" in ci_commands[4] and '.wheel/venv/bin/fastppo" train --iterations 2' in ci_commands[4]
+    assert ci_commands[5] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m slow"
+    assert ci_commands[6] == ".venv/bin/python -m pytest -q -p no:cacheprovider -m peers"
+    assert all("trl" in line or line == "done" for line in ci_commands[7:-2])
     # Last, the kernel and op tests under the oldest triton pyproject.toml allows.
     oldest = re.search(r'"triton>=([\d.]+)', (ROOT / "pyproject.toml").read_text()).group(1)
     assert f'"triton=={oldest}.0"' in ci_commands[-2] and "--target .triton36" in ci_commands[-2]
@@ -104,3 +110,26 @@ def test_the_repository_kernels_folder_does_not_hide_the_kernels_distribution():
         assert Path(lines["found"]).resolve().parent == root / "kernels", result.stdout
     else:
         assert Path(lines["found"]).resolve().parent != root / "kernels", result.stdout
+
+
+def test_the_wheel_holds_every_package_and_its_data(tmp_path):
+    """Built from a copy of the tree (no stale build/ to hide a missing package): every folder of
+    fastppo/ with an __init__.py, kernels/ as fastppo.kernels, the default model and the templates."""
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "dist", "runs", "*.egg-info", "__pycache__")
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
+        cwd=source,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("fastppo-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    packages = [p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "fastppo").rglob("__init__.py")]
+    expected = {f"{p}/__init__.py" for p in packages} | {"fastppo/kernels/__init__.py"}
+    expected |= {f.relative_to(ROOT).as_posix() for f in (ROOT / "fastppo/trainer/default_model").iterdir()}
+    expected |= {f.relative_to(ROOT).as_posix() for f in (ROOT / "fastppo").rglob("*.jinja")}
+    expected |= {"fastppo/kernels/" + f.name for f in (ROOT / "kernels").glob("*.py")}
+    assert "fastppo/agents/__init__.py" in expected and expected <= shipped, sorted(expected - shipped)

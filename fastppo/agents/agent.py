@@ -17,11 +17,15 @@ from .tools import Tool, check_names, load_tool, tool
 
 
 class Agent:
-    def __init__(self, *, tools=(), environment=None, max_tool_calls: int = 8, timeout: float = 30.0):
+    def __init__(
+        self, *, tools=(), environment=None, max_tool_calls: int = 8, timeout: float = 30.0, escape_tokens=False
+    ):
         """``tools``: specs (``module:function`` or a built-in's name), callables or :class:`Tool`;
-        ``environment``: a spec ``module:Class`` or a class; ``max_tool_calls``: the most turns
-        with calls in an episode; ``timeout``: the seconds one call may take."""
-        self.max_tool_calls = max_tool_calls
+        ``environment``: a spec ``module:name``, or what it names: a class, a function returning an
+        instance, or a dict of them by name (``environment.py``); ``max_tool_calls``: the most turns
+        with calls in an episode; ``timeout``: the seconds one call may take; ``escape_tokens``:
+        whether a token's text in a result is read as text, not as the token (``template.py``)."""
+        self.max_tool_calls, self.escape_tokens = max_tool_calls, escape_tokens
         self.tools = [
             load_tool(t, timeout) if isinstance(t, str) else t if isinstance(t, Tool) else tool(t) for t in tools
         ]
@@ -30,9 +34,12 @@ class Agent:
         elif environment is not None:
             environment = Environments(environment, f"environment {getattr(environment, '__name__', environment)}")
         self.environment = environment
-        env_schemas = environment.schemas if environment is not None else []
-        self.schemas = [t.schema for t in self.tools] + env_schemas
-        check_names([s["function"]["name"] for s in self.schemas])
+        own = [t.schema for t in self.tools]
+        each = environment.schemas.values() if environment is not None else [[]]
+        for schemas in each:  # every row's tools: the run's and its environment's
+            check_names([s["function"]["name"] for s in own + schemas])
+        #: every tool any row may have (what the template is checked with, and the summary lists)
+        self.schemas = own + [s for schemas in each for s in schemas]
         if not self.schemas:
             raise UsageError("tools are on but there are none: give --tools, or an --environment with public methods")
         self.runner = ToolRunner(timeout)
@@ -47,15 +54,22 @@ class Agent:
         """Render with ``tokenizer`` and ``chat_template`` (its text; None: the tokenizer's), turns
         ending at ``stop_id``; refuses a template that cannot show tool calls."""
         self.tokenizer, self.stop_id = tokenizer, stop_id
-        self.template = ToolTemplate(tokenizer, chat_template, self.schemas, stop_id)
+        self.template = ToolTemplate(tokenizer, chat_template, self.schemas, stop_id, self.escape_tokens)
         return self
 
-    def reset(self, fields: list) -> tuple:
-        """``(instances, observations)`` of a batch of rows with ``fields`` (dicts): each row's
-        environment reset, and what its reset returned (None each without an environment)."""
+    def schemas_of(self, row: dict, origin: str) -> list:
+        """The tools of the prompt ``row`` (from ``origin``) as its prompt lists them: the run's,
+        and those of the environment it takes."""
+        own = [t.schema for t in self.tools]
+        return own if self.environment is None else own + self.environment.schemas_of(row, origin)
+
+    def reset(self, rows: list, origins: list) -> tuple:
+        """``(instances, observations)`` of a batch of ``rows`` (dicts: each prompt row whole, from
+        ``origins``): each row's environment reset, and what its reset returned (None each
+        without an environment)."""
         if self.environment is None:
-            return [None] * len(fields), [None] * len(fields)
-        return self.environment.reset(fields)
+            return [None] * len(rows), [None] * len(rows)
+        return self.environment.reset(rows, origins)
 
     def episodes(self, instances: list) -> Episodes:
         """The episodes of a batch of rows whose environments are ``instances`` (None each, without
@@ -74,4 +88,5 @@ def configured(tools) -> Agent:
         environment=tools.environment,
         max_tool_calls=tools.max_tool_calls,
         timeout=tools.tool_timeout,
+        escape_tokens=tools.escape_tool_tokens,
     )

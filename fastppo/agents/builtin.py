@@ -1,13 +1,14 @@
-"""The built-in tools: ``python`` (code run in a subprocess with limits) and ``calculator``.
+"""The built-in tools: ``python`` (code run in a bounded process tree) and ``calculator``.
 
 ``python`` runs the model's code in a fresh interpreter (``python -I``: no user site, no
-environment variables read) in an empty temporary directory, in a process group of its own,
-with limits set before it starts: CPU seconds, address space, the size of any file it writes,
-and the wall clock (the run's ``--tool-timeout``), past which the whole group is killed. Its
-output goes to a file (bounded by the file-size limit), of which ``OUTPUT_BYTES`` come back.
-What it does not isolate: the network, the file system outside its directory (it runs as the
-trainer's user), other processes of that user. Run untrusted policies in a container or VM if
-that matters.
+``PYTHON*`` variables read) in an empty temporary directory, with none of the trainer's environment
+variables, under the supervisor of ``sandbox.py``: at most ``sandbox.MAX_PROCESSES`` processes,
+each with limits on CPU seconds, address space and the size of any file it writes, and the wall
+clock (the run's ``--tool-timeout``), after which every process it started is killed, those that
+left its session too. Its output goes to a file (bounded by the file-size limit), of which
+``OUTPUT_BYTES`` come back. What it does not isolate (the network, the file system outside its
+directory, the trainer's user's other processes) is listed in docs/agents.md: run untrusted
+policies in a container or VM if that matters.
 
 ``calculator`` evaluates arithmetic (numbers, + - * / // % **, parentheses) without ``eval``:
 an expression tree with a bound on exponents, so no input can take long.
@@ -17,9 +18,10 @@ import ast
 import operator
 import os
 import signal
-import subprocess
 import sys
 import tempfile
+
+from . import sandbox
 
 CPU_SECONDS = 10  # the python tool's CPU time
 MEMORY_BYTES = 1 << 30  # its address space
@@ -28,55 +30,33 @@ OUTPUT_BYTES = 8192  # of its stdout and stderr, together, shown to the model
 MAX_EXPONENT = 1000  # the calculator's largest power
 
 
-def _limits() -> None:  # in the child, before Python starts
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 1))  # SIGXCPU, then SIGKILL
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def run_python(code: str, wall_seconds: float) -> str:
     """``code`` run as described above: its output (stdout then stderr, cut at ``OUTPUT_BYTES``),
     or why it was stopped."""
+    limits = {"cpu": CPU_SECONDS, "memory": MEMORY_BYTES, "file": FILE_BYTES}
     with tempfile.TemporaryDirectory(prefix="fastppo-python-") as here:
         # its output goes to a file of its directory, which the file-size limit bounds (a pipe is unbounded)
         with open(os.path.join(here, ".output"), "w+b") as sink:
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-c", code],
-                cwd=here,
-                stdin=subprocess.DEVNULL,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: killed together
-                preexec_fn=_limits if os.name == "posix" else None,
-            )
-            try:
-                process.wait(timeout=wall_seconds)
-            except subprocess.TimeoutExpired:
-                return f"error: the code ran longer than {wall_seconds:g} s and was stopped"
-            finally:
-                _kill_group(process)  # whatever it started in its group
+            outcome = sandbox.run([sys.executable, "-I", "-c", code], here, sink, wall_seconds, limits)
             sink.seek(0)
             output = sink.read(OUTPUT_BYTES + 1)
+    stopped = outcome["stopped"]
+    if stopped == "time":
+        return f"error: the code ran longer than {wall_seconds:g} s and was stopped"
     text = output[:OUTPUT_BYTES].decode("utf-8", errors="replace")
     if len(output) > OUTPUT_BYTES:
         text += f"\n[output cut at {OUTPUT_BYTES} bytes]"
-    if process.returncode < 0:
-        name = signal.Signals(-process.returncode).name
+    if stopped == "processes":
+        return text + f"\n[stopped: it ran more than {sandbox.MAX_PROCESSES} processes at once]"
+    if stopped == "supervisor":
+        return text + "\n[stopped: it killed the process that watched it]"
+    returncode = os.waitstatus_to_exitcode(outcome["status"])
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
         text += f"\n[stopped by {name}{' (CPU time limit)' if name == 'SIGXCPU' else ''}]"
-    elif process.returncode != 0:
-        text += f"\n[exit status {process.returncode}]"
+    elif returncode != 0:
+        text += f"\n[exit status {returncode}]"
     return text
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
 
 
 def python_tool(wall_seconds: float):

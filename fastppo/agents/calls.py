@@ -2,24 +2,39 @@
 
 Plain tools run each in a daemon thread of its own and ``async`` ones on one event loop in a
 thread of its own, so the calls of every paused row run at once while the other rows decode. A
-call's timeout counts from its submission; waiting for it never outlasts that. A plain function
-that never returns cannot be stopped from outside its thread: its result is a timeout error, and
-its thread is left to run (a daemon: it keeps no process alive; the built-in ``python`` tool runs
-its code in a subprocess it kills, so it never does this). Whatever goes wrong (a malformed call, an unknown
-tool, bad arguments, an exception, a timeout) becomes an error message the model reads, and is
-counted.
+call's timeout counts from its submission; waiting for it never outlasts that (nor
+``MAX_TOOL_TIMEOUT``, which bounds the option). Whatever goes wrong with a call (a malformed call,
+an unknown tool, bad arguments, an exception of any kind, a result that cannot be made text, a
+timeout) becomes an error message the model reads, and is counted.
+
+Errors are caught where the tool runs, never around the wait for it: the thread (or the event
+loop's task) that calls a tool turns its outcome into a :class:`Result`, and the main thread's wait
+catches only the timeout, so a Ctrl-C or SIGTERM that arrives while the sampler waits stops the
+run as it would anywhere else. A tool raising ``KeyboardInterrupt`` or ``SystemExit`` itself is a
+failed call, and the event loop outlives it.
+
+A plain function that never returns cannot be stopped from outside its thread: its result is a
+timeout error, and its thread is left to run (a daemon: it keeps no process alive; the built-in
+``python`` tool runs its code in a process tree it kills, so it never does this). Such threads are
+counted (``hung``, the ``tools/hung`` metric), a warning says so as their number doubles, and
+while ``MAX_RUNNING`` plain calls are running a new one is not started: it fails at once, saying
+why, so hung tools cost a bounded number of threads, never a crash at the process's thread limit.
 """
 
 import asyncio
 import inspect
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Optional
 
 from .tools import as_text
+
+MAX_TOOL_TIMEOUT = 86400.0  # a day: the longest a call may be given (threading's waits overflow far past it)
+MAX_RUNNING = 256  # plain tool calls running at once, those past their timeout included
 
 
 @dataclass
@@ -35,21 +50,49 @@ class Call:
 class Result:
     name: str
     text: str
-    status: str  # "ok", "failed" (malformed, unknown tool, bad arguments, raised) or "timeout"
+    status: str  # "ok", "failed" (malformed, unknown tool, bad arguments, raised, refused) or "timeout"
     seconds: float
 
 
 class _Pending:
-    """A submitted call: the future of its outcome and the time by which it must have one."""
+    """A submitted call: the future of its :class:`Result` and the time by which it must have one."""
 
     def __init__(self, call: Call, future: Optional[Future], deadline: float, start: float, done=None):
         self.call, self.future, self.deadline, self.start, self.done = call, future, deadline, start, done
 
 
+def _settled(name: str, start: float, value) -> Result:
+    """The result of a call that returned ``value``: its text, or a failure if it has none."""
+    try:
+        return Result(name, as_text(value), "ok", time.monotonic() - start)
+    except BaseException as error:  # str() of the value raised (a huge int, a raising __str__)
+        return _raised(name, start, error, "returned a value that cannot be shown as text: ")
+
+
+def _raised(name: str, start: float, error: BaseException, what: str = "raised ") -> Result:
+    try:
+        detail = as_text(f"{type(error).__name__}: {error}")
+    except BaseException:  # an exception whose own message raises
+        detail = type(error).__name__
+    return Result(name, f"error: {name} {what}{detail}", "failed", time.monotonic() - start)
+
+
 class ToolRunner:
     def __init__(self, timeout: float):
-        self.timeout = timeout
-        self.loop = None  # started on the first async call
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TOOL_TIMEOUT:
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TOOL_TIMEOUT:g}], got {timeout!r}")
+        self.timeout = float(timeout)
+        self.loop = self._loop_thread = None  # started on the first async call
+        self._lock = threading.Lock()
+        self._running = {}  # one entry per plain call running: its deadline
+        self._warned = 0  # the hung count of the last warning
+
+    @property
+    def hung(self) -> int:
+        """Plain calls still running past their timeout (their threads cannot be stopped)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(deadline < now for deadline in self._running.values())
 
     def submit(self, calls: list, tools: dict) -> list:
         """Start ``calls`` with the tools ``{name: Tool}`` of their row; :meth:`results` waits."""
@@ -63,11 +106,14 @@ class ToolRunner:
                 continue
             tool = tools[call.name]
             if tool.is_async:
-                coroutine = asyncio.wait_for(tool.function(**call.arguments), self.timeout)
+                coroutine = self._guarded(tool.function, call.arguments, call.name, start)
                 future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
             else:
-                future = _in_thread(tool.function, call.arguments)
-            started.append(_Pending(call, future, deadline, start))
+                future = self._in_thread(tool.function, call.arguments, call.name, start, deadline)
+            if isinstance(future, Result):  # not started
+                started.append(_Pending(call, None, deadline, start, future))
+            else:
+                started.append(_Pending(call, future, deadline, start))
         return started
 
     def results(self, started: list) -> list:
@@ -76,15 +122,69 @@ class ToolRunner:
 
     def _outcome(self, pending: _Pending) -> Result:
         name = pending.call.name
-        try:
-            value = pending.future.result(timeout=max(0.0, pending.deadline - time.monotonic()))
-        except (FutureTimeout, asyncio.TimeoutError, TimeoutError):
-            pending.future.cancel()
+        wait = min(max(0.0, pending.deadline - time.monotonic()), threading.TIMEOUT_MAX)
+        try:  # only the timeout is caught here: a signal raised in this wait stops the run
+            return pending.future.result(timeout=wait)
+        except FutureTimeout:
+            pending.future.cancel()  # an async call's task; a plain call's thread runs on
+            self._warn_if_hung(name)
             return Result(name, f"error: {name} took longer than {self.timeout:g} s", "timeout", self.timeout)
-        except BaseException as error:  # the tool's own failure, whatever it is, is the model's to read
-            text = f"error: {name} raised {type(error).__name__}: {error}"
-            return Result(name, text, "failed", time.monotonic() - pending.start)
-        return Result(name, as_text(value), "ok", time.monotonic() - pending.start)
+
+    def _in_thread(self, function, arguments: dict, name: str, start: float, deadline: float):
+        """``function(**arguments)`` in a daemon thread; its :class:`Result` in the future returned,
+        or a failed Result when the thread is not started (``MAX_RUNNING``, or the thread limit)."""
+        future, token = Future(), object()
+        with self._lock:
+            running = len(self._running)
+            if running < MAX_RUNNING:
+                self._running[token] = deadline
+        if running >= MAX_RUNNING:
+            why = f"{running} tool calls are still running ({self.hung} past their timeout)"
+            return Result(name, f"error: {name} was not started: {why}", "failed", 0.0)
+
+        def run():
+            try:
+                if not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    value = function(**arguments)
+                except BaseException as error:  # the tool's own failure, whatever it is, is the model's to read
+                    future.set_result(_raised(name, start, error))
+                else:
+                    future.set_result(_settled(name, start, value))
+            finally:
+                with self._lock:
+                    del self._running[token]
+
+        try:
+            threading.Thread(target=run, name=f"fastppo-tool-{name}", daemon=True).start()
+        except RuntimeError as error:  # the process's thread limit
+            with self._lock:
+                del self._running[token]
+            return _raised(name, start, error, "could not be started: ")
+        return future
+
+    async def _guarded(self, function, arguments: dict, name: str, start: float) -> Result:
+        """The async call inside the event loop's task, its outcome a :class:`Result` whatever it
+        raises: a KeyboardInterrupt or SystemExit leaving a task would stop the loop every async
+        tool shares. Its timeout is the wait's, which cancels the task."""
+        try:  # awaited in this task itself: asyncio re-raises these two out of the loop from any other
+            value = await function(**arguments)
+        except asyncio.CancelledError:  # the wait's timeout cancels the task: nobody reads it
+            raise
+        except BaseException as error:  # KeyboardInterrupt and SystemExit of the tool's own too
+            return _raised(name, start, error)
+        return _settled(name, start, value)
+
+    def _warn_if_hung(self, name: str) -> None:
+        hung = self.hung
+        if hung and hung >= 2 * self._warned:
+            self._warned = hung
+            warnings.warn(
+                f"tool {name} is still running {self.timeout:g} s after it was called; a plain function "
+                f"cannot be stopped, so its thread runs on ({hung} such now; past {MAX_RUNNING} running "
+                "calls, new calls fail)"
+            )
 
     @staticmethod
     def _refused(call: Call, tools: dict) -> Optional[str]:
@@ -102,28 +202,13 @@ class ToolRunner:
         return None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self.loop is None:
+        if self.loop is None or self.loop.is_closed() or not self._loop_thread.is_alive():
             self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, name="fastppo-async-tools", daemon=True).start()
+            self._loop_thread = threading.Thread(target=self.loop.run_forever, name="fastppo-async-tools", daemon=True)
+            self._loop_thread.start()
         return self.loop
 
     def close(self) -> None:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.loop = None
-
-
-def _in_thread(function, arguments: dict) -> Future:
-    """``function(**arguments)`` in a daemon thread; its outcome in the future returned."""
-    future = Future()
-
-    def run():
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(function(**arguments))
-        except BaseException as error:  # handed to whoever waits, as the tool's failure
-            future.set_exception(error)
-
-    threading.Thread(target=run, name="fastppo-tool", daemon=True).start()
-    return future

@@ -25,6 +25,7 @@ class Episode:
     failures: int = 0
     timeouts: int = 0
     seconds: float = 0.0
+    hung: int = 0  # the run's tool calls still running past their timeout, after this episode's last
     truncated: bool = False
     started: Optional[list] = None  # the calls under way
     called: str = ""  # the first tool the last turn called (some templates head results with it)
@@ -60,11 +61,14 @@ class Episodes(Turns):
         episode = self.rows[row]
         results, episode.started = self.runner.results(episode.started), None
         for result in results:
-            episode.messages.append({"role": "tool", "name": result.name, "content": result.text})
+            episode.messages.append(
+                {"role": "tool", "name": result.name, "content": self.template.escaped(result.text)}
+            )
             episode.calls += 1
             episode.failures += result.status == "failed"
             episode.timeouts += result.status == "timeout"
             episode.seconds += result.seconds
+        episode.hung = self.runner.hung
         return self.template.continuation(episode.messages[-len(results) :], episode.called)
 
     def truncated(self, row: int) -> None:
@@ -80,7 +84,8 @@ class Episodes(Turns):
 def episode_metrics(episodes: list) -> dict:
     """The ``tools/*`` metrics of ``episodes``: per episode, the calls, failed calls, timed-out
     calls, seconds in tools and turns; the shares of episodes that called a tool and that were
-    truncated by a result."""
+    truncated by a result; and the most tool calls still running past their timeout (``hung``:
+    threads a plain function holds, which cannot be stopped)."""
     n = max(len(episodes), 1)
     return {
         "tools/calls": sum(e.calls for e in episodes) / n,
@@ -90,4 +95,5 @@ def episode_metrics(episodes: list) -> dict:
         "tools/turns": sum(e.turns for e in episodes) / n,
         "tools/calling": sum(e.calls > 0 for e in episodes) / n,
         "tools/truncated": sum(e.truncated for e in episodes) / n,
+        "tools/hung": float(max((e.hung for e in episodes), default=0)),
     }

@@ -7,8 +7,9 @@ A tokenizer that declares how its responses parse (transformers' ``response_temp
 * Llama 3: the whole turn is one JSON object ``{"name": ..., "parameters": {...}}`` (after an
   optional ``<|python_tag|>``).
 
-A call that cannot be read (bad JSON, no name, an unclosed tag) is still a :class:`Call`, with
-its ``error``: the model is told what was wrong with it, as with any failed call.
+A call that cannot be read (bad JSON, JSON nested past what the decoder recurses into, no name, an
+unclosed tag) is still a :class:`Call`, with its ``error``: the model is told what was wrong with
+it, as with any failed call. The text is the model's: nothing in it may raise out of here.
 """
 
 import json
@@ -18,6 +19,7 @@ from .calls import Call
 
 HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+UNREADABLE = (ValueError, RecursionError)  # json's errors on bad text (JSONDecodeError is a ValueError)
 
 
 def _call(body, form: str) -> Call:
@@ -28,7 +30,7 @@ def _call(body, form: str) -> Call:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except UNREADABLE:
             return Call(body["name"], error=f"the arguments of {body['name']} are not valid JSON")
     return Call(body["name"], arguments)
 
@@ -43,6 +45,8 @@ def _hermes(text: str) -> tuple:
             calls.append(_call(json.loads(match.group(1).strip()), "<tool_call>"))
         except json.JSONDecodeError as error:
             calls.append(Call("unknown", error=f"the <tool_call> is not valid JSON ({error.msg})"))
+        except UNREADABLE:
+            calls.append(Call("unknown", error="the <tool_call> is not JSON this parser can read (nested too deeply)"))
     return HERMES.sub("", text).strip(), calls
 
 
@@ -54,7 +58,7 @@ def _llama3(text: str):
         return None
     try:
         decoded = json.loads(body)
-    except json.JSONDecodeError:
+    except UNREADABLE:
         return None
     if not (isinstance(decoded, dict) and "name" in decoded and ("parameters" in decoded or "arguments" in decoded)):
         return None
@@ -72,11 +76,14 @@ def _declared(text: str, tokenizer):
             parsed = tokenizer.parse_response(text)
     except Exception:  # a parser that cannot read the text: the forms below may
         return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("tool_calls") or [], list):
+        return None
     calls = []
     for entry in parsed.get("tool_calls") or []:
         function = entry.get("function", entry) if isinstance(entry, dict) else None
         calls.append(_call(function, "declared"))
-    return parsed.get("content") or "", calls
+    content = parsed.get("content")
+    return content if isinstance(content, str) else "", calls
 
 
 def parse_turn(text: str, tokenizer=None) -> tuple:

@@ -10,8 +10,15 @@ tokenised alone and prefilled onto the row's cache.
 
 A template that cannot show a tool call and its result (most base templates drop one or the
 other) is refused at start-up with a one-line error naming ``--chat-template``.
+
+A tool's result is text the tokenizer reads like any other, so a result holding a token's text
+(``<|im_end|>``, ``<tool_call>``) becomes that token: a result can write a forged turn into the
+model's context (never a turn the episode parses, and masked from the loss like every tool token).
+With ``escape_tokens`` each added token's text in a result gets a zero-width space after its first
+character (:meth:`ToolTemplate.escaped`), so it tokenises as plain text.
 """
 
+import re
 from pathlib import Path
 
 from ..trainer.errors import UsageError
@@ -19,20 +26,31 @@ from ..trainer.errors import UsageError
 SHIPPED_TEMPLATE = Path(__file__).with_name("chatml_tools.jinja")  # ChatML with tools, for ChatML models
 SHIPPED = "fastppo/agents/chatml_tools.jinja"  # as recipes and errors name it, from the repository
 _NAME, _KEY, _VALUE, _RESULT = "tool_name_7f3a", "argument_9c1e", "value_4b2d", "result_5e8f"
+ZERO_WIDTH_SPACE = "\u200b"
 
 
 class ToolTemplate:
-    """Renders with ``chat_template`` (None: the tokenizer's) and the tools' ``schemas``."""
+    """Renders with ``chat_template`` (None: the tokenizer's) and the tools' ``schemas``; with
+    ``escape_tokens``, results never hold a token's text (:meth:`escaped`)."""
 
-    def __init__(self, tokenizer, chat_template, schemas: list, stop_id: int):
+    def __init__(self, tokenizer, chat_template, schemas: list, stop_id: int, escape_tokens: bool = False):
         self.tokenizer, self.chat_template, self.schemas = tokenizer, chat_template, schemas
         self.stop_text = tokenizer.decode([stop_id])
+        self._tokens = _added_tokens(tokenizer) if escape_tokens else None
         self._check()
 
-    def render(self, messages: list, generation_prompt: bool) -> str:
+    def escaped(self, result: str) -> str:
+        """``result`` as the model reads it: with ``escape_tokens``, each added token's text in it
+        broken by a zero-width space after its first character; else unchanged."""
+        if self._tokens is None:
+            return result
+        return self._tokens.sub(lambda m: m.group(0)[0] + ZERO_WIDTH_SPACE + m.group(0)[1:], result)
+
+    def render(self, messages: list, generation_prompt: bool, schemas=None) -> str:
+        """``messages`` rendered, listing the tools ``schemas`` (None: every tool of the run)."""
         return self.tokenizer.apply_chat_template(
             messages,
-            tools=self.schemas or None,
+            tools=(self.schemas if schemas is None else schemas) or None,
             tokenize=False,
             add_generation_prompt=generation_prompt,
             chat_template=self.chat_template,
@@ -74,3 +92,12 @@ class ToolTemplate:
             )
         text = before[end + len(self.stop_text) :] + after[len(before) :]
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _added_tokens(tokenizer):
+    """A pattern matching the text of any token of two characters or more that the tokenizer adds
+    whole (special or not), longest first (one that matches nothing when it has none)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = sorted({t for t in map(str, (getattr(t, "content", t) for t in decoder.values())) if len(t) > 1})
+    texts.sort(key=len, reverse=True)  # one character cannot be broken, nor need be
+    return re.compile("|".join(map(re.escape, texts))) if texts else re.compile(r"(?!)")

@@ -10,6 +10,7 @@ a string as it is, a dict or list as JSON, anything else through ``str``.
 
 import inspect
 import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +35,11 @@ def tool(function: Callable, what: str = None) -> Tool:
     from transformers.utils import get_json_schema
 
     what = what or f"tool {getattr(function, '__name__', function)!r}"
+    if isinstance(function, type):  # calling it would make an instance, the model's "result"
+        raise UsageError(
+            f"{what} is a class, not a function: a class whose instances are each episode's world is an "
+            "--environment (its methods are the tools)"
+        )
     if not callable(function):
         raise UsageError(f"{what} is not callable")
     try:
@@ -69,16 +75,22 @@ def load_tool(spec: str, timeout: float) -> Tool:
     return tool(function, f"--tools {spec}")
 
 
+SURROGATES = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: no text any tokenizer takes
+
+
 def as_text(result) -> str:
-    """What a tool returned, as the text the model reads."""
+    """What a tool returned, as the text the model reads: valid Unicode (a lone surrogate becomes
+    U+FFFD). Raises what ``str`` of the result raises (a caller's failed call)."""
     if isinstance(result, str):
-        return result
-    if isinstance(result, (dict, list)):
+        text = result
+    elif isinstance(result, (dict, list)):
         try:
-            return json.dumps(result, ensure_ascii=False)
-        except (TypeError, ValueError):
-            return str(result)
-    return str(result)
+            text = json.dumps(result, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            text = str(result)
+    else:
+        text = str(result)
+    return SURROGATES.sub("\ufffd", text)
 
 
 def check_names(names: list) -> None:

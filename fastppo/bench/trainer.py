@@ -101,7 +101,7 @@ def _phases_case(device) -> Case:
             lambda x: x["trainer"].prepare(x["rollout"], x["scores"]),
         ),
         # a fresh copy each call: the update fills in the old log-probs it computes
-        Contender("update (PPO minibatch steps)", lambda x: x["trainer"].update(dataclasses.replace(x["batch"]))),
+        Contender("update (PPO minibatch steps)", lambda x: x["trainer"].update(dataclasses.replace(x["batch"]), 0)),
         Contender("whole iteration", lambda x: x["trainer"].iteration(0)),
     ]
     rows, new_tokens = 16 * 8, 8
@@ -156,7 +156,7 @@ def _update_tokens(trainer, batch) -> int:
     from ..trainer.batch import forward_parts
 
     models, config, total = trainer.models, trainer.config, 0
-    for index in batch.minibatches(config.algo.minibatches):
+    for index in batch.minibatches(config.algo.minibatches, torch.Generator().manual_seed(0)):
         mb = batch.rows(index)
         total += sum(mb.rows(part).layout(models.shared_prefix).tokens for part in forward_parts(mb, models, config))
     return total
@@ -178,7 +178,7 @@ def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=
         return trainer
 
     def update(x, shared, tokens):  # a fresh copy each call: the update fills in its old log-probs
-        return laid_out(x, shared, tokens).update(dataclasses.replace(x["batch"]))
+        return laid_out(x, shared, tokens).update(dataclasses.replace(x["batch"]), 0)
 
     def note(x, shared, tokens):
         trainer, batch = laid_out(x, shared, tokens), x["batch"]

@@ -14,20 +14,23 @@ the CPU every step) the rows that have ended leave it:
 Multi-turn rows (episodes, with a :class:`~fastppo.rollout.turns.Turns`): a row whose turn ends
 with a stop token asks the turns whether its episode goes on. If so it *pauses* in its slot with
 its cache while its tools run off this loop, and the other rows keep decoding. ``TOOL_STEPS``
-decode steps later (at once when no row is decoding) the loop takes its continuation, prefills
-it onto the row's cache at the row's position (``Decoder.extend``), and the row decodes again. The
-resume step depends on step counts alone, never on how long a tool took, so a seed reproduces an
-episode; a tool still running then is waited for (it is bounded by its timeout). The tokens of a
-continuation go to the row's output with mask 0 and log-prob 0; ``max_new`` bounds the tokens the
-model draws per episode, and a row's context (``max_len``) bounds all its tokens: a continuation
-that would not leave room for one more drawn token ends the episode as truncated.
+decode steps later (at once when no row is decoding: the rows due first, then the next while none
+of those can decode) the loop takes its continuation, prefills it onto the row's cache at the
+row's position (``Decoder.extend``), and the row decodes again. The resume step depends on step
+counts alone, never on how long a tool took, so a seed reproduces an episode; a tool still
+running then is waited for (it is bounded by its timeout). The tokens of a continuation go to the
+row's output with mask 0 and log-prob 0; ``max_new`` bounds the tokens the model draws per
+episode, and a row's context (``max_len``) bounds all its tokens: a continuation that would not
+leave room for one more drawn token ends the episode as truncated.
 
 Memory (a paged cache, ``paged.py``): a prompt's samples enter only when the decoder *claims*
 their memory, and at every check each decoding row must *hold* the positions the steps to the
 next check will write. A row refused *stalls*: it keeps its slot and cache and draws nothing
 until memory comes back (the decoder refuses only what could leave the running rows stuck, so
 some row always goes on), and no prompt is admitted while a row stalls. Ended rows release
-theirs at once.
+theirs at once. A loop that draws no token for ``STUCK_LOOKS`` looks in a row would spin forever
+(nothing can change it: the schedule depends on step counts only), so it raises
+:class:`RolloutStuck` instead, as it does at once when an empty cache refuses a prompt.
 
 Between checks an ended row stays in the batch, writing only slots and output cells nobody
 reads. Every row keeps its own step count: its token, log-prob and mask go to its own output row
@@ -50,6 +53,18 @@ from .turns import Turns
 SYNC_EVERY = 16  # decode steps between the host's looks at which rows have ended, on an accelerator
 CPU_SYNC_EVERY = 1  # and on the CPU, where ops are synchronous anyway and a look costs microseconds
 TOOL_STEPS = 16  # decode steps a paused row's tools have before the loop waits for them
+STUCK_LOOKS = 4  # looks in a row that draw no token and leave no row decoding: the loop cannot go on
+
+
+class RolloutStuck(RuntimeError):
+    """The rollout loop cannot go on (no progress for ``STUCK_LOOKS`` looks, or an empty cache that
+    refuses a prompt): a scheduling bug, not bad input."""
+
+
+def row_cap(prompt_len: int, budgets: list, max_len: int, episodes: bool) -> int:
+    """The most positions a row of a prompt of ``prompt_len`` tokens reaches: the prompt and its
+    samples' largest budget, or (an episode, whose tool tokens count too) the context."""
+    return max_len if episodes else min(prompt_len + max(budgets), max_len)
 
 
 def sync_every(device: torch.device) -> int:
@@ -122,13 +137,17 @@ class RolloutLoop:
         self.rows_decoded = 0  # slots run, summed over the decode steps
         self.peak_rows = 0  # the most rows in flight (decoding, paused or stalled) at a check
         self.memory_waits = 0  # looks at which a row stalled, a resume or a prompt with free slots waited
+        self.barren_looks = 0  # looks in a row that drew nothing, after which no row was decoding
+        self.drew = False  # whether this look drew a token (a prefill's or a continuation's)
         self.sync_every = sync_every(device)
 
     def run(self) -> Rollout:
         self._admit(list(range(self.capacity)))
         while True:
-            if self.steps_run % self.sync_every == 0 and not self._check():
-                break
+            if self.steps_run % self.sync_every == 0:
+                if not self._check():
+                    break
+                self._count_progress()
             rows = min(self.bucket(self.b), self.capacity)
             positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
             logits = self.decode(self.token[:rows], positions, self._span(), self.active[:rows])
@@ -164,7 +183,7 @@ class RolloutLoop:
         live, positions = state.tolist() if self.b else ([], [])  # one host copy
         active = [s for s, a in enumerate(live) if a]
         waiting = len(self.paused) + len(self.stalled)
-        if len(active) + waiting == len(self.offset) and not self._due(active):
+        if self.offset and len(active) + waiting == len(self.offset) and not self._any_due(active):
             self._hold(active, positions)
             return True  # no row has ended since the last look, and none is to resume
         decoding = set(active)
@@ -175,16 +194,35 @@ class RolloutLoop:
         self._hold(active, positions)
         if not self.stalled:
             self._refill()
-        self._resume(self._due(self.active[: self.b].nonzero().flatten().tolist()))
+        self._resume_due()
         if not self.offset:  # every row resumed was truncated
             self._refill()
         live = sorted(self.offset)  # slots holding a row, decoding, paused or stalled
         if not live:
+            if self.pending:  # nothing in flight will ever free what the next prompt needs
+                raise self._stuck("an empty cache refused the next prompt")
             return False
         self.peak_rows = max(self.peak_rows, len(live))
         if len(live) < self.compact_below * self.b or live[-1] + 1 < self.b:
             self._pack(live)
         return True
+
+    def _count_progress(self) -> None:
+        """Raise :class:`RolloutStuck` after ``STUCK_LOOKS`` looks in a row that drew no token (in a
+        prefill or a continuation) and after which no row decodes."""
+        if self.drew or bool(self.active[: self.b].any()):
+            self.barren_looks, self.drew = 0, False
+            return
+        self.barren_looks += 1
+        if self.barren_looks >= STUCK_LOOKS:
+            raise self._stuck(f"no progress in {STUCK_LOOKS} looks")
+
+    def _stuck(self, why: str) -> RolloutStuck:
+        return RolloutStuck(
+            f"the rollout cannot go on ({why}): {len(self.offset)} rows in flight ({len(self.stalled)} "
+            f"waiting for KV memory, {len(self.paused)} between turns), {len(self.pending)} prompts waiting, "
+            "none decoding"
+        )
 
     def _hold(self, active: list, positions: list) -> None:
         """Memory for the positions the decoding and stalled rows write before the next check:
@@ -223,15 +261,23 @@ class RolloutLoop:
         for s in slots:
             del self.offset[s]
 
-    def _due(self, active: list) -> list:
-        """The paused slots to resume now: those whose tools have had their steps, or, when no row
-        is decoding, those due first."""
+    def _any_due(self, active: list) -> bool:
+        """Whether a paused row is to resume at this look (with the decoding slots ``active``)."""
+        return bool(self.paused) and (not active or min(self.paused.values()) <= self.steps_run)
+
+    def _resume_due(self) -> None:
+        """Resume the paused rows whose tools have had their steps. When no row is decoding, the
+        paused rows instead, group by group in the order they are due, until one decodes: a row
+        refused memory must not keep the others' turns from coming."""
         if not self.paused:
-            return []
-        if not active:
-            first = min(self.paused.values())
-            return [s for s, due in self.paused.items() if due == first]
-        return [s for s, due in self.paused.items() if due <= self.steps_run]
+            return
+        if self.active[: self.b].any():
+            self._resume([s for s, due in self.paused.items() if due <= self.steps_run])
+            return
+        for step in sorted(set(self.paused.values())):
+            self._resume([s for s, due in self.paused.items() if due == step])
+            if self.active[: self.b].any():
+                return
 
     def _end_turns(self, ended: list) -> list:
         """Tell the turns of each row in ``ended`` whose turn is over; those whose episode goes on
@@ -289,6 +335,7 @@ class RolloutLoop:
         if not fed:
             return
         logits = self.decoder.extend(fed, feeding, starts)  # (len(fed), V)
+        self.drew = True
         index = torch.tensor(fed, device=self.row.device, dtype=torch.long)
         self.stopped_out[self.row[index]] = False
         self.drawn[index] += torch.tensor([len(t) - 1 for t in feeding], device=self.row.device)
@@ -323,6 +370,7 @@ class RolloutLoop:
         if not chosen:
             return
         logits = self.decoder.prefill([s for _, s in chosen], [self.prompts[j] for j, _ in chosen])  # (G, V)
+        self.drew = True
         device = logits.device
         slots = torch.tensor([s for _, ss in chosen for s in ss], device=device)
         self.row[slots] = torch.tensor([j * self.n + k for j, _ in chosen for k in range(self.n)], device=device)
@@ -340,15 +388,9 @@ class RolloutLoop:
         self.b = max(self.b, max(s for _, ss in chosen for s in ss) + 1)
 
     def cap(self, prompt: int) -> int:
-        """The most positions a row of prompt ``prompt`` reaches: its prompt and budget, or (an
-        episode, whose tool tokens count too) its context."""
-        return (
-            self.max_len
-            if self.turns is not None
-            else min(
-                len(self.prompts[prompt]) + max(self.max_new[prompt * self.n : (prompt + 1) * self.n]), self.max_len
-            )
-        )
+        """The most positions a row of prompt ``prompt`` reaches (``row_cap``)."""
+        budgets = self.max_new[prompt * self.n : (prompt + 1) * self.n]
+        return row_cap(len(self.prompts[prompt]), budgets, self.max_len, self.turns is not None)
 
     def _pack(self, live: list) -> None:
         """Shrink the batch to the live rows: all of them moved into the holes below ``len(live)``

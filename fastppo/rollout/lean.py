@@ -24,7 +24,7 @@ from .attention import CacheAttention
 from .decoder import Decoder
 from .flash import FLASH_BLOCK, flash_decode
 from .kv_cache import KVCache
-from .paged import DEFAULT_BLOCK, PagedKVCache, paged_blocks
+from .paged import DEFAULT_BLOCK, PagedKVCache, block_within, paged_blocks
 
 PREFILL_PADDING = 0.25  # a prefill group's padded tokens stay under this share of its real ones
 PREFILL_TOKENS = 8192  # and its padded size under this many tokens (activations, attention scores)
@@ -256,6 +256,7 @@ def lean_decoder(
         flash = flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK)
         block_size = FLASH_BLOCK if flash else DEFAULT_BLOCK
     flash = decode_attention(block_size)
+    block_size = block_within(block_size, max_len, FLASH_BLOCK if flash else 1)
     num_blocks = paged_blocks(memory, slots, max_len, block_size, layers * kv_heads * head_dim * dtype.itemsize)
     cache = PagedKVCache(
         layers, slots, kv_heads, max_len, head_dim, dtype, param.device, block_size=block_size, num_blocks=num_blocks

@@ -22,12 +22,14 @@ exists in which every row can reach its cap, each row finishing and returning it
 the next needs them. A grant that would leave no such order is refused: the row *stalls* (keeps
 its blocks, decodes nothing) until blocks come back, and a group is admitted only into a safe
 state. In a safe state the row of least need can always be served, so some row always makes
-progress: the cache never deadlocks and no running row is ever evicted. Shared blocks count as
-returned only by their last holder, which keeps the check conservative. The cost is one cap's
+progress: the cache never deadlocks and no running row is ever evicted. One rule decides it, for
+admission and growth alike (``_least_free``): a row returns its own blocks when it ends, and a
+group's shared prompt blocks come back with the last of its holders to end. The cost is one cap's
 worth of blocks held back, not one per row.
 """
 
 import math
+from collections import Counter
 
 import torch
 from torch import Tensor
@@ -35,6 +37,7 @@ from torch import Tensor
 TRASH = 0  # the block every unheld table entry points at
 DEFAULT_BLOCK = 16  # positions per block where flash-attn does not decode (vLLM's default too)
 GiB = 1 << 30
+NEW_GROUP = -1  # the group a claim is admitting, in the safety check (block ids are >= 1)
 
 
 class KVMemoryError(ValueError):
@@ -44,6 +47,14 @@ class KVMemoryError(ValueError):
     def __init__(self, memory: int, reason: str, smallest: int):
         self.memory, self.reason, self.smallest = memory, reason, smallest
         super().__init__(f"kv_memory={memory:,} bytes {reason}")
+
+
+def block_within(block_size: int, max_len: int, page: int) -> int:
+    """``block_size`` at most the context: a row holds whole blocks, so positions past ``max_len``
+    are memory no row can use. A multiple of ``page`` (flash-attn's, where it decodes; else 1)
+    stays one."""
+    step = page if block_size % page == 0 else 1
+    return min(block_size, math.ceil(max_len / step) * step)
 
 
 def paged_blocks(memory, slots: int, max_len: int, block_size: int, token_bytes: int) -> int:
@@ -139,28 +150,33 @@ class PagedKVCache:
     def _need(self, slot: int) -> int:
         return self._blocks_for(self.caps[slot]) - len(self.held[slot])
 
-    def _own(self, slot: int) -> int:
-        """The blocks this slot's row returns when it ends (a group's prompt blocks: by the last)."""
-        held = self.held[slot]
-        return len(held) - (self.prompt[slot] if self.prompt[slot] and self.refs[held[0]] > 1 else 0)
-
-    def _safe(self, free: int, rows: list) -> bool:
-        """Whether every row of ``rows`` (``(need, returned)`` pairs) can reach its cap in some
-        order with ``free`` blocks: least need first, each returning its blocks when done."""
-        for need, returned in sorted(rows):
-            if need > free:
-                return False
-            free += returned
-        return True
-
-    def _state(self, extra: dict) -> list:
-        """``(need, returned)`` of every row, with ``extra`` slot -> blocks granted on top."""
+    def _rows(self, extra: dict) -> list:
+        """Every row as ``(need, own, group, shared)``, with ``extra`` slot -> blocks granted on top:
+        the blocks it still needs to reach its cap, the blocks only it holds, and its group's shared
+        prompt blocks (``group`` names them by their first block; None for a row sharing none)."""
         rows = []
         for s in range(self.slots):
             if self.caps[s]:
-                more = extra.get(s, 0)
-                rows.append((self._need(s) - more, self._own(s) + more))
+                more, shared = extra.get(s, 0), self.prompt[s]
+                group = self.held[s][0] if shared else None
+                rows.append((self._need(s) - more, len(self.held[s]) - shared + more, group, shared))
         return rows
+
+    @staticmethod
+    def _least_free(rows: list) -> int:
+        """The safety rule: the fewest free blocks with which every row of ``rows`` (``_rows``) reaches
+        its cap in some order. Rows go least need first: ending a row only gives blocks back, so when
+        the row of least need cannot go, none can. A row gives back its own blocks as it ends, and a
+        group's shared prompt blocks come back with the last of its holders."""
+        holders = Counter(group for _, _, group, _ in rows if group is not None)
+        least = returned = 0
+        for need, own, group, shared in sorted(rows, key=lambda row: row[0]):
+            least = max(least, need - returned)
+            returned += own
+            if group is not None:
+                holders[group] -= 1
+                returned += shared if holders[group] == 0 else 0
+        return least
 
     def hold(self, slots: list, positions: list) -> list:
         """Give each slot the blocks for its first ``positions[i]`` positions, least need first,
@@ -175,7 +191,7 @@ class PagedKVCache:
         def grantable(k: int) -> bool:  # the first k of ``order`` served together
             extra = {s: want[s] for s in order[:k]}
             free = len(self.free) - sum(extra.values())
-            return free >= 0 and self._safe(free, self._state(extra))
+            return free >= 0 and free >= self._least_free(self._rows(extra))
 
         # Serving a row never makes an unsafe state safe, so the grantable prefixes are those up to
         # some length: found by bisection (one safety check, in the common case of plenty).
@@ -195,15 +211,9 @@ class PagedKVCache:
         """Blocks for a new group, one row per slot: the prompt's full blocks shared, a partial last
         block and the first ``positions`` positions each. False (nothing taken) if that would leave
         the state unsafe."""
-        full = prompt_len // self.block_size
-        each = self._blocks_for(min(positions, cap)) - full  # a row's own blocks
-        total = full + len(slots) * each
-        if total > len(self.free):
-            return False
-        rows = self._state({})
-        rows += [(self._blocks_for(cap) - full - each, each)] * (len(slots) - 1)
-        rows.append((self._blocks_for(cap) - full - each, each + full))  # the last holder returns the prompt
-        if not self._safe(len(self.free) - total, rows):
+        full, each, rows = self._group(len(slots), prompt_len, cap, positions)
+        free = len(self.free) - full - len(slots) * each
+        if free < 0 or free < self._least_free(self._rows({}) + rows):
             return False
         shared = [self._pop() for _ in range(full)]
         for b in shared:
@@ -217,10 +227,16 @@ class PagedKVCache:
 
     def smallest(self, prompt_len: int, n: int, cap: int, positions: int) -> int:
         """The fewest blocks (trash included) in which a group of ``n`` rows with this prompt and
-        cap is admitted into an empty cache."""
+        cap is admitted into an empty cache, by the rule ``claim`` applies."""
+        full, each, rows = self._group(n, prompt_len, cap, positions)
+        return 1 + full + n * each + self._least_free(rows)
+
+    def _group(self, n: int, prompt_len: int, cap: int, positions: int) -> tuple:
+        """``(full, each, rows)`` of a group a claim admits: its shared prompt blocks, each row's own
+        blocks at admission, and its ``n`` rows as ``_rows`` gives them."""
         full = prompt_len // self.block_size
         each = self._blocks_for(min(positions, cap)) - full
-        return 1 + full + (n - 1) * each + max(self._blocks_for(cap) - full, each)
+        return full, each, [(self._blocks_for(cap) - full - each, each, NEW_GROUP, full)] * n
 
     def share(self, src: list, dst: list, lengths: list) -> None:
         """Give slot ``dst[i]`` the prompt of ``lengths[i]`` tokens slot ``src[i]`` prefilled: the

@@ -20,7 +20,7 @@ import torch
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
-from .batching import RolloutLoop, sync_every
+from .batching import RolloutLoop, row_cap, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
@@ -75,7 +75,8 @@ class Sampler:
             a row (free slots past the last live one still leave the batch).
         kv_cache: the lean path's KV layout, ``"paged"`` or ``"static"``.
         kv_block_size: positions per block of the paged cache (default: 256 where flash-attn's
-            decode runs, which pages in multiples of 256, else 16).
+            decode runs, which pages in multiples of 256, else 16); never more than
+            ``max_seq_len`` (a multiple of 256 rounded up to one).
         kv_memory: bytes of the paged cache; rows enter while it covers them, so it bounds the
             rows in flight with ``max_batch_size`` (default: enough for every slot at
             ``max_seq_len``, the static layout's memory).
@@ -293,7 +294,7 @@ class Sampler:
         cache, ahead = self.kv_cache, sync_every(self.device)
         need = max(
             cache.smallest(
-                len(p), n, self.max_seq_len if episodes else len(p) + max(max_new[i * n : (i + 1) * n]), len(p) + ahead
+                len(p), n, row_cap(len(p), max_new[i * n : (i + 1) * n], self.max_seq_len, episodes), len(p) + ahead
             )
             for i, p in enumerate(prompts)
         )

@@ -53,12 +53,13 @@ class Batch:
         """The rows grouped by prompt (``layout.groups``)."""
         return groups(self.input_ids, self.prompt_lens.tolist())
 
-    def minibatches(self, count: int) -> list:
+    def minibatches(self, count: int, generator: torch.Generator) -> list:
         """The rows in ``count`` random minibatches of equal size (index tensors), the samples of a
-        prompt kept together: the prompts are shuffled, their rows laid end to end, and the order
-        cut into ``count`` pieces (a piece may cut through a prompt's samples)."""
+        prompt kept together: the prompts are shuffled by ``generator`` (the run's own: a tool or
+        reward that seeds torch's global one changes nothing), their rows laid end to end, and the
+        order cut into ``count`` pieces (a piece may cut through a prompt's samples)."""
         found = self.groups()
-        order = [b for g in torch.randperm(len(found)).tolist() for b in found[g]]
+        order = [b for g in torch.randperm(len(found), generator=generator).tolist() for b in found[g]]
         return list(torch.tensor(order, device=self.mask.device).chunk(count))
 
     def parts(self, max_tokens, shared: Optional[SharedPrefix], at_least: int = 1) -> list:

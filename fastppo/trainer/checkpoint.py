@@ -183,12 +183,14 @@ def load_state(directory: Path, models, optimizers, ranks) -> tuple:
 
 
 def resumable(run_dir, overrides: dict = None) -> tuple:
-    """``(config, [(N, checkpoint-N)] newest first)`` of the run in ``run_dir`` to resume, checked
-    before any model loads, with its lock held while it reads.
+    """``(config, [(N, checkpoint-N)] newest first, inexact)`` of the run in ``run_dir`` to resume,
+    checked before any model loads, with its lock held while it reads.
 
     The saved config is used, with ``out`` set to ``run_dir`` (a copied or moved run resumes
     where it now is); ``overrides`` may change only :data:`RESUMABLE` fields. The newest
-    checkpoint verifies and is of this format, from as many ranks as this run has.
+    checkpoint verifies and is of this format, from as many ranks as this run has. ``inexact``
+    says how the changed fields make the resumed run differ from the uninterrupted one: to warn
+    of once the run is built with them (a value that cannot run is refused, not warned of).
     """
     run_dir = Path(run_dir)
     config_path = run_dir / "config.json"
@@ -240,17 +242,17 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
         raise UsageError(
             f"cannot resume {run_dir} with changed {', '.join(changed)}; only {', '.join(sorted(RESUMABLE))} may change"
         )
-    for field, effect in (
-        ("rollout_batch_size", "decodes the rows in other slots"),
-        ("rollout_kv_memory", "may make rows wait for KV memory at other steps, in other slots"),
-        ("rollout_kv_block_size", "may make rows wait for KV memory at other steps, in other slots"),
-    ):
-        if field in overrides and overrides[field] != saved.get(field):
-            warnings.warn(
-                f"a changed {field} {effect}, so the resumed run samples other tokens than the "
-                "uninterrupted run would: it continues the run, not exactly"
-            )
     config = TrainConfig.from_flat({**saved, **overrides, "out": str(run_dir)}, source=str(config_path)).validate()
+    inexact = [
+        f"a changed {field} {effect}, so the resumed run samples other tokens than the uninterrupted run "
+        "would: it continues the run, not exactly"
+        for field, effect in (
+            ("rollout_batch_size", "decodes the rows in other slots"),
+            ("rollout_kv_memory", "may make rows wait for KV memory at other steps, in other slots"),
+            ("rollout_kv_block_size", "may make rows wait for KV memory at other steps, in other slots"),
+        )
+        if field in overrides and overrides[field] != saved.get(field)
+    ]
     inputs.check(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and not metrics.is_file():
@@ -275,7 +277,7 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
             f"({checkpoints[0][1].name}); give --iterations above {checkpoints[0][0]} to train on, "
             f"not {config.run.iterations}"
         )
-    return config, checkpoints
+    return config, checkpoints, inexact
 
 
 def _verified(checkpoint: Path) -> None:

@@ -42,6 +42,7 @@ class Prompts:
     fields: list  # one dict per row, without the prompt
     origins: list
     messages: list  # the chat messages each rendered from (None for a string prompt used as is)
+    rows: list  # each row whole, its prompt column as given and its fields: what an environment's reset gets
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -51,7 +52,7 @@ class Prompts:
         return list(dict.fromkeys(k for row in self.fields for k in row))
 
     def select(self, keep: list) -> "Prompts":
-        kept = (self.texts, self.ids, self.fields, self.origins, self.messages)
+        kept = (self.texts, self.ids, self.fields, self.origins, self.messages, self.rows)
         return Prompts(*([values[i] for i in keep] for values in kept))
 
 
@@ -190,17 +191,15 @@ def read_chat_template(path):
 class ChatRenderer:
     """Prompt -> text: strings as they are (or, with ``chat``, as one user message), message lists
     through the chat template with the generation prompt, ``system_prompt`` first, and the tools'
-    ``schemas`` (the template lists them)."""
+    schemas of the row (the template lists them)."""
 
-    def __init__(
-        self, tokenizer, chat: bool = False, system_prompt: str = None, chat_template: str = None, schemas=None
-    ):
-        self.tokenizer, self.chat, self.system_prompt, self.schemas = tokenizer, chat, system_prompt, schemas
+    def __init__(self, tokenizer, chat: bool = False, system_prompt: str = None, chat_template: str = None):
+        self.tokenizer, self.chat, self.system_prompt = tokenizer, chat, system_prompt
         self.template = read_chat_template(chat_template)
 
-    def __call__(self, prompt, origin: str) -> tuple:
+    def __call__(self, prompt, origin: str, schemas=None) -> tuple:
         """``(text, messages)``: the text the sampler sees, and the chat messages it was rendered
-        from (None for a string prompt used as it is)."""
+        from (None for a string prompt used as it is); ``schemas``: the tools its prompt lists."""
         if isinstance(prompt, str) and not self.chat:
             if not prompt:
                 raise UsageError(f"{origin}: the prompt is empty")
@@ -211,9 +210,9 @@ class ChatRenderer:
                 )
             return prompt, None
         messages = self.messages(prompt, origin)
-        return self.render(messages, origin), messages
+        return self.render(messages, origin, schemas), messages
 
-    def render(self, messages: list, origin: str) -> str:
+    def render(self, messages: list, origin: str, schemas=None) -> str:
         """Checked ``messages`` through the chat template, with the generation prompt."""
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(
@@ -221,7 +220,7 @@ class ChatRenderer:
             )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=self.schemas, tokenize=False, add_generation_prompt=True, chat_template=self.template
+                messages, tools=schemas, tokenize=False, add_generation_prompt=True, chat_template=self.template
             )
         except Exception as error:  # a Jinja template's own errors
             raise UsageError(f"{origin}: the chat template failed ({type(error).__name__}: {error})") from None
@@ -248,12 +247,14 @@ class ChatRenderer:
 
 def load(rows: list, origins: list, tokenizer, data, source: str, schemas=None) -> Prompts:
     """Rows (dicts with a prompt column) of ``source`` (what errors call them) as
-    :class:`Prompts`: mapped, rendered (the tools' ``schemas`` listed) and tokenised."""
+    :class:`Prompts`: mapped, rendered (the tools ``schemas(row, origin)`` gives listed, with
+    tools) and tokenised."""
     prompts, fields = map_columns(rows, origins, data.prompt_field, parse_field_map(data.field_map), source)
-    render = ChatRenderer(tokenizer, data.chat, data.system_prompt, data.chat_template, schemas)
+    render = ChatRenderer(tokenizer, data.chat, data.system_prompt, data.chat_template)
     texts, messages = [], []
-    for prompt, origin in zip(prompts, origins):
-        text, chat = render(prompt, origin)
+    whole = [{data.prompt_field: prompt, **row} for prompt, row in zip(prompts, fields)]
+    for prompt, row, origin in zip(prompts, whole, origins):
+        text, chat = render(prompt, origin, schemas and schemas(row, origin))
         texts.append(text)
         messages.append(chat)
     ids = []
@@ -261,7 +262,7 @@ def load(rows: list, origins: list, tokenizer, data, source: str, schemas=None) 
         ids.append(tokenizer(text, add_special_tokens=False).input_ids)
         if not ids[-1]:
             raise UsageError(f"{origin}: the prompt is no tokens at all")
-    return Prompts(texts, ids, fields, origins, messages)
+    return Prompts(texts, ids, fields, origins, messages, whole)
 
 
 def fitting(

@@ -31,13 +31,14 @@ def due(options, iteration: int, prompts) -> bool:
 
 def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     """The three metrics of the current policy over ``prompts`` (:class:`~fastppo.trainer.data.Prompts`),
-    of the rewards' weighted sum and, with several rewards, of each (``eval/<name>/greedy``...),
-    sampled and scored by ``rollouts`` (:class:`~fastppo.trainer.rollouts.Rollouts`)."""
+    of the rewards' weighted sum and, with several rewards, of each (``eval/<name>/greedy``...,
+    over the prompts it scores), sampled and scored by ``rollouts`` (:class:`~fastppo.trainer.rollouts.Rollouts`)."""
     ranks, config = rollouts.ranks, rollouts.config
     mine = list(range(ranks.rank, len(prompts), ranks.world))
     seed = (config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
     names = [name for name, _ in rollouts.rewards.named]
     totals = torch.zeros(1 + len(names), 3, dtype=torch.float64)  # (sum, each reward) x (greedy, mean@K, best of K)
+    counted = torch.zeros_like(totals)  # the prompts each total is of: a reward may leave some unscored (NaN)
     tools = torch.zeros(2, dtype=torch.float64)  # sampled episodes that called a tool, and their calls
     rollouts.weights.refresh()
     with tqdm(
@@ -57,23 +58,28 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
                     )
                 per_prompt = torch.tensor([scores] + [each[name] for name in names], dtype=torch.float64)
                 per_prompt = per_prompt.view(1 + len(names), len(mine), n)
+                scored = ~per_prompt.isnan()  # (1 + rewards, prompts, n)
+                some = scored.any(dim=2)  # (1 + rewards, prompts): a prompt with a score of that reward
                 if temperature == 0:
-                    totals[:, 0] += per_prompt.sum(dim=(1, 2))
+                    totals[:, 0] += per_prompt.nansum(dim=(1, 2))
+                    counted[:, 0] += scored.sum(dim=(1, 2))
                 else:
-                    totals[:, 1] += per_prompt.mean(dim=2).sum(dim=1)
-                    totals[:, 2] += per_prompt.max(dim=2).values.sum(dim=1)
+                    best = per_prompt.masked_fill(~scored, -torch.inf).max(dim=2).values
+                    totals[:, 1] += per_prompt.nanmean(dim=2).nan_to_num().sum(dim=1)
+                    totals[:, 2] += best.masked_fill(~some, 0).sum(dim=1)
+                    counted[:, 1:] += some.sum(dim=1, keepdim=True)
     rollouts.weights.release()
-    totals = ranks.sum(totals.to(ranks.device())).cpu() / len(prompts)
+    totals = ranks.sum(totals.to(ranks.device())).cpu() / ranks.sum(counted.to(ranks.device())).cpu()
     metrics = {}
     if rollouts.agent is not None:
         tools = ranks.sum(tools.to(ranks.device())).cpu() / (len(prompts) * samples)
         metrics.update({"eval/tools/calling": float(tools[0]), "eval/tools/calls": float(tools[1])})
     for prefix, row in zip(["eval/"] + [f"eval/{name}/" for name in names], totals):
-        metrics.update(
+        metrics.update(  # of the prompts the reward scored (0 / 0: none, no metric)
             {
-                f"{prefix}greedy": float(row[0]),
-                f"{prefix}mean@{samples}": float(row[1]),
-                f"{prefix}pass@{samples}": float(row[2]),
+                name: float(value)
+                for name, value in zip((f"{prefix}greedy", f"{prefix}mean@{samples}", f"{prefix}pass@{samples}"), row)
+                if not value.isnan()
             }
         )
         if len(names) == 1:  # the sum is that reward's

@@ -74,6 +74,17 @@ def _estimator_names() -> tuple:
     return tuple(ESTIMATORS)
 
 
+def _longest_tool_timeout() -> float:
+    from ..agents.calls import MAX_TOOL_TIMEOUT
+
+    return MAX_TOOL_TIMEOUT
+
+
+TOOL_TIMEOUT = Bound(
+    lambda v: 0 < v <= _longest_tool_timeout(), lambda: f"must be in (0, {_longest_tool_timeout():g}] seconds"
+)
+
+
 def _estimator_help() -> str:
     from .estimators import help_text
 
@@ -276,7 +287,7 @@ class RolloutConfig:
     )
     rollout_kv_block_size: int = _doc(
         "positions per block of the sampler's KV cache (0: 256 where flash-attn's "
-        "decode runs, which pages in multiples of 256, else 16)",
+        "decode runs, which pages in multiples of 256, else 16); at most the context",
         0,
         bound=at_least(0),
     )
@@ -328,7 +339,12 @@ class ToolsConfig:
     tool_timeout: float = _doc(
         "seconds a tool call may take; past it the model reads a timeout error and the episode goes on",
         30.0,
-        bound=above(0),
+        bound=TOOL_TIMEOUT,
+    )
+    escape_tool_tokens: bool = _doc(
+        "read a token's text in a tool's result (<|im_end|>, <tool_call>) as text, not as the token: "
+        "a result cannot then forge a turn in the model's context",
+        False,
     )
     max_tool_tokens: int = _doc(
         "room in each row's context for tool results and chat scaffolding, beyond the prompt and "

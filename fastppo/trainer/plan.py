@@ -232,15 +232,17 @@ def kv_line(
     row able to finish), each group's full prompt blocks once, each sample its partial prompt
     block, its mean response and a stretch of steps (16 decode steps between looks)."""
     from ..rollout.flash import FLASH_BLOCK
-    from ..rollout.paged import DEFAULT_BLOCK, KVMemoryError, paged_blocks
+    from ..rollout.paged import DEFAULT_BLOCK, KVMemoryError, block_within, paged_blocks
 
     r = config.rollout
     flash = device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None  # as the sampler would
-    block = r.rollout_kv_block_size or (FLASH_BLOCK if flash else DEFAULT_BLOCK)
     slots, n, cap = config.sampler_slots, r.samples_per_prompt, prompt_tokens + config.response_tokens
+    block = block_within(
+        r.rollout_kv_block_size or (FLASH_BLOCK if flash else DEFAULT_BLOCK), cap, FLASH_BLOCK if flash else 1
+    )
     position = 2 * m.layers * m.kv_dim * size  # bytes of one position: K and V in every layer
     if memory is None and r.rollout_kv_memory is not None:
-        memory = int(r.rollout_kv_memory * GiB)
+        memory = given_kv_bytes(r.rollout_kv_memory)
     try:
         blocks = paged_blocks(memory, slots, cap, block, position // 2)
     except KVMemoryError as error:
@@ -259,13 +261,19 @@ def kv_line(
     )
 
 
+def given_kv_bytes(gib: float) -> int:
+    """``--rollout-kv-memory`` in bytes: a part of a byte is a byte (never 0, which is no budget:
+    a budget too small is the sampler's one-line refusal)."""
+    return max(1, math.ceil(gib * GiB))
+
+
 def kv_memory(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> Optional[int]:
     """The sampler's KV budget in bytes: ``--rollout-kv-memory``; else on CUDA what the plan's
     other lines leave of ``available``, less a tenth of it (what the plan does not count: the
     allocator's fragmentation, the CUDA context); else (or when nothing is left) None: every slot
     at the cap."""
     if config.rollout.rollout_kv_memory is not None:
-        return int(config.rollout.rollout_kv_memory * GiB)
+        return given_kv_bytes(config.rollout.rollout_kv_memory)
     if device_type != "cuda":
         return None
     lines = memory_plan(config, model_config, prompt_tokens=prompt_tokens, device_type=device_type, **plan)

@@ -21,6 +21,7 @@ skipped and counted, and a run whose every step was skipped fails.
 """
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -80,7 +81,7 @@ class PPOTrainer:
         if self.agent is not None:
             template = data.read_chat_template(config.data.chat_template)
             self.agent.use(models.tokenizer, template, models.tokenizer.eos_token_id)
-        schemas = self.agent and self.agent.schemas
+        schemas = self.agent and self.agent.schemas_of
         context = context_length(models.policy)
         prompts, self.eval_prompts = data.configured(config, models.tokenizer, context, sources, schemas)
         every = [p for p in (prompts, self.eval_prompts) if p is not None]
@@ -89,7 +90,7 @@ class PPOTrainer:
             config,
             reward_fn,
             lambda path: RewardModel(path, models.device, models.precision.frozen),
-            self.agent.environment.named_reward() if environment_rewards else None,
+            self.agent.environment.named_rewards() if environment_rewards else [],
         )
         for loaded in every:
             rewards.check_fields(loaded.fields, loaded.origins)
@@ -189,7 +190,7 @@ class PPOTrainer:
         self.examples = self.rollouts.examples(scored, self.config.run.log_completions) if self.ranks.main else []
         batch = self.prepare(scored.rollout, scored.scores)
         clock.append(time.perf_counter())
-        stats = self.update(batch)  # after it, old_logprobs are set either way
+        stats = self.update(batch, iteration)  # after it, old_logprobs are set either way
         if batch.ref_logprobs is not None:
             kl_sum = self.ranks.sum(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum())
             rollout_kl = float(kl_sum / self.ranks.sum(batch.mask.sum()).clamp(min=1))
@@ -220,9 +221,10 @@ class PPOTrainer:
         batch = lay_out(rollout, mask, self.tokenizer.pad_token_id, self.device)
         return prepare(batch, scores, self.models, c, self.state.kl_coef, self.ranks)
 
-    def update(self, batch: Batch) -> dict:
-        """``ppo_epochs`` passes of minibatch steps over ``batch``; without old log-probs (the
-        update is exactly on-policy) each minibatch's are its own forward's, written into ``batch``."""
+    def update(self, batch: Batch, iteration: int) -> dict:
+        """``ppo_epochs`` passes of minibatch steps over ``batch``, the rollout of ``iteration``
+        (which, with the run's seed, orders its minibatches); without old log-probs (the update is
+        exactly on-policy) each minibatch's are its own forward's, written into ``batch``."""
         a, models = self.config.algo, self.models
         for model in models.trained():
             model.train()  # dropout is off; this is for gradient checkpointing, which needs it
@@ -230,8 +232,9 @@ class PPOTrainer:
         if on_policy:
             batch.old_logprobs = torch.zeros_like(batch.sampler_logprobs)
         logs = []  # one per optimizer step
+        order = torch.Generator().manual_seed(self.config.run.seed * 100_003 + iteration)
         for _ in range(a.ppo_epochs):
-            minibatches = batch.minibatches(a.minibatches)
+            minibatches = batch.minibatches(a.minibatches, order)
             for first in range(0, len(minibatches), a.grad_accumulation):
                 # the step's minibatches, each in micro-batches of at most max_tokens_per_microbatch
                 indices = [
@@ -300,6 +303,8 @@ class PPOTrainer:
     def resume(cls, run_dir, overrides: dict = None) -> tuple:
         """``(trainer, next iteration)`` from the newest verified checkpoint of ``run_dir``; see
         :func:`fastppo.trainer.checkpoint.resumable`."""
-        config, checkpoints = checkpoint.resumable(run_dir, overrides)
+        config, checkpoints, inexact = checkpoint.resumable(run_dir, overrides)
         trainer = cls(config, resuming=True)
+        for note in inexact:  # the changed values run: say what they change
+            warnings.warn(note)
         return trainer, checkpoint.load_newest(checkpoints, trainer.load_checkpoint)

@@ -110,7 +110,7 @@ class Rollouts:
         if self.agent is None:
             return Rolled(self.sample(ids, temperature, n, seed, on_rows_ended), texts)
         rows = [i for i in chosen for _ in range(n)]
-        instances, observations = self.agent.reset([prompts.fields[i] for i in rows])
+        instances, observations = self.agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
         per_prompt = n
         if any(o is not None for o in observations):  # each row's prompt its own
             texts = [self._observed(prompts, i, o, text) for i, o, text in zip(rows, observations, texts)]
@@ -136,7 +136,8 @@ class Rollouts:
                 f"prompt's last message, and {prompts.origins[i]} is a string prompt (give chat prompts, or --chat)"
             )
         last = messages[-1]
-        return self.agent.template.render(messages[:-1] + [{**last, "content": last["content"] + observation}], True)
+        observed = messages[:-1] + [{**last, "content": last["content"] + observation}]
+        return self.agent.template.render(observed, True, self.agent.schemas_of(prompts.rows[i], prompts.origins[i]))
 
     def score(self, prompts, chosen: list, rolled: Rolled, n: int) -> tuple:
         """``(scores, each)`` of ``rolled``, ``n`` responses to each row ``chosen`` of ``prompts``: the
@@ -228,7 +229,7 @@ class Rollouts:
                 "completion": text,
                 **({} if scored.episodes is None else {"messages": scored.episodes[i].messages}),
                 "score": float(scored.scores[i]),
-                **{name: float(v[i]) for name, v in scored.each_reward.items()},
+                **{name: None if v[i].isnan() else float(v[i]) for name, v in scored.each_reward.items()},
             }
             for i, text in zip(rows, texts)
         ]

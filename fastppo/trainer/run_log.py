@@ -55,7 +55,8 @@ def iteration_metrics(iteration: int, scored, batch, stats: dict, lr: float, clo
         "iteration": iteration,
         "reward_mean": float(raw.mean()),
         "reward_std": float(raw.std()),
-        **{f"reward/{name}": float(values.mean()) for name, values in scored.each_reward.items()},
+        # of the rows each function scored (an environment's reward scores its own rows only)
+        **{f"reward/{name}": float(v.nanmean()) for name, v in scored.each_reward.items() if not v.isnan().all()},
         **scored.stats,
         "score_mean": float(scored.scores.mean()),
         "response_length": float(scored.rollout.response_lens.float().mean()),

@@ -9,17 +9,17 @@ of its own under a custom mask, so the units' masks carry it: ``layout.model_mas
 and the windows are read from each model's config; everything else is settled by a probe: two
 prompts, three samples, the shared forward against the padded one, in the run's precision, for
 the policy and the critic each. Its rows span at most 9 positions, fewer than any real window,
-so for the probe every window is narrowed to ``PROBE_WINDOW`` on the model's config, which the
-padded forward's own masks and the units' read alike: a window the units' masks get wrong, or one
-the model applies where ``windows.py`` sees none, shows as a disagreement. A model that disagrees
-trains on padded rows, and the start-up summary says why, naming it.
+so for the probe the config's ``sliding_window`` is narrowed to ``PROBE_WINDOW`` (each window of
+a list), which the padded forward's own masks and the units' read alike. It is narrowed whatever
+``windows.py`` reads of it (a flag that says off included): a window the units' masks get wrong,
+or one the model applies where ``windows.py`` sees none, shows as a disagreement. A model that
+disagrees trains on padded rows, and the start-up summary says why, naming it.
 """
 
 import contextlib
 
 import torch
 
-from ..windows import layer_windows
 from . import sharding
 from .batch import Batch, response_hidden, response_values
 from .layout import SharedPrefix, key_cost, mask_format_of, mask_refusal
@@ -102,18 +102,25 @@ def check_shared_prefix(models, enabled: bool, longest_row: int, ranks=None) -> 
     return (None, why_not) if why_not else (SharedPrefix(key_cost(policy)), None)
 
 
+def _narrowed(window):
+    """A ``sliding_window`` value narrowed to ``PROBE_WINDOW``: a positive int, or each of a list's;
+    anything else (None, 0: no window) as it is."""
+    if isinstance(window, (list, tuple)):
+        return type(window)(_narrowed(w) for w in window)
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        return min(window, PROBE_WINDOW)
+    return window
+
+
 @contextlib.contextmanager
 def narrowed_windows(config):
-    """``config``'s sliding windows narrowed to ``PROBE_WINDOW`` while the block runs (each
-    windowed layer's, for a list); nothing changes for a model without windows."""
-    window = getattr(config, "sliding_window", None)
-    if all(w is None for w in layer_windows(config)):
+    """``config``'s ``sliding_window`` narrowed to ``PROBE_WINDOW`` while the block runs, then
+    restored; a config without one is left as it is."""
+    if not hasattr(config, "sliding_window"):
         yield
         return
-    if isinstance(window, (list, tuple)):
-        config.sliding_window = type(window)(w and min(w, PROBE_WINDOW) for w in window)
-    else:
-        config.sliding_window = min(window, PROBE_WINDOW)
+    window = config.sliding_window
+    config.sliding_window = _narrowed(window)
     try:
         yield
     finally:

@@ -4,8 +4,10 @@ A reward function is called as ``f(prompts, completions, **fields)`` with lists 
 prompts as the sampler saw them, a chat prompt rendered by its template) and, for each field that
 any prompt row has besides its prompt, the list of its values (None for a row without it), so
 every call gets the same keywords. It returns one real number per completion
-(a Python, NumPy or 0-dim tensor number). Its failures are reported with its name, never as a
-crash deep in the trainer.
+(a Python, NumPy or 0-dim tensor number), or None for a completion it does not score (TRL's
+convention: an environment's reward for another environment's rows). A completion's score is
+the weighted sum of the scores it has; one no function scores gets 0, with a warning, as in TRL.
+Its failures are reported with its name, never as a crash deep in the trainer.
 """
 
 import importlib
@@ -14,6 +16,7 @@ import numbers
 import os
 import random
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Callable
@@ -179,10 +182,10 @@ def import_from_here(name: str):
         return importlib.import_module(name)
 
 
-def configured_rewards(config, reward_fn=None, reward_model=None, environment=None) -> "Rewards":
+def configured_rewards(config, reward_fn=None, reward_model=None, environment=()) -> "Rewards":
     """A run's rewards: ``reward_fn`` (the Python API's), else each ``--reward`` and the
     ``--reward-model`` (made by ``reward_model(path)``), else the built-in task's; weighted by
-    ``--reward-weights``; and an environment's ``(name, function)``, if given, with weight 1."""
+    ``--reward-weights``; and the environments' ``[(name, function)]``, each with weight 1."""
     c = config.reward
     if reward_fn is not None:
         named = [(getattr(reward_fn, "__name__", "reward"), reward_fn)]
@@ -190,15 +193,14 @@ def configured_rewards(config, reward_fn=None, reward_model=None, environment=No
         named = [(spec, load_reward(spec, c.format_pattern)) for spec in c.reward or ()]
         if c.reward_model:
             named.append(("reward_model", reward_model(c.reward_model)))
-    if not named and environment is None:
+    if not named and not environment:
         task = config.data.task
         if task not in TASKS:
             raise UsageError(f"no reward: task {task!r} is not built in and --reward is not given")
         named = [(task, TASKS[task].reward)]
     rewards = Rewards(named, c.reward_weights)
-    if environment is not None:
-        rewards.named.append(environment)
-        rewards.weights.append(1.0)
+    rewards.named += environment
+    rewards.weights += [1.0] * len(environment)
     return rewards
 
 
@@ -227,11 +229,22 @@ class Rewards:
                         )
 
     def __call__(self, prompts: list, completions: list, fields: dict) -> tuple:
-        """``(scores, each)``: the weighted sum per completion, and ``{name: scores}`` of each function."""
-        total, each = [0.0] * len(completions), {}
+        """``(scores, each)``: the weighted sum per completion of the scores it has, and ``{name:
+        scores}`` of each function (NaN where it gave None)."""
+        total, each, scored = [0.0] * len(completions), {}, [False] * len(completions)
         for (name, fn), weight in zip(self.named, self.weights):
-            each[name] = values = score(fn, prompts, completions, fields)
-            total = [t + weight * v for t, v in zip(total, values)]
+            values = score(fn, prompts, completions, fields)
+            each[name] = [math.nan if v is None else v for v in values]
+            for i, value in enumerate(values):
+                if value is not None:
+                    total[i] += weight * value
+                    scored[i] = True
+        unscored = [i for i, s in enumerate(scored) if not s]
+        if unscored:
+            warnings.warn(
+                f"no reward function scored {len(unscored)} of {len(completions)} completions (each returned "
+                f"None for them, the first {unscored[0]}): their score is 0"
+            )
         return total, each
 
 
@@ -251,7 +264,7 @@ def _real(value):
 
 def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
     """Call the reward function and check what it returns: one finite real number per completion,
-    within fp32's range."""
+    within fp32's range, or None (no score)."""
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     try:  # copies: a function that changes its lists in place changes nothing here
         returned = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
@@ -264,7 +277,7 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
     ):
         kind = f"a {returned.dim()}-dim tensor" if isinstance(returned, torch.Tensor) else type(returned).__name__
         raise UsageError(
-            f"reward function {name} returned {kind}; it must return one real number per "
+            f"reward function {name} returned {kind}; it must return one real number (or None) per "
             "completion, in order (a list, tuple, NumPy array or 1-dim tensor)"
         )
     scores = list(returned)
@@ -272,11 +285,14 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
         raise UsageError(f"reward function {name} returned {len(scores)} scores for {len(completions)} completions")
     values = []
     for i, value in enumerate(scores):
+        if value is None:
+            values.append(None)
+            continue
         real = _real(value)
         if real is None:
             raise UsageError(
                 f"reward function {name} returned {type(value).__name__} {value!r} for completion "
-                f"{i}: scores must be real numbers"
+                f"{i}: scores must be real numbers (or None: no score)"
             )
         if not (math.isfinite(real) and abs(real) <= FLOAT32_MAX):
             raise UsageError(

@@ -80,10 +80,11 @@ def end_turns_often(policy, tokenizer):
     return policy
 
 
-def agent_trainer(tmp_path, **fields):
-    """A trainer on string prompts rendered as chat, a tiny Llama, tools on."""
+def agent_trainer(tmp_path, rows=None, **fields):
+    """A trainer on string prompts (``rows``, else eight short ones) rendered as chat, a tiny Llama,
+    tools on."""
     tokenizer = char_tokenizer()
-    rows = [{"prompt": p} for p in ("ab", "cde", "f", "ghij", "kl", "mno", "pq", "r")]
+    rows = rows or [{"prompt": p} for p in ("ab", "cde", "f", "ghij", "kl", "mno", "pq", "r")]
     fields = {
         "out": str(tmp_path / "run"),
         "iterations": 2,

@@ -61,3 +61,36 @@ def test_a_tokenizers_own_parser_is_asked_first_and_the_known_forms_after():
     assert [(c.name, c.arguments) for c in calls] == [("f", {"x": "42"})]
     _, calls = parse_turn('<tool_call>{"name": "g", "arguments": {}}</tool_call>', Declaring())
     assert [c.name for c in calls] == ["g"]
+
+
+def test_json_nested_past_the_decoders_depth_is_a_failed_call_not_a_crash():
+    deep = "[" * 1000
+    for text, failed in (
+        (f"<tool_call>{deep}", True),  # Hermes, never closed
+        (f"<tool_call>{deep}{']' * 1000}</tool_call>", True),
+        (f'<tool_call>{{"name": "f", "arguments": "{deep}"}}</tool_call>', True),  # arguments as a string
+        (f'{{"name": "f", "parameters": {deep}{"]" * 1000}}}', False),  # Llama 3: no call, plain text
+        (f"<|python_tag|>{deep}", False),
+    ):
+        content, calls = parse_turn(text)
+        if failed:
+            assert len(calls) == 1 and calls[0].error, text[:40]
+            assert any(why in calls[0].error for why in ("nested too deeply", "not valid JSON", "not closed"))
+        else:
+            assert calls == [] and content, text[:40]
+
+
+class Odd(Declaring):
+    """A declared parser returning shapes that are not a parsed response."""
+
+    def __init__(self, parsed):
+        self.parsed = parsed
+
+    def parse_response(self, text):
+        return self.parsed
+
+
+def test_a_declared_parser_returning_no_response_leaves_the_known_forms_to_read():
+    for parsed in (None, "text", ["a"], {"tool_calls": "f"}, {"content": 3, "tool_calls": []}):
+        content, calls = parse_turn('<tool_call>{"name": "g", "arguments": {}}</tool_call>', Odd(parsed))
+        assert isinstance(content, str) and [c.name for c in calls] in (["g"], []), parsed

@@ -70,7 +70,10 @@ def user_module(tmp_path, monkeypatch):
         ({"tools": ["user_tools:no_doc"]}, "--tools user_tools:no_doc: Cannot generate JSON schema for no_doc"),
         ({"tools": ["user_tools:no_hints"]}, "--tools user_tools:no_hints: "),
         ({"tools": ["plain"]}, "give 'module:function' or a built-in (python, calculator)"),
-        ({"environment": "user_tools:NoReset"}, "--environment user_tools:NoReset: the class has no reset method"),
+        (
+            {"environment": "user_tools:NoReset"},
+            "--environment user_tools:NoReset: the class NoReset has no reset method",
+        ),
         ({"tools": ["user_tools:letters"], "environment": "user_tools:Clash"}, "two tools are named 'letters'"),
     ],
 )
@@ -94,7 +97,7 @@ def test_a_template_that_cannot_show_tool_calls_is_refused_naming_the_option():
 def test_an_environments_methods_are_its_tools_and_its_reward_one_more():
     agent = Agent(environment=Counter)
     assert [s["function"]["name"] for s in agent.schemas] == ["step"]
-    assert agent.environment_rewards and agent.environment.named_reward()[0] == "Counter"
+    assert agent.environment_rewards and [name for name, _ in agent.environment.named_rewards()] == ["Counter"]
 
 
 def test_what_a_tool_returns_reaches_the_model_as_text():

@@ -6,7 +6,7 @@ import torch
 
 import fastppo
 from tests.oracles import chi2_critical
-from tests.rollout.models import FAMILIES, PROMPTS, V, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.models import FAMILIES, LLAMA_LIKE, PROMPTS, V, hf_greedy, recomputed_logprobs, tiny
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -33,6 +33,27 @@ def test_logprobs_equal_a_recomputed_forward(family):
             rollout.logprobs[row, :n], recomputed_logprobs(model, rollout, row, 0.7), rtol=0, atol=1e-4
         )
         assert (rollout.logprobs[row, n:] == 0).all()
+
+
+@pytest.mark.parametrize("window", [12, 20])
+def test_a_mistral_window_flagged_off_is_the_windows_hugging_face_decodes_with(window):
+    """Mistral windows by ``sliding_window`` whatever ``use_sliding_window`` says: the lean path's
+    greedy tokens and log-probs are Hugging Face's on rows past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(LLAMA_LIKE, sliding_window=window, use_sliding_window=False)
+    model = MistralForCausalLM(MistralConfig(**fields)).eval()
+    prompts = [list(range(1, 15)), [42, 7]]
+    sampler = fastppo.Sampler(model, max_batch_size=4, max_seq_len=64)
+    assert sampler.fast_path
+    greedy = sampler.generate(prompts, max_new_tokens=24, temperature=0, stop_token_ids=())
+    for row, prompt in enumerate(prompts):
+        assert greedy.response_ids[row].tolist() == hf_greedy(model, prompt, 24), f"row {row}"
+    sampled = sampler.generate(prompts, max_new_tokens=24, temperature=0.7, stop_token_ids=(), seed=3)
+    for row in range(len(prompts)):
+        expected = recomputed_logprobs(model, sampled, row, 0.7)
+        torch.testing.assert_close(sampled.logprobs[row, :24], expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gpt2"])

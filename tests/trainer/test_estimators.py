@@ -28,7 +28,7 @@ def step_gradient(trainer, batch) -> list:
     """The gradient of the one optimizer step ``update`` takes (the step itself left out)."""
     grads = []
     trainer.optimizers.step = lambda state: grads.extend(p.grad.clone() for p in trainer.policy.parameters())
-    trainer.update(batch)
+    trainer.update(batch, 0)
     return grads
 
 

@@ -60,6 +60,7 @@ def test_a_reward_past_floats_range_is_refused_as_not_finite(tmp_path):
         ("--rollout-batch-size", str(2**70), "config field rollout_batch_size must be < 2**32"),
         ("--eval-samples", str(2**70), "config field eval_samples must be < 2**32"),
         ("--reward-weights", "1e39", "config field reward_weights must be within float32's range"),
+        ("--tool-timeout", "1e10", "config field tool_timeout must be in (0, 86400] seconds"),
     ],
 )
 def test_absurd_numbers_are_one_line(tmp_path, capsys, option, value, said):

@@ -80,9 +80,12 @@ def test_a_reward_module_that_does_not_import(tmp_path, monkeypatch, capsys, sou
 @pytest.mark.parametrize(
     "returned,match",
     [
-        (lambda c: {i: 0.0 for i in range(len(c))}, "returned dict; it must return one real number per completion"),
-        (lambda c: None, "returned NoneType; it must return one real number per completion"),
-        (lambda c: 0.5, "returned float; it must return one real number per completion"),
+        (
+            lambda c: {i: 0.0 for i in range(len(c))},
+            "returned dict; it must return one real number \\(or None\\) per completion",
+        ),
+        (lambda c: None, "returned NoneType; it must return one real number \\(or None\\) per completion"),
+        (lambda c: 0.5, "returned float; it must return one real number \\(or None\\) per completion"),
         (lambda c: "1" * len(c), "returned str"),
         (lambda c: torch.zeros(len(c), 1), "returned a 2-dim tensor"),
     ],

@@ -16,7 +16,7 @@ def logged_update(trainer, batch, **algo) -> dict:
     for name, value in algo.items():
         setattr(trainer.config.algo, name, value)
     trainer.optimizers.step = lambda state: None
-    return trainer.update(copy.deepcopy(batch))
+    return trainer.update(copy.deepcopy(batch), 0)
 
 
 @pytest.mark.parametrize("estimator,kl_coef", [("grpo", 0.1), ("gae", 0.0)])

@@ -113,12 +113,23 @@ def test_the_kv_line_counts_the_rows_in_flight_static_and_paged():
     assert kv.bytes <= 100 << 30
 
 
-def test_a_kv_budget_too_small_is_one_line_naming_the_option(tmp_path, capsys):
-    args = ["train", "--out", str(tmp_path / "run"), "--iterations", "1", "--rollout-kv-memory", "1e-6"]
+@pytest.mark.parametrize("gib", ["1e-6", "1e-12"])  # 1e-12 GiB is a thousandth of a byte
+def test_a_kv_budget_too_small_is_one_line_naming_the_option(tmp_path, capsys, gib):
+    args = ["train", "--out", str(tmp_path / "run"), "--iterations", "1", "--rollout-kv-memory", gib]
     assert fastppo_main(args) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
-    assert last.startswith("fastppo train: error: --rollout-kv-memory 1e-06 is too small")
+    assert last.startswith(f"fastppo train: error: --rollout-kv-memory {float(gib):g} is too small")
     assert "smallest that works is" in last
+
+
+def test_a_resume_refuses_a_kv_budget_too_small_before_saying_it_continues_inexactly(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert fastppo_main(["train", "--out", run, "--iterations", "1", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert fastppo_main(["train", "--resume", run, "--iterations", "2", "--rollout-kv-memory", "1e-12"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("fastppo train: error: --rollout-kv-memory 1e-12 is too small")
+    assert "not exactly" not in err
 
 
 def test_fsdp_divides_what_is_sharded_by_the_world_size_and_adds_what_is_gathered():

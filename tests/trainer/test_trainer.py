@@ -296,7 +296,7 @@ def test_gradient_accumulation_is_normalised_by_the_global_token_count(tmp_path)
         rollout, scores = scored.rollout, scored.scores
         steps = []
         trainer.optimizers.step = lambda state: steps.append([p.grad.clone() for p in trainer.policy.parameters()])
-        trainer.update(trainer.prepare(rollout, scores))
+        trainer.update(trainer.prepare(rollout, scores), 0)
         assert len(steps) == 1
         results.append(steps[0])
     for whole, accumulated in zip(*results):
@@ -515,3 +515,25 @@ def test_ctrl_c_on_the_command_checkpoints_and_exits_non_zero(tmp_path):
     assert "--resume" in out + err
     (checkpoint,) = run.glob("checkpoint-*")
     assert PPOTrainer.resume(run)[1] == int(checkpoint.name.split("-")[1]) >= 2
+
+
+def test_a_reward_or_tool_seeding_torchs_generator_changes_nothing_the_run_draws(tmp_path):
+    """The update's minibatch order is the run's own draw: a reward (or tool) that calls
+    ``torch.manual_seed`` leaves the rollouts, and so the weights, as they were."""
+    from fastppo.trainer.models import char_tokenizer, tiny_policy
+
+    def reseeding(prompts, completions, **fields):
+        torch.manual_seed(len(calls))
+        calls.append(1)
+        return vowels_reward(prompts, completions, **fields)
+
+    weights = []
+    for reward in (vowels_reward, reseeding):
+        calls, tokenizer = [], char_tokenizer()
+        fields = dict(task="vowels", lr=1e-3, prompts_per_iteration=4, samples_per_prompt=2, minibatches=4)
+        run = config(tmp_path / reward.__name__, save=False, iterations=2, ppo_epochs=2, **fields)
+        trainer = PPOTrainer(run, policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer, reward_fn=reward)
+        trainer.train()
+        weights.append(torch.cat([p.detach().flatten() for p in trainer.policy.parameters()]))
+    assert calls, "the reseeding reward never ran"
+    assert torch.equal(weights[0], weights[1])

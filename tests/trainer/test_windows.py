@@ -12,11 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fastppo.trainer.batch import response_hidden, response_values
-from fastppo.trainer.layout import SharedPrefix, mask_refusal
+from fastppo.trainer.layout import SharedPrefix, mask_refusal, model_mask
 from fastppo.trainer.models import Critic
 from fastppo.trainer.plan import forward_tokens
 from fastppo.trainer.shared_prefix import check_shared_prefix
-from fastppo.windows import UnknownWindows, layer_windows, smallest_window
+from fastppo.windows import FLAGGED, FULL, SLIDING, UnknownWindows, layer_windows, smallest_window
 from tests.oracles import relative_error
 from tests.trainer.runs import config as train_config
 from tests.trainer.test_shared_prefix import batch_of
@@ -54,6 +54,15 @@ FAMILIES = {
     "qwen2_moe": ({"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 3, **MOE}, ("sdpa",)),
     "gemma2": ({"sliding_window": WINDOW}, ("eager",)),
     "gemma3_text": ({"sliding_window": WINDOW, "sliding_window_pattern": 2}, ("sdpa", "eager")),
+    "gemma4_text": (
+        {
+            "sliding_window": WINDOW,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 64,
+            "global_head_dim": 16,
+        },
+        ("sdpa", "eager"),
+    ),
     "cohere2": ({"sliding_window": WINDOW, "sliding_window_pattern": 2}, ("sdpa",)),
     "exaone4": ({"sliding_window": WINDOW, "sliding_window_pattern": 2}, ("sdpa",)),
     "olmo3": ({"sliding_window": WINDOW}, ("sdpa",)),
@@ -93,16 +102,18 @@ def critic_of(policy):
     return critic
 
 
-def long_rows():
-    """Two prompts of 6 and 3 tokens with 3 and 2 samples of up to 9 tokens: rows up to 15 > WINDOW."""
+def long_rows(prompt: int = 6, response: int = 9):
+    """Two prompts of ``prompt`` and half as many tokens with 3 and 2 samples of up to ``response``
+    tokens: by default rows up to 15 > WINDOW."""
     generator = torch.Generator().manual_seed(1)
 
     def ids(n):
         return torch.randint(3, 64, (n,), generator=generator).tolist()
 
-    first, second = ids(6), ids(3)
-    rows = [(first, ids(9)), (first, ids(5)), (second, ids(7)), (first, ids(2)), (second, ids(8))]
-    return batch_of(rows, R=9)
+    first, second = ids(prompt), ids(max(prompt // 2, 1))
+    lengths = (response, response * 5 // 9, response * 7 // 9, max(response * 2 // 9, 1), response * 8 // 9)
+    rows = [(p, ids(n)) for p, n in zip((first, first, second, first, second), lengths)]
+    return batch_of(rows, R=response)
 
 
 @pytest.mark.parametrize(
@@ -134,14 +145,71 @@ def test_windows_the_masks_cannot_carry_fall_back_to_padded_rows_and_say_why(mod
     assert shared is None and why.startswith(f"the policy ({model_type}): ") and reason in why
 
 
-def test_a_window_the_config_hides_from_the_reader_is_caught_by_the_probe():
-    """Mistral windows every layer; a config that reads as windowless (``use_sliding_window`` False)
-    while the model still windows is refused by the probe's disagreement, not trusted."""
-    policy = tiny("mistral", {"sliding_window": WINDOW}, "sdpa")
-    policy.config.use_sliding_window = False
+@pytest.mark.parametrize("window", [4, 12, 20])
+@pytest.mark.parametrize(
+    "model_type",
+    ["mistral", "mixtral", "phi3", "starcoder2", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"],
+)
+def test_a_window_flagged_off_is_read_as_the_family_reads_the_flag(model_type, window):
+    """Mistral, Mixtral, Phi-3, Starcoder2 and PhiMoE window by ``sliding_window`` whatever
+    ``use_sliding_window`` says (hub checkpoints carry it false); the Qwen families and SmolLM3
+    do not window with it off. Either way the shared layout equals the model's own padded forward
+    on rows past the window, so the reading is the model's."""
+    fields = {**FAMILIES[model_type][0], "sliding_window": window, "use_sliding_window": False}
+    policy = tiny(model_type, fields, "sdpa")
+    off = model_type in FLAGGED or model_type == "smollm3"  # whose config derives full layer types
+    assert layer_windows(policy.config) == ([None] * 3 if off else [window] * 3)
+    batch = long_rows(prompt=window, response=window)
+    shared, why = check_shared_prefix(models_of(policy), True, int((batch.prompt_lens + batch.lens).max()))
+    assert shared is not None, why
+    with torch.no_grad():
+        units = response_hidden(policy, batch.layout(SharedPrefix(key_cost=0.0)))[batch.mask]
+        padded = response_hidden(policy, batch.layout())[batch.mask]
+    assert relative_error(units, padded) <= 1e-5
+
+
+@pytest.mark.parametrize("window", [4, 12, 20])
+def test_a_window_the_reader_misses_is_caught_by_the_probe(monkeypatch, window):
+    """A window ``windows.py`` reads wrong (here its table made to say Mistral obeys the flag, as
+    it once read every family) is still narrowed for the probe, which then sees the model window
+    where the units' masks do not: the run takes padded rows, however wide the window against the
+    probe's rows."""
+    from fastppo import windows
+
+    monkeypatch.setitem(windows.FLAGGED, "mistral", "all")
+    policy = tiny("mistral", {"sliding_window": window, "use_sliding_window": False}, "sdpa")
     assert smallest_window(policy.config) is None
     shared, why = check_shared_prefix(models_of(policy), True, 15)
     assert shared is None and "the policy's states with the prompt shared differ" in why
+    assert policy.config.sliding_window == window  # restored after the probe
+
+
+def test_a_critic_s_window_the_reader_misses_is_caught_by_its_own_probe(monkeypatch):
+    """The same for the critic beside a policy without windows: its own config is narrowed."""
+    from fastppo import windows
+
+    monkeypatch.setitem(windows.FLAGGED, "mistral", "all")
+    policy = tiny("llama", {}, "sdpa")
+    critic = critic_of(tiny("mistral", {"sliding_window": 20, "use_sliding_window": False}, "sdpa"))
+    shared, why = check_shared_prefix(models_of(policy, critic), True, 15)
+    assert shared is None and "the critic's states with the prompt shared differ" in why
+    assert critic.backbone.config.sliding_window == 20
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text"])
+def test_a_window_one_short_of_the_rows_masks_their_first_key(model_type):
+    """Rows of WINDOW + 1 positions: the last query's window leaves out key 0, in every windowed
+    layer's mask (the others' stays causal)."""
+    policy = tiny(model_type, FAMILIES[model_type][0], "sdpa")
+    positions = torch.arange(WINDOW + 1)[None]  # (1, L)
+    causal = torch.ones(WINDOW + 1, WINDOW + 1, dtype=torch.bool).tril()[None]  # (1, L, L)
+    mask = model_mask(policy, causal, positions)
+    windowed = mask[SLIDING] if isinstance(mask, dict) else mask  # (1, 1, L, L)
+    expected = causal.clone()
+    expected[0, WINDOW, 0] = False
+    assert torch.equal(windowed[:, 0], expected)
+    if isinstance(mask, dict):
+        assert torch.equal(mask[FULL][:, 0], causal)
 
 
 def test_an_eager_critic_beside_an_sdpa_policy_each_read_their_own_mask():
@@ -170,6 +238,9 @@ def test_a_window_no_row_reaches_needs_no_mask_of_its_own():
 CONFIGS = {
     "mistral": ({"sliding_window": 7}, [7, 7, 7]),
     "mistral, no window": ({"sliding_window": None}, [None] * 3),
+    "mistral, flag off": ({"sliding_window": 7, "use_sliding_window": False}, [7, 7, 7]),  # read by Qwen's only
+    "smollm3, flag off": ({"sliding_window": 7}, [None] * 3),  # its config derives full layer types
+    "smollm3, flag off, sliding types": ({"sliding_window": 7, "layer_types": ["sliding_attention"] * 3}, [7] * 3),
     "qwen2, off": ({"sliding_window": 7}, [None] * 3),
     "qwen2, from layer 1": ({"sliding_window": 7, "use_sliding_window": True, "max_window_layers": 1}, [None, 7, 7]),
     "qwen2_moe, every other below 3": (
