@@ -102,6 +102,7 @@ def test_random_schedules_never_livelock_and_equal_the_static_cache(episodes):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 2 minutes each on 2 cores, more while another job shares them
 @pytest.mark.parametrize("episodes", [False, True])
 @pytest.mark.parametrize("longest", [16, 96])
 def test_a_thousand_random_schedules_never_livelock(episodes, longest):
