@@ -8,7 +8,7 @@ COMMANDS = {
     "demo": ("fastppo.demo", "run the log-prob ops on a tiny Llama and compare them with float64 PyTorch"),
     "bench": ("fastppo.bench.cli", "time every op beside naive PyTorch, torch.compile and installed peers"),
     "train": ("fastppo.trainer.cli", "PPO / GRPO training of a Hugging Face causal LM (tiny built-in default)"),
-    "plot": ("fastppo.trainer.plot", "a PNG of a run's curves (needs matplotlib)"),
+    "plot": ("fastppo.trainer.run.plot", "a PNG of a run's curves (needs matplotlib)"),
 }
 
 

@@ -1,4 +1,6 @@
-"""Which layers of a Hugging Face causal LM attend through a sliding window, and how wide, read from
+"""Each layer's sliding window, read as transformers' modeling code reads it.
+
+Which layers of a Hugging Face causal LM attend through a sliding window, and how wide, read from
 its config the way transformers' modeling code decides it: one answer for the sampler's decode
 masks (``rollout/lean.py``), the shared-prefix layout's masks (``trainer/layout.py``) and its check.
 

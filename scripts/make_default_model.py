@@ -5,7 +5,7 @@ supervision on the built-in arithmetic task ("17+25=" -> "42<eos>") for a fixed,
 steps: enough that it answers some sums right, few enough that PPO has plenty left to learn.
 Deterministic for a given torch version. Run from the repository root:
 
-    python scripts/make_default_model.py        # writes fastppo/trainer/default_model/
+    python scripts/make_default_model.py        # writes fastppo/trainer/modeling/default_model/
 """
 
 import argparse
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from fastppo.trainer.models import char_tokenizer, tiny_policy
-from fastppo.trainer.tasks import arithmetic_example, arithmetic_reward
+from fastppo.trainer.modeling.default import char_tokenizer, tiny_policy
+from fastppo.trainer.prompts.tasks import arithmetic_example, arithmetic_reward
 
-OUT = Path(__file__).resolve().parents[1] / "fastppo" / "trainer" / "default_model"
+OUT = Path(__file__).resolve().parents[1] / "fastppo" / "trainer" / "modeling" / "default_model"
 
 
 def batch(tokenizer, rng, size):

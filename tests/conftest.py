@@ -55,7 +55,7 @@ def released_memory(monkeypatch):
     """The runs a test asks to return freed memory to the OS (``host_memory.py``), recorded and not
     done: it is the process's setting for good, and would slow every test after it. Its effect is
     measured in a process of its own (``test_plan.py``)."""
-    from fastppo.trainer import host_memory
+    from fastppo.trainer.modeling import host_memory
 
     calls = []
     monkeypatch.setattr(host_memory, "release_freed_memory", lambda: calls.append(True) or True)

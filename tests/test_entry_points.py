@@ -23,7 +23,7 @@ def test_ci_runs_the_readme_test_command():
         if line and not line.startswith(("#", "set ", "cd "))
     ]
     assert ci_commands[0] == install_and_test  # first, verbatim; then ruff, the slow runs, the peers, older TRLs
-    assert ci_commands[1] == ".venv/bin/ruff format --check . && .venv/bin/ruff check ."
+    assert ci_commands[1] == ".venv/bin/ruff format --check . && .venv/bin/ruff check . && .venv/bin/lint-imports"
     # the wheel, built, installed into a fresh environment and trained from outside the repository
     assert "pip wheel" in ci_commands[2] and "-m venv .wheel/venv" in ci_commands[2]
     assert ci_commands[3].startswith(".wheel/venv/bin/pip install") and ".wheel/fastppo-" in ci_commands[3]
@@ -39,12 +39,25 @@ def test_ci_runs_the_readme_test_command():
 
 def test_the_documentation_s_tables_are_generated_from_the_code():
     """The peers table (from the drop-ins' declared releases), the estimators table (from the registry)."""
-    from fastppo import generated
+    from scripts import generate_docs as generated
 
     for page, name, source in generated.TABLES:
         assert generated.current(ROOT / page, name) == generated.between(name, source()), (
-            f"{page} is stale: run python -m fastppo.generated"
+            f"{page} is stale: run python scripts/generate_docs.py"
         )
+
+
+def test_every_documented_script_command_runs():
+    """Each ``python scripts/...`` command the documentation gives runs from another directory as written
+    (the generator, with every table up to date, rewrites nothing)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    commands = {m for page in pages for m in re.findall(r"`python (scripts/[^`]+)`", page.read_text())}
+    assert commands == {"scripts/generate_docs.py"}, "a new documented command needs its check here"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/generate_docs.py")], cwd=ROOT / "docs", capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "every table is up to date"
 
 
 def test_kernels_import_as_a_subpackage():
@@ -129,7 +142,7 @@ def test_the_wheel_holds_every_package_and_its_data(tmp_path):
     shipped = set(zipfile.ZipFile(wheel).namelist())
     packages = [p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "fastppo").rglob("__init__.py")]
     expected = {f"{p}/__init__.py" for p in packages} | {"fastppo/kernels/__init__.py"}
-    expected |= {f.relative_to(ROOT).as_posix() for f in (ROOT / "fastppo/trainer/default_model").iterdir()}
+    expected |= {f.relative_to(ROOT).as_posix() for f in (ROOT / "fastppo/trainer/modeling/default_model").iterdir()}
     expected |= {f.relative_to(ROOT).as_posix() for f in (ROOT / "fastppo").rglob("*.jinja")}
     expected |= {"fastppo/kernels/" + f.name for f in (ROOT / "kernels").glob("*.py")}
     assert "fastppo/agents/__init__.py" in expected and expected <= shipped, sorted(expected - shipped)

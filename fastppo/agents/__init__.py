@@ -6,7 +6,7 @@ environment (``environment.py``) and its chat template (``template.py``); its ep
 the decode loop with a timeout (``calls.py``), their results prefilled onto the row's cache.
 """
 
-from .agent import Agent, configured
+from .agent import Agent
 from .tools import Tool, tool
 
-__all__ = ["Agent", "Tool", "configured", "tool"]
+__all__ = ["Agent", "Tool", "tool"]

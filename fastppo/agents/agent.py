@@ -8,7 +8,7 @@ tokenizer is there (:meth:`Agent.use`: a template that cannot show tool calls). 
 their turns.
 """
 
-from ..trainer.errors import UsageError
+from ..errors import UsageError
 from .calls import ToolRunner
 from .environment import Environments, load_environment
 from .episodes import Episode, Episodes
@@ -79,14 +79,3 @@ class Agent:
             own = self.environment.tools(instance) if instance is not None else []
             rows.append(Episode({t.name: t for t in self.tools + own}, instance))
         return Episodes(self.tokenizer, self.template, self.runner, self.max_tool_calls, (self.stop_id,), rows)
-
-
-def configured(tools) -> Agent:
-    """The :class:`Agent` of a run's tools section (``ToolsConfig``)."""
-    return Agent(
-        tools=tools.tools or (),
-        environment=tools.environment,
-        max_tool_calls=tools.max_tool_calls,
-        timeout=tools.tool_timeout,
-        escape_tokens=tools.escape_tool_tokens,
-    )

@@ -17,7 +17,7 @@ import asyncio
 import inspect
 from collections.abc import Mapping
 
-from ..trainer.errors import UsageError
+from ..errors import UsageError
 from .tools import named, tool
 
 HOOKS = ("reset", "get_reward")  # methods that are not tools

@@ -21,7 +21,7 @@ character (:meth:`ToolTemplate.escaped`), so it tokenises as plain text.
 import re
 from pathlib import Path
 
-from ..trainer.errors import UsageError
+from ..errors import UsageError
 
 SHIPPED_TEMPLATE = Path(__file__).with_name("chatml_tools.jinja")  # ChatML with tools, for ChatML models
 SHIPPED = "fastppo/agents/chatml_tools.jinja"  # as recipes and errors name it, from the repository

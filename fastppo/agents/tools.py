@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ..trainer.errors import UsageError
-from ..trainer.tasks import import_from_here
+from ..errors import UsageError
+from ..user_code import import_from_here
 
 
 @dataclass(frozen=True)

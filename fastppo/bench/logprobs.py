@@ -18,7 +18,7 @@ import torch
 import fastppo
 
 from .case import Case, Contender, compiled, random_tokens
-from .peers import logprobs_from_hidden_peers, logprobs_peers
+from .peer_kernels import logprobs_from_hidden_peers, logprobs_peers
 
 TOKENS, VOCABS, HIDDENS = (4096, 16384), (32000, 128256, 151936), (896, 4096)
 CPU_TOKENS, CPU_VOCABS = (2048,), (32000, 49152)  # a CPU batch; Llama-2's and SmolLM2's vocabularies

@@ -22,7 +22,7 @@ import fastppo
 
 from .case import Case, Contender, compiled, random_tokens
 from .logprobs import HIDDENS, QUICK_HIDDENS, QUICK_TOKENS, QUICK_VOCABS, TOKENS, VOCABS, dtype_for, naive_logprobs
-from .peers import ppo_loss_peers
+from .peer_kernels import ppo_loss_peers
 
 # Token-level ops run on (B, T) batches the size of a rollout.
 BATCHES = ((64, 1024), (512, 1024), (64, 8192), (512, 8192))

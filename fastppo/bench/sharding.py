@@ -41,7 +41,7 @@ def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
     """A random Llama of ``hidden`` x ``layers`` with the shipped tokenizer, saved in ``directory``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..trainer.models import load_policy
+    from ..trainer.modeling.loading import load_policy
 
     _, tokenizer = load_policy(None)
     torch.manual_seed(0)

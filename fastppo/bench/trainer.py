@@ -56,7 +56,7 @@ def _mid_size_llama():
     """A random Llama of 12 layers, hidden 768 (about 85M parameters), with the character tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..trainer.models import char_tokenizer
+    from ..trainer.modeling.default import char_tokenizer
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def _mid_size_llama():
 
 def _weights(policy_factory=None) -> int:
     """Bytes of the policy's fp32 master weights."""
-    from ..trainer.models import load_policy
+    from ..trainer.modeling.loading import load_policy
 
     policy, _ = (policy_factory or (lambda: load_policy(None)))()
     return sum(p.numel() * 4 for p in policy.parameters())
@@ -153,7 +153,7 @@ LAYOUTS = {  # contender -> (shared prefix, max_tokens_per_microbatch)
 
 def _update_tokens(trainer, batch) -> int:
     """Token slots (padding included) the update's forwards compute on ``batch``: one pass."""
-    from ..trainer.batch import forward_parts
+    from ..trainer.update.batch import forward_parts
 
     models, config, total = trainer.models, trainer.config, 0
     for index in batch.minibatches(config.algo.minibatches, torch.Generator().manual_seed(0)):
@@ -163,7 +163,7 @@ def _update_tokens(trainer, batch) -> int:
 
 
 def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=None) -> Case:
-    from ..trainer.layout import SharedPrefix, key_cost
+    from ..trainer.update.layout import SharedPrefix, key_cost
 
     def make():
         trainer = _trainer(device, fields, policy_factory)

@@ -101,9 +101,9 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ..rewards import gsm8k_reward
-    from ..trainer import tasks
-    from ..trainer.models import load_policy
+    from ..rewards.verifiers import gsm8k_reward
+    from ..trainer.modeling.loading import load_policy
+    from ..trainer.prompts import tasks
     from . import chat_workload
 
     policy, tokenizer = load_policy(model)

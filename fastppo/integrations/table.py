@@ -2,8 +2,8 @@
 
 Every release a drop-in module declares (``TRL``, ``VERL``, ``OPENRLHF``) is what the differential
 suite (``tests/peers``, ``pytest -m peers``) fetches and runs against, so this table, written from
-those declarations, states exactly what is tested. ``python -m fastppo.generated`` rewrites it in
-the pages that show it (``fastppo/generated.py``).
+those declarations, states exactly what is tested. ``python scripts/generate_docs.py`` rewrites it in
+the pages that show it.
 """
 
 from itertools import groupby

@@ -1,4 +1,4 @@
-"""Rollouts: a KV-cached batched sampler that runs on the live training weights."""
+"""The sampler: a KV-cached batched sampler that runs on the live training weights."""
 
 from .rollout import Rollout
 from .sampler import Sampler

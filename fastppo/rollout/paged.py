@@ -34,9 +34,10 @@ from collections import Counter
 import torch
 from torch import Tensor
 
+from ..limits import GiB
+
 TRASH = 0  # the block every unheld table entry points at
 DEFAULT_BLOCK = 16  # positions per block where flash-attn does not decode (vLLM's default too)
-GiB = 1 << 30
 NEW_GROUP = -1  # the group a claim is admitting, in the safety check (block ids are >= 1)
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..limits import GiB
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
@@ -25,7 +26,7 @@ from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
 from .lean import FAMILIES, lean_decoder
-from .paged import GiB, KVMemoryError
+from .paged import KVMemoryError
 from .rollout import Rollout
 from .turns import Turns
 

@@ -1,6 +1,11 @@
-"""The models of a run, built in one place: the policy (fp32 masters, dropout off, LoRA-wrapped
-when asked), the critic, the frozen reference, the sampler's copy of the weights, and, with
-``--fsdp``, all of them sharded over the ranks.
+"""A run's parts built from its config: models, rewards, the agent.
+
+The parts of a run built from its config, each in one place: the models (``build_models``), the
+rewards (``configured_rewards``) and the agent of a run with tools (``configured_agent``).
+
+The models: the policy (fp32 masters, dropout off, LoRA-wrapped when asked), the critic, the
+frozen reference, the sampler's copy of the weights, and, with ``--fsdp``, all of them sharded
+over the ranks.
 
 The order matters and is said here once: the critic starts from the full policy before any LoRA
 wrapping (it trains in full); the rollout copy is taken whole before sharding; the reference is a
@@ -12,21 +17,21 @@ from typing import Optional
 
 import torch
 
-from . import host_memory, sharding
-from .errors import UsageError
-from .layout import SharedPrefix
-from .lora import LoRA
-from .models import (
-    Critic,
-    cast_parameters,
-    check_causal,
-    disable_dropout,
-    enable_checkpointing,
-    frozen_copy,
-    load_policy,
-)
-from .precision import Precision, stored_dtype
-from .rollout_weights import RolloutWeights
+from ..agents import Agent
+from ..errors import UsageError
+from ..hf import cast_parameters
+from ..rewards.loading import load_reward
+from ..rewards.scoring import Rewards
+from .modeling import host_memory
+from .modeling.critic import Critic
+from .modeling.loading import check_causal, load_policy
+from .modeling.lora import LoRA
+from .modeling.precision import Precision, stored_dtype
+from .modeling.rollout_weights import RolloutWeights
+from .modeling.weights import disable_dropout, enable_checkpointing, frozen_copy
+from .parallel import sharding
+from .prompts.tasks import TASKS
+from .update.layout import SharedPrefix
 
 
 @dataclass
@@ -126,3 +131,36 @@ def shard(models: Models, options, ranks) -> None:
                 offload=options.fsdp_offload,
                 hidden_states=hidden_states,
             )
+
+
+def configured_rewards(config, reward_fn=None, reward_model=None, environment=()) -> "Rewards":
+    """A run's rewards: ``reward_fn`` (the Python API's), else each ``--reward`` and the
+    ``--reward-model`` (made by ``reward_model(path)``), else the built-in task's; weighted by
+    ``--reward-weights``; and the environments' ``[(name, function)]``, each with weight 1."""
+    c = config.reward
+    if reward_fn is not None:
+        named = [(getattr(reward_fn, "__name__", "reward"), reward_fn)]
+    else:
+        named = [(spec, load_reward(spec, c.format_pattern)) for spec in c.reward or ()]
+        if c.reward_model:
+            named.append(("reward_model", reward_model(c.reward_model)))
+    if not named and not environment:
+        task = config.data.task
+        if task not in TASKS:
+            raise UsageError(f"no reward: task {task!r} is not built in and --reward is not given")
+        named = [(task, TASKS[task].reward)]
+    rewards = Rewards(named, c.reward_weights)
+    rewards.named += environment
+    rewards.weights += [1.0] * len(environment)
+    return rewards
+
+
+def configured_agent(tools) -> Agent:
+    """The :class:`~fastppo.agents.Agent` of a run's tools section (``ToolsConfig``)."""
+    return Agent(
+        tools=tools.tools or (),
+        environment=tools.environment,
+        max_tool_calls=tools.max_tool_calls,
+        timeout=tools.tool_timeout,
+        escape_tokens=tools.escape_tool_tokens,
+    )

@@ -1,20 +1,24 @@
-"""The PPO loop, top-down: ``train`` runs iterations; an ``iteration`` is rollout -> prepare ->
-update -> log, each a call with explicit inputs and outputs.
+"""The PPO loop, top-down: rollout -> prepare -> update -> log.
 
-* **rollout** (``rollouts.py``): the next prompts of the epoch order, sampled on the live weights
-  (a bf16 copy on CUDA, refreshed in place) and scored by the rewards;
-* **prepare** (``batch.py``): prompt + response rows laid out, no-grad passes for the reference
-  log-probs, the values, and the old log-probs unless the update is exactly on-policy (then they
-  are the update's own, detached), and the advantages of the estimator (``estimators.py``);
+``train`` runs iterations; an ``iteration`` is rollout -> prepare -> update -> log, each a call
+with explicit inputs and outputs.
+
+* **rollout** (``experience/rollouts.py``): the next prompts of the epoch order, sampled on the
+  live weights (a bf16 copy on CUDA, refreshed in place) and scored by the rewards;
+* **prepare** (``update/batch.py``): prompt + response rows laid out, no-grad passes for the
+  reference log-probs, the values, and the old log-probs unless the update is exactly on-policy
+  (then they are the update's own, detached), and the advantages of the estimator
+  (``update/estimators.py``);
 * **update**: ``ppo_epochs`` passes of minibatch steps, each minibatch's loss the fused PPO loss
-  from hidden states plus the value loss (``loss.py``), the optimizer step guarded (``optimizers.py``);
-* **log**: one metrics row (``run_log.py``), the held-out evaluation when due (``evaluation.py``),
-  checkpoints by count and by the clock (``checkpoint.py``).
+  from hidden states plus the value loss (``update/loss.py``), the optimizer step guarded
+  (``update/optimizers.py``);
+* **log**: one metrics row (``run/log.py``), the held-out evaluation when due
+  (``experience/evaluation.py``), checkpoints by count and by the clock (``run/checkpoint.py``).
 
-The models are built by ``build.py``; what changes between iterations is one ``TrainerState``
-(``state.py``), which checkpoints save and load. The details that trip trainers up are explicit:
-dropout is off in every model; the rollout temperature is used again when log-probs are
-recomputed; the stop token is part of the response and its mask; pad and stop tokens are told
+The models, rewards and agent are built by ``build.py``; what changes between iterations is one
+``TrainerState`` (``run/state.py``), which checkpoints save and load. The details that trip
+trainers up are explicit: dropout is off in every model; the rollout temperature is used again
+when log-probs are recomputed; the stop token is part of the response and its mask; pad and stop tokens are told
 apart by the mask, not by their ids; old log-probs' mismatch with the sampler's is reported (and
 optionally corrected by truncated importance weights); a step with a non-finite gradient is
 skipped and counted, and a run whose every step was skipped fails.
@@ -26,24 +30,29 @@ from pathlib import Path
 
 import torch
 
-from .. import agents
-from . import checkpoint, data, evaluation, inputs, run_directory, tasks
-from .batch import Batch, explained_variance, forward_parts, lay_out, loss_mask, prepare, warn_truncated
-from .build import build_models
-from .config import TrainConfig
-from .distributed import Ranks
-from .errors import UsageError
-from .loss import minibatch_loss, step_normalisers, step_stats
-from .models import RewardModel, context_length
-from .optimizers import Optimizers
-from .plan import device_memory, fitting_microbatch, kv_memory
-from .rollouts import Rollouts, Scored
-from .run_lock import RunLock
-from .run_log import RunLog, iteration_metrics, postfix, progress, start_run_directory
-from .shared_prefix import check_shared_prefix
-from .signals import Signals, TrainingInterrupted, stop_on_signals
-from .state import TrainerState, random_states
-from .summary import summary
+from ..errors import UsageError
+from ..rewards.loading import load_reward
+from ..rewards.model import RewardModel
+from .build import build_models, configured_agent, configured_rewards
+from .configuration.config import TrainConfig
+from .experience import evaluation
+from .experience.rollouts import Rollouts, Scored
+from .memory.plan import device_memory, fitting_microbatch, kv_memory
+from .modeling.loading import context_length
+from .parallel.distributed import Ranks
+from .prompts import dataset
+from .prompts.chat import read_chat_template
+from .run import checkpoint, inputs
+from .run import directory as run_directory
+from .run.lock import RunLock
+from .run.log import RunLog, iteration_metrics, postfix, progress, start_run_directory
+from .run.signals import Signals, TrainingInterrupted, stop_on_signals
+from .run.state import TrainerState, random_states
+from .run.summaries import start_summary
+from .update.batch import Batch, explained_variance, forward_parts, lay_out, loss_mask, prepare, warn_truncated
+from .update.loss import minibatch_loss, step_normalisers, step_stats
+from .update.optimizers import Optimizers
+from .update.probe import check_shared_prefix
 
 
 class PPOTrainer:
@@ -58,7 +67,7 @@ class PPOTrainer:
         torch.manual_seed(config.run.seed)
         self.ranks = Ranks(torch.device(config.device).type)
         # the tools and the environment, imported and checked before the model loads
-        self.agent = agents.configured(config.tools) if config.episodes else None
+        self.agent = configured_agent(config.tools) if config.episodes else None
         environment_rewards = self.agent is not None and self.agent.environment_rewards
         given = reward_fn is not None or config.reward.reward or config.reward.reward_model or environment_rewards
         if config.data.prompts and not given:
@@ -69,24 +78,24 @@ class PPOTrainer:
         # before any loading (a run that cannot write loses no time) and before touching the directory
         self.lock = self.ranks.on_main(lambda: run_directory.claim_run_directory(config.run, resuming))
         # what the user wrote, read before the model loads: a wrong file or reward costs no wait
-        sources = data.sources(config, prompts)
+        sources = dataset.sources(config, prompts)
         if reward_fn is None:
             for spec in config.reward.reward or ():
-                tasks.load_reward(spec, config.reward.format_pattern)
+                load_reward(spec, config.reward.format_pattern)
         if not self.ranks.main:  # rank 0's loading and saving progress bars are enough
             from transformers.utils import logging as transformers_logging
 
             transformers_logging.disable_progress_bar()
         self.models = models = build_models(config, self.ranks, policy, tokenizer)
         if self.agent is not None:
-            template = data.read_chat_template(config.data.chat_template)
+            template = read_chat_template(config.data.chat_template)
             self.agent.use(models.tokenizer, template, models.tokenizer.eos_token_id)
         schemas = self.agent and self.agent.schemas_of
         context = context_length(models.policy)
-        prompts, self.eval_prompts = data.configured(config, models.tokenizer, context, sources, schemas)
+        prompts, self.eval_prompts = dataset.configured(config, models.tokenizer, context, sources, schemas)
         every = [p for p in (prompts, self.eval_prompts) if p is not None]
         fields = list(dict.fromkeys(k for p in every for k in p.field_names()))  # each reward call gets all
-        rewards = tasks.configured_rewards(
+        rewards = configured_rewards(
             config,
             reward_fn,
             lambda path: RewardModel(path, models.device, models.precision.frozen),
@@ -141,7 +150,7 @@ class PPOTrainer:
         try:
             if main:
                 start_run_directory(out, self.config, start)
-                lines = summary(self.config, self.models, self.rollouts, self.longest_prompt, self.ranks.world)
+                lines = start_summary(self.config, self.models, self.rollouts, self.longest_prompt, self.ranks.world)
                 print(*lines, sep="\n", flush=True)
             history, stop, saved_at = [], Signals(), time.monotonic()
             with stop_on_signals(stop), RunLog(out, main) as log, progress(start, run.iterations, main) as bar:
@@ -302,7 +311,7 @@ class PPOTrainer:
     @classmethod
     def resume(cls, run_dir, overrides: dict = None) -> tuple:
         """``(trainer, next iteration)`` from the newest verified checkpoint of ``run_dir``; see
-        :func:`fastppo.trainer.checkpoint.resumable`."""
+        :func:`fastppo.trainer.run.checkpoint.resumable`."""
         config, checkpoints, inexact = checkpoint.resumable(run_dir, overrides)
         trainer = cls(config, resuming=True)
         for note in inexact:  # the changed values run: say what they change

@@ -6,7 +6,7 @@ random tiny model never writes one itself)."""
 import torch
 
 from fastppo.trainer import PPOTrainer, TrainConfig
-from fastppo.trainer.models import tiny_policy
+from fastppo.trainer.modeling.default import tiny_policy
 
 TEMPLATE = (
     "{%- for m in messages -%}{{ m.role[0] }}:{{ m.content }}"

@@ -37,7 +37,7 @@ def test_the_tools_recipe_runs_episodes_and_evaluates_them(tmp_path, monkeypatch
 
 
 def _held_out(tmp_path: Path) -> Path:
-    from fastppo.trainer.tasks import multiply_eval_prompts
+    from fastppo.trainer.prompts.tasks import multiply_eval_prompts
 
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in multiply_eval_prompts(count=2)))

@@ -8,7 +8,7 @@ import pytest
 
 from fastppo.agents import Agent
 from fastppo.agents.tools import as_text
-from fastppo.trainer.errors import UsageError
+from fastppo.errors import UsageError
 from tests.agents.runs import NO_CALLS, TEMPLATE, Counter, char_tokenizer
 from tests.trainer.test_hostile_input import TINY, one_line_error
 
@@ -118,7 +118,7 @@ def test_the_memory_plan_counts_the_tool_results_room():
     from transformers import LlamaConfig
 
     from fastppo.trainer import TrainConfig
-    from fastppo.trainer.plan import memory_plan
+    from fastppo.trainer.memory.plan import memory_plan
 
     model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 

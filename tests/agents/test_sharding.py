@@ -10,8 +10,8 @@ from fastppo.agents.calls import Call
 from fastppo.trainer import TrainConfig
 from tests.agents.runs import TEMPLATE, char_tokenizer, turn_taking_policy
 from tests.oracles import relative_error
-from tests.trainer.test_distributed import FIELDS, _spawn, one_update, rank_environment
-from tests.trainer.test_sharding import leave
+from tests.trainer.parallel.test_distributed import FIELDS, _spawn, one_update, rank_environment
+from tests.trainer.parallel.test_sharding import leave
 
 
 def _reads_calls():

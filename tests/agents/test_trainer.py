@@ -63,7 +63,7 @@ def test_an_environment_per_episode_its_reward_and_its_observation(tmp_path, ste
 
 
 def test_an_observation_needs_a_chat_prompt(tmp_path, steps):
-    from fastppo.trainer.errors import UsageError
+    from fastppo.errors import UsageError
 
     rows = [{"prompt": "ab", "hint": "x"}] * 4
     trainer = agent_trainer(tmp_path, chat=False, tools=None, environment="tests.agents.runs:Observed")

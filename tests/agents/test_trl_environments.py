@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastppo.cli import main as fastppo_main
-from fastppo.trainer.errors import UsageError
+from fastppo.errors import UsageError
 from tests.agents.runs import agent_trainer, char_tokenizer, turn_taking_policy
 from tests.trainer.test_hostile_input import one_line_error
 

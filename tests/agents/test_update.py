@@ -6,11 +6,11 @@ layout's equals the padded rows'."""
 import pytest
 import torch
 
-from fastppo.trainer.loss import minibatch_loss
+from fastppo.trainer.update.loss import minibatch_loss
 from tests.agents.runs import agent_trainer, end_turns_often
 from tests.oracles import logprobs_oracle, ppo_loss_oracle, relative_error
 from tests.trainer.runs import TEMPERATURE, ops_on_triton
-from tests.trainer.test_shared_prefix import SHARED, whole_gradient
+from tests.trainer.update.test_probe import SHARED, whole_gradient
 
 
 def drifted_agent(tmp_path, **fields):

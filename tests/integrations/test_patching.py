@@ -196,7 +196,7 @@ def test_a_drop_in_takes_each_releases_parameters():
 
 
 def test_ci_runs_the_differential_suite():
-    from fastppo import generated
+    from scripts import generate_docs as generated
 
     ci = (generated.ROOT / ".ci" / "run").read_text()
     assert "pytest -q -p no:cacheprovider -m peers" in ci  # CI runs the differential suite

@@ -9,8 +9,8 @@ import torch
 import fastppo
 from fastppo.rollout import Rollout
 from fastppo.trainer import PPOTrainer, TrainConfig
-from fastppo.trainer.batch import response_hidden
-from fastppo.trainer.models import char_tokenizer
+from fastppo.trainer.modeling.default import char_tokenizer
+from fastppo.trainer.update.batch import response_hidden
 
 
 def config(tmp_path, **fields):
@@ -22,7 +22,7 @@ def config(tmp_path, **fields):
 
 def untrained(tmp_path, **fields):
     """A trainer on the vowels task from an untrained tiny model: learns in seconds."""
-    from fastppo.trainer.models import tiny_policy
+    from fastppo.trainer.modeling.default import tiny_policy
 
     tokenizer = char_tokenizer()
     fields = {"task": "vowels", "lr": 1e-3, "prompts_per_iteration": 8, "samples_per_prompt": 4, **fields}
@@ -72,7 +72,7 @@ def rollout_of(texts, tokenizer, finish="length"):
 
 
 HOLD = (
-    "import sys; from fastppo.trainer.run_lock import RunLock; lock = RunLock.acquire(sys.argv[1]); "
+    "import sys; from fastppo.trainer.run.lock import RunLock; lock = RunLock.acquire(sys.argv[1]); "
     "print('held', flush=True); sys.stdin.read()"
 )
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from fastppo.errors import TrainingFailed, UsageError
 from fastppo.trainer import PPOTrainer
-from fastppo.trainer.errors import TrainingFailed, UsageError
-from fastppo.trainer.run_lock import LOCK_FILE, RunLock
+from fastppo.trainer.run.lock import LOCK_FILE, RunLock
 from tests.trainer.runs import config
 from tests.trainer.test_hostile_input import TINY, one_line_error
 
@@ -90,7 +90,7 @@ def test_a_step_that_makes_the_weights_non_finite_ends_the_run_naming_it_and_sav
 
 
 def test_that_failure_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
-    from fastppo.trainer import optimizers
+    from fastppo.trainer.update import optimizers
 
     monkeypatch.setattr(optimizers, "_total_norm", lambda tensors: torch.tensor(float("inf")))
     line = failed_line(capsys, ["--out", str(tmp_path / "r"), *TINY])

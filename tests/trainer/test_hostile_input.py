@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fastppo.cli import main as fastppo_main
+from fastppo.errors import UsageError
 from fastppo.trainer import PPOTrainer
-from fastppo.trainer.errors import UsageError
 from tests.trainer.runs import config, untrained
 
 TINY = [
@@ -146,7 +146,7 @@ def test_a_column_that_would_shadow_a_reward_argument(tmp_path, capsys, column, 
 def test_a_csv_with_a_byte_order_mark_reads_its_first_column(tmp_path):
     path = tmp_path / "p.csv"
     path.write_bytes("\ufeffprompt,answer\nab,1\ncd,2\n".encode("utf-8"))  # as Excel saves UTF-8
-    trainer = PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
+    trainer = PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.prompts.tasks:vowels_reward"))
     assert trainer.prompts.texts == ["ab", "cd"] and trainer.prompts.fields[0] == {"answer": "1"}
 
 
@@ -333,7 +333,7 @@ def test_one_ctrl_c_stops_the_final_evaluation_once_everything_is_saved(tmp_path
 
 def test_a_reward_module_in_the_working_directory_is_found_without_python_m(tmp_path, monkeypatch):
     """The ``fastppo`` script has no working directory on sys.path; ``python -m fastppo`` has."""
-    from fastppo.trainer.tasks import load_reward
+    from fastppo.rewards.loading import load_reward
 
     (tmp_path / "here_reward.py").write_text(
         "def score(prompts, completions, **_):\n    return [1.0] * len(completions)\n"

@@ -101,7 +101,7 @@ def test_the_recipe_trains_and_reports_held_out_accuracy(tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from fastppo.trainer import PPOTrainer
-    from fastppo.trainer.config import from_arguments
+    from fastppo.trainer.configuration.arguments import from_arguments
 
     parsed = _parse(args)  # the prompts as the trainer renders them: the chat template's
     config = from_arguments(parsed)
@@ -143,7 +143,7 @@ def test_the_recipe_trains_and_reports_held_out_accuracy(tmp_path, capsys):
 def _parse(args: list):
     import argparse
 
-    from fastppo.trainer.config import add_arguments
+    from fastppo.trainer.configuration.arguments import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -7,9 +7,9 @@ import torch
 
 from fastppo.cli import main as fastppo_main
 from fastppo.trainer import PPOTrainer
-from fastppo.trainer.config import from_arguments
-from fastppo.trainer.optimizers import lr_factor
-from fastppo.trainer.tasks import vowels_reward
+from fastppo.trainer.configuration.arguments import from_arguments
+from fastppo.trainer.prompts.tasks import vowels_reward
+from fastppo.trainer.update.optimizers import lr_factor
 from tests.trainer.runs import config, killed_and_resumed, mean_reward, untrained
 
 
@@ -46,7 +46,7 @@ def test_command_runs_end_to_end_and_saves_a_loadable_policy(tmp_path, capsys):
     policy = AutoModelForCausalLM.from_pretrained(out / "policy")
     tokenizer = AutoTokenizer.from_pretrained(out / "policy")
     assert policy.config.vocab_size == len(tokenizer)
-    from fastppo.trainer.models import Critic
+    from fastppo.trainer.modeling.critic import Critic
 
     critic = Critic.from_pretrained(out / "critic")
     ids = torch.tensor([[3, 4, 5]], device=critic.head.weight.device)
@@ -103,7 +103,7 @@ def test_stop_token_is_in_the_mask_and_never_stopping_is_penalised(tmp_path):
 def test_dropout_is_off(tmp_path):
     from torch import nn
 
-    from fastppo.trainer.models import char_tokenizer, tiny_policy
+    from fastppo.trainer.modeling.default import char_tokenizer, tiny_policy
 
     tokenizer = char_tokenizer()
     policy = tiny_policy(tokenizer, seed=0)
@@ -115,7 +115,7 @@ def test_dropout_is_off(tmp_path):
 def test_config_file_and_command_line(tmp_path):
     import argparse
 
-    from fastppo.trainer.config import add_arguments
+    from fastppo.trainer.configuration.arguments import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -150,10 +150,10 @@ def test_bad_prompts_file_names_the_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "ab"}\nnot json\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: not JSON"):
-        PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
+        PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.prompts.tasks:vowels_reward"))
     path.write_text('{"prompt": "ab"}\n{"question": "cd"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: the row has no 'prompt' field"):
-        PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.tasks:vowels_reward"))
+        PPOTrainer(config(tmp_path, prompts=str(path), reward="fastppo.trainer.prompts.tasks:vowels_reward"))
 
 
 def test_user_prompts_and_reward_fields(tmp_path):
@@ -214,7 +214,7 @@ def test_the_default_model_script_makes_a_loadable_model(tmp_path):
 
 
 def test_adaptive_kl_coefficient():
-    from fastppo.trainer.state import TrainerState
+    from fastppo.trainer.run.state import TrainerState
 
     fixed = TrainerState(kl_coef=0.1)
     fixed.adapt_kl(5.0, 100, target=None, horizon=1000)
@@ -236,7 +236,7 @@ def test_kl_in_the_loss_with_an_adaptive_coefficient(tmp_path):
 def test_reward_model(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from fastppo.trainer.models import char_tokenizer
+    from fastppo.trainer.modeling.default import char_tokenizer
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
@@ -326,7 +326,7 @@ def test_cosine_schedule(tmp_path):
 
 
 def test_saves_are_atomic_and_old_checkpoints_pruned(tmp_path):
-    from fastppo.trainer.run_directory import save_atomically
+    from fastppo.trainer.run.directory import save_atomically
 
     trainer = untrained(tmp_path, iterations=6, save_every=2, keep_checkpoints=1)
     trainer.train()
@@ -390,8 +390,8 @@ def test_resume_is_exact(tmp_path, estimator, kl_coef):
 def test_a_checkpoint_of_an_older_format_is_refused_naming_its_format(tmp_path, capsys):
     """fastppo 0.1 wrote the trainer state as loose keys and no format number: it is refused in one
     line, never half-loaded or skipped for a still older checkpoint."""
-    from fastppo.trainer.checkpoint import STATE_FILE, CheckpointFormat
-    from fastppo.trainer.run_directory import MANIFEST_FILE, write_manifest
+    from fastppo.trainer.run.checkpoint import STATE_FILE, CheckpointFormat
+    from fastppo.trainer.run.directory import MANIFEST_FILE, write_manifest
 
     PPOTrainer(config(tmp_path, iterations=2, save_every=1)).train()
     run = tmp_path / "run"
@@ -433,7 +433,7 @@ def test_a_signal_checkpoints_and_says_how_to_resume(tmp_path):
     import os
     import signal
 
-    from fastppo.trainer.signals import TrainingInterrupted
+    from fastppo.trainer.run.signals import TrainingInterrupted
 
     trainer = untrained(tmp_path, iterations=10)
     real = trainer.iteration
@@ -464,7 +464,8 @@ def test_a_checkpoint_restores_the_global_generators_a_reward_may_use(tmp_path):
 
 
 def test_a_reward_crash_leaves_the_last_checkpoint_resumable(tmp_path):
-    from fastppo.trainer.tasks import Rewards, vowels_reward
+    from fastppo.rewards.scoring import Rewards
+    from fastppo.trainer.prompts.tasks import vowels_reward
 
     def flaky(prompts, completions, **fields):
         calls.append(1)
@@ -520,7 +521,7 @@ def test_ctrl_c_on_the_command_checkpoints_and_exits_non_zero(tmp_path):
 def test_a_reward_or_tool_seeding_torchs_generator_changes_nothing_the_run_draws(tmp_path):
     """The update's minibatch order is the run's own draw: a reward (or tool) that calls
     ``torch.manual_seed`` leaves the rollouts, and so the weights, as they were."""
-    from fastppo.trainer.models import char_tokenizer, tiny_policy
+    from fastppo.trainer.modeling.default import char_tokenizer, tiny_policy
 
     def reseeding(prompts, completions, **fields):
         torch.manual_seed(len(calls))

@@ -1,0 +1,247 @@
+"""An iteration's rollouts: the next prompts of the epoch order, sampled on the live weights, cut at
+the stop strings and scored, with DAPO's dynamic sampling when asked.
+
+Every rank reads the same global batch of the epoch order and rolls out its own share of it, so
+the cursor (the trainer state's ``prompts_drawn``) is the same on every rank. Dynamic sampling
+(``filter_groups``) keeps the groups whose scores differ, since a group of equal scores has zero
+advantage under every group estimator and teaches nothing, and samples further batches until
+the ranks all have enough (they agree by an all-reduce, so their cursors stay together), at
+most ``filter_groups_attempts`` batches; a batch still short is filled with equal groups.
+
+With tools (an :class:`~fastppo.agents.Agent`) every row is an episode: its environment is reset
+with its fields, the sampler runs its turns, and the rewards read its messages (a chat prompt's
+completion is the episode's assistant and tool messages, as TRL passes them; a string prompt's
+is the episode's text) and, with an environment, each row's instance (``environments``).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...agents.episodes import episode_metrics
+from ...errors import UsageError
+from ...limits import GiB
+from ...rollout import Sampler
+from ...rollout.paged import KVMemoryError
+from ..prompts.order import EpochOrder
+from . import responses
+
+
+@dataclass
+class Scored:
+    """A rollout and its scores: ``raw`` the rewards' weighted sum, ``scores`` with the no-stop and
+    overlong penalties added (what the advantages see); ``each_reward`` each function's scores,
+    and ``stats`` what dynamic sampling did."""
+
+    rollout: object
+    scores: Tensor  # (B,) fp32
+    raw: Tensor  # (B,)
+    no_stop: Tensor  # (B,) bool: the response hit max_new_tokens
+    each_reward: dict  # name -> (B,)
+    stats: dict = dataclasses.field(default_factory=dict)
+    episodes: Optional[list] = None  # each row's Episode (fastppo.agents) when there are tools
+
+
+@dataclass
+class Sampled:
+    """Rows of some prompts, sampled: the rollout, each row's prompt as the sampler saw it and, with
+    tools, its episode."""
+
+    rollout: object
+    texts: list
+    episodes: Optional[list] = None
+
+
+class Rollouts:
+    """Samples on the live weights and scores: the sampler over the rollout copy of the weights,
+    the rewards, and the training prompts in their epoch order."""
+
+    def __init__(
+        self, config, models, rewards, prompts, fields: list, ranks, longest_prompt: int, agent=None, kv_memory=None
+    ):
+        """``fields``: the prompt columns every reward call gets; ``longest_prompt``: the most tokens of
+        any prompt the sampler will see, training or held-out; ``agent``: the run's tools, if any;
+        ``kv_memory``: the sampler's KV budget in bytes (``plan.kv_memory``)."""
+        self.config, self.rewards, self.prompts, self.fields, self.ranks = config, rewards, prompts, fields, ranks
+        self.tokenizer, self.weights, self.device = models.tokenizer, models.rollout_weights, models.device
+        self.agent = agent
+        r = config.rollout
+        try:
+            self.sampler = Sampler(
+                models.rollout_weights.model,
+                max_batch_size=config.sampler_slots,
+                max_seq_len=longest_prompt + config.response_tokens,
+                cuda_graphs=not models.sharded,
+                kv_block_size=r.rollout_kv_block_size or None,
+                kv_memory=kv_memory,
+            )
+        except KVMemoryError as error:
+            raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
+        self.order = EpochOrder(len(prompts), config.run.seed)
+
+    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None, turns=None):
+        """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
+        the ``--stop`` strings; episodes of ``turns``, if given. The rollout copy must be refreshed."""
+        r, tok = self.config.rollout, self.tokenizer
+        try:
+            rollout = self.sampler.generate(
+                prompt_ids,
+                max_new_tokens=r.max_new_tokens,
+                temperature=temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                stop_token_ids=(tok.eos_token_id,),
+                pad_token_id=tok.pad_token_id,
+                num_samples_per_prompt=n,
+                seed=seed,
+                on_rows_ended=on_rows_ended,
+                turns=turns,
+            )
+        except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once
+            raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
+        return responses.cut_at_stop_strings(rollout, tok, r.stop)
+
+    def roll(self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None) -> Sampled:
+        """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
+        whose environments are reset with their rows' fields."""
+        texts = [prompts.texts[i] for i in chosen for _ in range(n)]
+        ids = [prompts.ids[i] for i in chosen]
+        if self.agent is None:
+            return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended), texts)
+        rows = [i for i in chosen for _ in range(n)]
+        instances, observations = self.agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
+        per_prompt = n
+        if any(o is not None for o in observations):  # each row's prompt its own
+            texts = [self._observed(prompts, i, o, text) for i, o, text in zip(rows, observations, texts)]
+            ids, per_prompt = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts], 1
+            longest, room = max(map(len, ids)), self.sampler.max_seq_len - self.config.rollout.max_new_tokens
+            if longest > room:
+                raise UsageError(
+                    f"{self.agent.environment.what}: a prompt with reset's observation is {longest} "
+                    f"tokens, more than the {room} the sampler has room for"
+                )
+        turns = self.agent.episodes(instances)
+        rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns)
+        return Sampled(rollout, texts, turns.rows)
+
+    def _observed(self, prompts, i: int, observation, text: str) -> str:
+        """Row ``i``'s prompt with ``observation`` (an environment's reset) added to its last message."""
+        if observation is None:
+            return text
+        messages = prompts.messages[i]
+        if messages is None:
+            raise UsageError(
+                f"{self.agent.environment.what}: reset returned an observation, which is added to the "
+                f"prompt's last message, and {prompts.origins[i]} is a string prompt (give chat prompts, or --chat)"
+            )
+        last = messages[-1]
+        observed = messages[:-1] + [{**last, "content": last["content"] + observation}]
+        return self.agent.template.render(observed, True, self.agent.schemas_of(prompts.rows[i], prompts.origins[i]))
+
+    def score(self, prompts, chosen: list, sampled: Sampled, n: int) -> tuple:
+        """``(scores, each)`` of ``sampled``, ``n`` responses to each row ``chosen`` of ``prompts``: the
+        rewards' weighted sum per response, and ``{name: scores}`` of each reward function."""
+        rows = [i for i in chosen for _ in range(n)]
+        fields = {k: [prompts.fields[i].get(k) for i in rows] for k in self.fields}
+        completions = responses.completions(sampled.rollout, self.tokenizer)
+        if sampled.episodes is not None:
+            completions = [
+                text if prompts.messages[i] is None else [dict(m) for m in episode.messages]
+                for i, text, episode in zip(rows, completions, sampled.episodes)
+            ]
+            if self.agent.environment is not None:
+                fields["environments"] = [episode.environment for episode in sampled.episodes]
+        return self.rewards(sampled.texts, completions, fields)
+
+    def next_batch(self, iteration: int, state) -> Scored:
+        """This iteration's batch, drawn from ``state.prompts_drawn`` on (which it moves on); with
+        ``filter_groups``, only groups whose scores differ."""
+        self.weights.refresh()  # the sampler's copy catches up with the optimizer steps, once
+        try:
+            if self.config.rollout.filter_groups:
+                return self._filtered(iteration, state)
+            return self._scored_batch(iteration, state, 0)
+        finally:
+            self.weights.release()  # a gathered copy gives its memory back to the update
+
+    def _filtered(self, iteration: int, state) -> Scored:
+        """Batches until every rank holds ``prompts_per_iteration`` groups whose scores differ."""
+        r = self.config.rollout
+        n, wanted = r.samples_per_prompt, r.prompts_per_iteration
+        batches, informative, equal = [], [], []  # (batch, group) pairs
+        while True:
+            batches.append(self._scored_batch(iteration, state, len(batches)))
+            groups = batches[-1].scores.view(-1, n)  # (prompts, n)
+            for g, same in enumerate((groups == groups[:, :1]).all(dim=1).tolist()):
+                (equal if same else informative).append((len(batches) - 1, g))
+            short = torch.tensor(float(len(informative) < wanted), device=self.ranks.device())
+            if len(batches) == r.filter_groups_attempts or not bool(self.ranks.sum(short)):  # every rank agrees
+                break
+        rows = [(batches[b], g * n + j) for b, g in (informative + equal)[:wanted] for j in range(n)]
+        picked = {name: torch.stack([getattr(s, name)[i] for s, i in rows]) for name in ("scores", "raw", "no_stop")}
+        each = {k: torch.stack([s.each_reward[k][i] for s, i in rows]) for k in batches[0].each_reward}
+        episodes = None if batches[0].episodes is None else [s.episodes[i] for s, i in rows]
+        stats = {
+            "groups_informative": min(len(informative), wanted) / wanted,
+            "sampling_attempts": float(len(batches)),
+            "reward_sampled": float(torch.cat([b.raw for b in batches]).mean()),
+            **({} if episodes is None else episode_metrics(episodes)),
+        }  # every row, kept or not
+        gathered = responses.gather_rows([(s.rollout, i) for s, i in rows])
+        return Scored(gathered, **picked, each_reward=each, stats=stats, episodes=episodes)
+
+    def _scored_batch(self, iteration: int, state, attempt: int) -> Scored:
+        """The next batch of prompts in the epoch order, sampled out and scored."""
+        c = self.config
+        r, ranks = c.rollout, self.ranks
+        world, rank, per_rank, n = ranks.world, ranks.rank, r.prompts_per_iteration, r.samples_per_prompt
+        chosen = self.order.take(state.prompts_drawn, per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
+        state.prompts_drawn += per_rank * world
+        seed = (c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007
+        sampled = self.roll(self.prompts, chosen, r.temperature, n, seed)
+        raw, each = self.score(self.prompts, chosen, sampled, n)
+        raw = torch.tensor(raw, device=self.device)
+        rollout = sampled.rollout
+        no_stop = torch.tensor([f == "length" for f in rollout.finish_reason], device=self.device)
+        generated = rollout.response_mask.sum(dim=1).to(self.device)  # an episode's tool tokens aside
+        overlong = responses.overlong_penalty(
+            generated, r.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_penalty
+        )
+        return Scored(
+            rollout,
+            raw + r.no_stop_penalty * no_stop + overlong,
+            raw,
+            no_stop,
+            {name: torch.tensor(values) for name, values in each.items()},
+            stats={} if sampled.episodes is None else episode_metrics(sampled.episodes),
+            episodes=sampled.episodes,
+        )
+
+    def examples(self, scored: Scored, k: int) -> list:
+        """The first ``k`` rows of ``scored`` as text, to read what the policy writes: the prompt as
+        the sampler saw it, the completion, its score and each reward function's."""
+        rows = range(min(k, len(scored.rollout.prompt_ids)))
+        texts = responses.completions(scored.rollout, self.tokenizer, rows)
+        return [
+            {
+                "prompt": self.tokenizer.decode(scored.rollout.prompt_ids[i]),
+                "completion": text,
+                **({} if scored.episodes is None else {"messages": scored.episodes[i].messages}),
+                "score": float(scored.scores[i]),
+                **{name: None if v[i].isnan() else float(v[i]) for name, v in scored.each_reward.items()},
+            }
+            for i, text in zip(rows, texts)
+        ]
+
+
+def _kv_memory_error(error: KVMemoryError, given) -> str:
+    """The one line for a KV budget too small, naming the option."""
+    if given is not None:
+        return f"--rollout-kv-memory {given:g} is too small: {given:g} GiB would {error.reason}"
+    return (
+        f"the KV cache gets what the memory plan leaves on the device, {error.memory / GiB:.3g} GiB, too "
+        f"little: it would {error.reason}; give --rollout-kv-memory, or see --plan"
+    )

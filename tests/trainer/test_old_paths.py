@@ -1,0 +1,106 @@
+"""What fastppo 0.2 wrote and named keeps working: a run it checkpointed resumes exactly, and the flat
+trainer's module paths still import, each with a DeprecationWarning naming where it went."""
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastppo.cli import main as fastppo_main
+from fastppo.trainer import PPOTrainer, TrainConfig
+from fastppo.trainer.moved import MOVED
+
+RUN = Path(__file__).resolve().parents[1] / "fixtures" / "run-0.2.0"
+# how the fixture was made, with fastppo 0.2.0: this config, killed during iteration 2 (after checkpoint-2)
+FIXTURE = {
+    "iterations": 3,
+    "save_every": 1,
+    "keep_checkpoints": 1,
+    "evaluate": False,
+    "prompts_per_iteration": 4,
+    "samples_per_prompt": 2,
+}
+
+
+def learned(run: Path) -> tuple:
+    """Each iteration's metrics (timings aside) and the final policy's weights."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = [{k: v for k, v in row.items() if not k.startswith(("time", "tokens_per_s"))} for row in rows]
+    return metrics, load_file(str(run / "policy" / "model.safetensors"))
+
+
+def test_a_run_checkpointed_by_0_2_resumes_as_if_never_stopped(tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(RUN, resumed)
+    assert fastppo_main(["train", "--resume", str(resumed)]) == 0
+    PPOTrainer(TrainConfig.from_flat({**FIXTURE, "out": str(tmp_path / "fresh")}).validate()).train()
+    (metrics, weights), (fresh_metrics, fresh_weights) = learned(resumed), learned(tmp_path / "fresh")
+    assert [row["iteration"] for row in metrics] == [0, 1, 2]
+    assert metrics == fresh_metrics
+    assert weights.keys() == fresh_weights.keys()
+    assert all(torch.equal(weights[k], fresh_weights[k]) for k in weights)
+
+
+def forget(old: str) -> None:
+    """Import ``old`` afresh next time (as a new process would, warning again)."""
+    sys.modules.pop(old, None)
+    parent, _, leaf = old.rpartition(".")
+    vars(sys.modules[parent]).pop(leaf, None)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_warns_and_forwards_every_name(old):
+    forget(old)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to"):
+        module = importlib.import_module(old)
+    for home in MOVED[old]:
+        real = importlib.import_module(home)
+        public = [name for name in vars(real) if not name.startswith("_") and name not in ("annotations",)]
+        assert public, home
+        for name in public:
+            assert getattr(module, name) is getattr(real, name), (old, name)
+
+
+def test_a_name_set_through_an_old_path_is_set_where_the_code_reads_it(monkeypatch):
+    from fastppo.trainer.run import lock
+
+    forget("fastppo.trainer.run_lock")
+    with pytest.warns(DeprecationWarning):
+        from fastppo.trainer import run_lock
+    monkeypatch.setattr(run_lock, "LOCK_FILE", "elsewhere.lock")
+    assert lock.LOCK_FILE == "elsewhere.lock"
+
+
+def test_the_summary_of_0_2_is_the_start_summary():
+    from fastppo.trainer.run.summaries import start_summary
+
+    forget("fastppo.trainer.summary")
+    with pytest.warns(DeprecationWarning):
+        from fastppo.trainer.summary import summary
+    assert summary is start_summary
+
+
+def test_a_name_patched_through_a_split_path_is_put_back_when_the_patch_is_undone():
+    from fastppo.trainer.prompts import files
+
+    forget("fastppo.trainer.data")
+    with pytest.warns(DeprecationWarning):
+        from fastppo.trainer import data
+    before = files.SUFFIXES
+    patch = pytest.MonkeyPatch()
+    patch.setattr(data, "SUFFIXES", (".txt",))
+    assert files.SUFFIXES == (".txt",)
+    patch.undo()
+    assert files.SUFFIXES is before
+
+
+def test_a_module_under_its_old_path_keeps_its_own_spec():
+    forget("fastppo.trainer.run_lock")
+    with pytest.warns(DeprecationWarning):
+        from fastppo.trainer import run_lock
+    assert run_lock.__spec__.name == "fastppo.trainer.run.lock"
