@@ -1,9 +1,8 @@
 """Loading Hugging Face models from local paths, refusing missing weights.
 
-Hugging Face models from local paths, for every layer that loads one: ``load_complete`` refuses a
-checkpoint that lacks some of the model's weights (transformers would start them random), and
-``cast_parameters`` casts the parameters, not the buffers.
-"""
+For every layer that loads a model: ``load_complete`` refuses a checkpoint that lacks some of the
+model's weights (transformers would start them random), and ``cast_parameters`` casts the
+parameters, not the buffers."""
 
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """Rewards: the built-in verifiers, reward specs, scoring and the reward model.
 
-Rewards: the built-in verifiers (``verifiers.py``, also importable from here as
+The built-in verifiers (``verifiers.py``, also importable from here as
 ``fastppo.rewards.gsm8k_reward`` and so on), a reward function named by its spec (``loading.py``),
 each function's scores checked and several summed by weight (``scoring.py``), and a reward model as
 a reward function (``model.py``)."""

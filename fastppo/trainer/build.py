@@ -1,7 +1,7 @@
 """A run's parts built from its config: models, rewards, the agent.
 
-The parts of a run built from its config, each in one place: the models (``build_models``), the
-rewards (``configured_rewards``) and the agent of a run with tools (``configured_agent``).
+Each is built in one place: the models (``build_models``), the rewards (``configured_rewards``) and
+the agent of a run with tools (``configured_agent``).
 
 The models: the policy (fp32 masters, dropout off, LoRA-wrapped when asked), the critic, the
 frozen reference, the sampler's copy of the weights, and, with ``--fsdp``, all of them sharded

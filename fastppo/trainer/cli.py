@@ -1,7 +1,13 @@
 """``fastppo train``: a run, or its resume, from the command line; errors as one line.
 
-``fastppo train``: the command line of a run (or its ``--resume``), its errors as one line and
-its exit codes, and ``--plan``'s printout (``memory/printout.py``).
+Every config field is an option; ``--config FILE`` sets many at once; ``--resume RUN_DIR``
+continues a run exactly; ``--plan`` prints the memory plan instead (``memory/printout.py``).
+
+What the user gave being wrong (a config, a data file, a model, a run directory) is one line,
+``fastppo train: error: ...``, and exit code 2, as argparse does for its own errors; a reward
+function that raised (or called ``sys.exit``), a run that trained nothing (every step skipped) or
+reached non-finite weights is one line, ``fastppo train: failed: ...``, and exit code 1; anything
+else is a bug and keeps its traceback. ``--debug`` shows the traceback of every error.
 """
 
 import argparse

@@ -114,6 +114,9 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths (after every other finder: no file holds them any more). A module that
     moved whole is itself under its old path; a split one is a :class:`Forwarding` module."""
 
+    def __init__(self):
+        self.own_specs = {}  # old path -> the spec of the module it is, while the import system runs
+
     def find_spec(self, name, path=None, target=None):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
@@ -125,10 +128,10 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if len(homes) > 1 or any(old == spec.name for old, _ in RENAMED):
             return Forwarding(spec.name, homes)
         module = importlib.import_module(homes[0])
-        self.__dict__.setdefault("_specs", {})[spec.name] = module.__spec__
+        self.own_specs[spec.name] = module.__spec__
         return module
 
     def exec_module(self, module) -> None:
-        own = self.__dict__.get("_specs", {}).pop(module.__spec__.name, None)
+        own = self.own_specs.pop(module.__spec__.name, None)
         if own is not None:  # the import system gave the module the old path's spec: its own goes back
             module.__spec__ = own

@@ -1,5 +1,4 @@
 """The experience: prompts sampled and scored, responses, held-out evaluation.
 
-The experience an iteration learns from: prompts sampled on the live weights and scored
-(``rollouts.py``), what is done to the responses (``responses.py``), and the held-out evaluation
-(``evaluation.py``)."""
+What an iteration learns from: prompts sampled on the live weights and scored (``rollouts.py``),
+what is done to the responses (``responses.py``), and the held-out evaluation (``evaluation.py``)."""

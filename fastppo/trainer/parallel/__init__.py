@@ -1,4 +1,4 @@
 """Many ranks: the process group and FSDP2 sharding.
 
-Many ranks: the process group and its collectives (``distributed.py``) and FSDP2 sharding of the
-models (``sharding.py``)."""
+The process group and its collectives (``distributed.py``) and FSDP2 sharding of the models
+(``sharding.py``)."""
