@@ -25,7 +25,7 @@ def _peers() -> str:
 
 # The map: what it shows, in reading order; each entry's line is its docstring's first line.
 PACKAGE = ["ops", "rollout", "agents", "rewards", "trainer", "integrations", "bench"]
-LEAVES = ["errors.py", "hf.py", "limits.py", "user_code.py", "windows.py", "cli.py", "demo.py"]
+LEAVES = ["errors.py", "hf.py", "limits.py", "machine.py", "user_code.py", "windows.py", "cli.py", "demo.py"]
 TRAINER = [
     "ppo.py",
     "build.py",

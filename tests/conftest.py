@@ -60,3 +60,16 @@ def released_memory(monkeypatch):
     calls = []
     monkeypatch.setattr(host_memory, "release_freed_memory", lambda: calls.append(True) or True)
     return calls
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _layout_cache(tmp_path_factory):
+    """The rollout's per-machine layout choices (``rollout/calibration.py``) kept for this session
+    only, never in the user's cache."""
+    from fastppo.rollout import calibration
+
+    path = tmp_path_factory.mktemp("layouts") / "layouts.json"
+    original = calibration._cache_file
+    calibration._cache_file = lambda: path
+    yield path
+    calibration._cache_file = original

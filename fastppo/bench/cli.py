@@ -26,6 +26,12 @@ def main(argv=None) -> int:
         metavar="SECONDS",
         help="stop measuring after this long; the rest is listed as skipped",
     )
+    parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="measure this machine's matmul rate per dtype and read bandwidth (the limits the end-to-end "
+        "reports hold each phase to) instead of the op tables",
+    )
     versus = parser.add_argument_group("end to end against TRL (--versus-trl)")
     versus.add_argument(
         "--versus-trl",
@@ -83,6 +89,8 @@ def main(argv=None) -> int:
         return _sass(args, parser)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.limits:
+        return _limits(args)
     if args.versus_trl:
         return _versus_trl(args)
     if args.sharding:
@@ -124,6 +132,16 @@ def _versus_trl(args) -> int:
         workload=args.workload,
     )
     return _report(args, result, versus_markdown(result, machine(device)))
+
+
+def _limits(args) -> int:
+    from dataclasses import asdict
+
+    from .limits import markdown as limits_markdown
+    from .limits import measure
+
+    limits = measure(torch.device(args.device))
+    return _report(args, asdict(limits), limits_markdown(limits))
 
 
 def _sharding(args) -> int:

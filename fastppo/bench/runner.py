@@ -1,7 +1,6 @@
 """Runs bench cases: every contender of a case on the same inputs, forward and forward+backward."""
 
 import datetime
-import os
 import platform
 import subprocess
 import time
@@ -13,6 +12,7 @@ import torch
 
 import fastppo
 
+from ..machine import device_name
 from .advantages import gae_cases, whiten_cases
 from .logprobs import logprobs_cases, logprobs_from_hidden_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
@@ -139,9 +139,8 @@ def commit() -> str:
 
 
 def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    """The GPU's name, or the CPU's model and units (``machine.py``)."""
+    return device_name(device) if device.type == "cuda" else f"CPU ({device_name(device)})"
 
 
 def run_suite(

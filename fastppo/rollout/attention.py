@@ -73,8 +73,10 @@ class CacheAttention:
             q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
 
-    def decode_masks(self, positions: Tensor, span: int, windows: set) -> dict:
-        """For one decode step, each window's (None: full attention) key mask ``(B, span)`` bool.
+    def decode_masks(self, positions: Tensor, span: int, windows: set, dtype: torch.dtype) -> dict:
+        """For one decode step, each window's (None: full attention) key mask ``(B, 1, 1, span)``,
+        additive in ``dtype`` (0 on a row's keys, -inf elsewhere): SDPA's CPU kernel takes a float
+        mask as it is, where it would convert a bool one at every layer.
 
         Built once per step and shared by the layers; empty for flash-attn, which needs none.
         """
@@ -82,7 +84,10 @@ class CacheAttention:
             return {}
         keys = torch.arange(span, device=positions.device)
         causal = keys[None, :] <= positions[:, None]  # (B, span)
-        return {w: causal if w is None else causal & (keys[None, :] > positions[:, None] - w) for w in windows}
+        masks = {w: causal if w is None else causal & (keys[None, :] > positions[:, None] - w) for w in windows}
+        blocked = torch.tensor(float("-inf"), dtype=dtype, device=positions.device)
+        zero = torch.tensor(0.0, dtype=dtype, device=positions.device)
+        return {w: torch.where(m, zero, blocked)[:, None, None, :] for w, m in masks.items()}
 
     def decode(
         self,
@@ -101,21 +106,22 @@ class CacheAttention:
 
         q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span; ``masks`` from
         :meth:`decode_masks` -> (B, H, 1, D).
+
+        The query heads that share a key head (GQA's group of G) attend as G query rows of that
+        head, one attention per key head: ``(B, KVH, G, D)`` against ``(B, KVH, span, D)``. A row's
+        keys are then read once for its group, not once per query head (1.5x faster than SDPA's
+        own GQA on a 2-core Xeon).
         """
         if self.flash_decode is not None:
             return self._flash(layer, q, k, v, positions, span, scale, window)
-        B = q.shape[0]
+        (B, H, _, D), KVH = q.shape, k.shape[1]
         self.cache.write(layer, torch.arange(B, device=q.device), positions, k[:, :, 0], v[:, :, 0])
         # The cache may be stored in another dtype than the model computes in; .to is then a cast.
         cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, B, span))
-        return F.scaled_dot_product_attention(
-            q,
-            cached_k,
-            cached_v,
-            attn_mask=masks[window][:, None, None, :],
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, KVH, H // KVH, D), cached_k, cached_v, attn_mask=masks[window], scale=scale
+        )  # (B, KVH, G, D)
+        return out.view(B, H, 1, D)
 
     def _flash(self, layer, q, k, v, positions, span, scale, window) -> Tensor:
         B = q.shape[0]

@@ -1,8 +1,11 @@
 """The sampler's static KV cache: storage only, allocated once, every slot ``max_len`` positions.
 
-``k[layer]`` and ``v[layer]`` are ``(slots, max_len, kv_heads, head_dim)``, token-major: the layout
-``flash_attn_with_kvcache`` reads, and one in which a decode step's write of a row's new key is a
-single contiguous ``kv_heads * head_dim`` run. A row's prompt is written at positions ``0 .. L-1``
+``k[layer]`` and ``v[layer]`` are ``(slots, max_len, kv_heads, head_dim)``. Stored token-major, the
+layout ``flash_attn_with_kvcache`` reads, a decode step's write of a row's new key is a single
+contiguous ``kv_heads * head_dim`` run. Where SDPA attends instead (``head_major``), the same
+indexing is a view of storage ``(slots, kv_heads, max_len, head_dim)``: each head's keys of a row
+are then one contiguous run, which SDPA reads about 1.5x faster at a decode step (on a 2-core Xeon,
+16 rows of 378 positions: 477 us a layer against 740 token-major). A row's prompt is written at positions ``0 .. L-1``
 by the prefill of its group, and each decode step writes every row at its own position, so rows
 of ragged lengths share one cache. Reading and writing it for attention is ``attention.py``'s.
 
@@ -27,10 +30,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        head_major: bool = False,
     ):
-        shape = (slots, max_len, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        def storage():
+            if head_major:
+                return torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype, device=device).transpose(1, 2)
+            return torch.zeros(slots, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+
+        self.k = [storage() for _ in range(num_layers)]
+        self.v = [storage() for _ in range(num_layers)]
 
     @property
     def slots(self) -> int:

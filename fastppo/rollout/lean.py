@@ -1,10 +1,13 @@
 """Lean decoder forwards for the common families, on the Hugging Face module's own parameters.
 
-The model's submodules (norms, projections, MLPs, rotary embedding) are called as they are, so
-the math is the model's own and its parameters are used by reference, never copied: an
-optimizer step is seen by the next rollout. Only the attention is replaced, by one that reads
-and writes the sampler's :class:`KVCache` with per-row positions (``attention.py``). ``FAMILIES``
-is the one list of what runs here; anything else goes through ``generic.py``.
+The model's norms, activations and rotary embedding are called as they are, so the math is the
+model's own. Its projections are multiplied through ``packed.py``'s :class:`DecoderWeights`: by
+default a rollout copy with each layer's projections on one input fused and stored in the layout
+fastest here, made again at the start of each rollout, so it sees the optimizer's last step; or the
+modules themselves (``weights="live"``). The attention
+is replaced, by one that reads and writes the sampler's :class:`KVCache` with per-row positions
+(``attention.py``). ``FAMILIES`` is the one list of what runs here; anything else goes through
+``generic.py``.
 
 Prompts are prefilled in groups of similar length, one right-padded forward per group (padding
 bounded by ``PREFILL_PADDING``), into the first slot of each prompt; its other samples' slots get
@@ -24,6 +27,7 @@ from .attention import CacheAttention
 from .decoder import Decoder
 from .flash import FLASH_BLOCK, flash_decode
 from .kv_cache import KVCache
+from .packed import DecoderWeights
 from .paged import DEFAULT_BLOCK, PagedKVCache, block_within, paged_blocks
 
 PREFILL_PADDING = 0.25  # a prefill group's padded tokens stay under this share of its real ones
@@ -54,16 +58,23 @@ class LeanDecoder(Decoder):
     """The lean half of the contract: a family supplies ``forward`` and ``logits``; prefill,
     decode and packing over the :class:`KVCache` are shared."""
 
-    def __init__(self, model, attention: CacheAttention, windows: list):
-        self.model, self.attention, self.windows = model, attention, windows
+    def __init__(self, model, attention: CacheAttention, windows: list, weights: DecoderWeights):
+        self.model, self.attention, self.windows, self.weights = model, attention, windows, weights
         self.cache = attention.cache
         self.device = self.cache.k[0].device
+        self.dtype = next(model.parameters()).dtype  # what the forward computes in
 
     @classmethod
     @abstractmethod
     def shapes(cls, model) -> Optional[tuple]:
         """``(layers, kv_heads, head_dim, windows)`` of ``model``'s cache, or None when this family's
         forward cannot serve this model (a variant it does not reproduce)."""
+
+    @classmethod
+    @abstractmethod
+    def projections(cls, model) -> dict:
+        """The groups of projections that multiply one input, by name, each a list over layers of
+        the group's modules; ``"head"`` is ``[[lm_head]]``."""
 
     @abstractmethod
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
@@ -107,7 +118,7 @@ class LeanDecoder(Decoder):
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int, live: Tensor = None) -> Tensor:
         # ``live`` is not needed: a slot writes only its own position, which a row rewrites first
-        masks = self.attention.decode_masks(positions, span, set(self.windows))
+        masks = self.attention.decode_masks(positions, span, set(self.windows), self.dtype)
 
         def attend(layer, q, k, v, scale):
             return self.attention.decode(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
@@ -159,29 +170,41 @@ class LlamaLikeDecoder(LeanDecoder):
             return None
         return config.num_hidden_layers, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim, windows
 
+    @classmethod
+    def projections(cls, model):
+        attns, mlps = [b.self_attn for b in model.model.layers], [b.mlp for b in model.model.layers]
+        return {
+            "qkv": [[a.q_proj, a.k_proj, a.v_proj] for a in attns],
+            "o": [[a.o_proj] for a in attns],
+            "gate_up": [[m.gate_proj, m.up_proj] for m in mlps],
+            "down": [[m.down_proj] for m in mlps],
+            "head": [[model.lm_head]],
+        }
+
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
-        body = self.model.model
+        body, w = self.model.model, self.weights
         x = body.embed_tokens(ids)  # (B, L, hidden)
         cos, sin = body.rotary_emb(x, positions)  # (B, L, D) each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         B, L, _ = x.shape
         for i, layer in enumerate(body.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, L, -1, attn.head_dim).transpose(1, 2)  # (B, H, L, D)
-            k = attn.k_proj(h).view(B, L, -1, attn.head_dim).transpose(1, 2)  # (B, KVH, L, D)
-            v = attn.v_proj(h).view(B, L, -1, attn.head_dim).transpose(1, 2)
+            q, k, v = w["qkv"][i](layer.input_layernorm(x))
+            q = q.view(B, L, -1, attn.head_dim).transpose(1, 2)  # (B, H, L, D)
+            k = k.view(B, L, -1, attn.head_dim).transpose(1, 2)  # (B, KVH, L, D)
+            v = v.view(B, L, -1, attn.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(B, L, -1)
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + w["o"][i](o)[0]
+            gate, up = w["gate_up"][i](layer.post_attention_layernorm(x))
+            x = x + w["down"][i](layer.mlp.act_fn(gate) * up)[0]
         return x  # (B, L, hidden), before the final norm
 
     def logits(self, x: Tensor) -> Tensor:
-        return self.model.lm_head(self.model.model.norm(x))
+        return self.weights["head"][0](self.model.model.norm(x))[0]
 
 
 class GPT2Decoder(LeanDecoder):
@@ -194,24 +217,35 @@ class GPT2Decoder(LeanDecoder):
             return None
         return config.n_layer, config.n_head, config.n_embd // config.n_head, [None] * config.n_layer
 
+    @classmethod
+    def projections(cls, model):
+        blocks = model.transformer.h
+        return {
+            "qkv": [[b.attn.c_attn] for b in blocks],
+            "o": [[b.attn.c_proj] for b in blocks],
+            "fc": [[b.mlp.c_fc] for b in blocks],
+            "proj": [[b.mlp.c_proj] for b in blocks],
+            "head": [[model.lm_head]],
+        }
+
     def forward(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
-        body, config = self.model.transformer, self.model.config
+        body, config, w = self.model.transformer, self.model.config, self.weights
         x = body.wte(ids) + body.wpe(positions)  # (B, L, hidden)
         B, L, hidden = x.shape
         D = hidden // config.n_head
         for i, block in enumerate(body.h):
-            qkv = block.attn.c_attn(block.ln_1(x))  # (B, L, 3 * hidden)
+            (qkv,) = w["qkv"][i](block.ln_1(x))  # (B, L, 3 * hidden)
             q, k, v = (t.view(B, L, config.n_head, D).transpose(1, 2) for t in qkv.split(hidden, dim=2))
             scale = (D**-0.5 if config.scale_attn_weights else 1.0) / (
                 i + 1 if config.scale_attn_by_inverse_layer_idx else 1
             )
             o = attend(i, q, k, v, scale).transpose(1, 2).reshape(B, L, hidden)
-            x = x + block.attn.c_proj(o)
-            x = x + block.mlp(block.ln_2(x))
+            x = x + w["o"][i](o)[0]
+            x = x + w["proj"][i](block.mlp.act(w["fc"][i](block.ln_2(x))[0]))[0]
         return x  # (B, L, hidden), before the final norm
 
     def logits(self, x: Tensor) -> Tensor:
-        return self.model.lm_head(self.model.transformer.ln_f(x))
+        return self.weights["head"][0](self.model.transformer.ln_f(x))[0]
 
 
 #: ``config.model_type`` -> its lean decoder: the families with a fast path.
@@ -230,14 +264,19 @@ def lean_decoder(
     max_len: int,
     dtype: Optional[torch.dtype],
     attention: str,
-    kv_cache: str = "paged",
+    kv_cache: str = "auto",
     block_size: Optional[int] = None,
     memory: Optional[int] = None,
+    weights: str = "packed",
+    layout: Optional[str] = None,
 ):
     """A lean decoder with a KV cache of ``slots`` rows for ``model``, or None when its family has no
     fast path. ``attention`` picks the decode attention (see ``flash.py``); ``kv_cache`` the layout,
-    ``"paged"`` (blocks of ``block_size`` positions in ``memory`` bytes, see ``paged.py``) or
-    ``"static"`` (``kv_cache.py``)."""
+    ``"paged"`` (blocks of ``block_size`` positions in ``memory`` bytes, see ``paged.py``),
+    ``"static"`` (``kv_cache.py``) or ``"auto"``: paged when ``block_size`` is given or ``memory`` is
+    short of every slot at ``max_len``, else static: there is then nothing to page, and the paged
+    decode's gather of each row's blocks would be a cost with no saving. ``weights`` and ``layout``: what the
+    projections multiply by (``packed.py``)."""
     family = FAMILIES.get(model.config.model_type)
     shapes = family and family.shapes(model)
     if shapes is None:
@@ -245,20 +284,26 @@ def lean_decoder(
     layers, kv_heads, head_dim, windows = shapes
     param = next(model.parameters())
     dtype = dtype or param.dtype
+    token_bytes = layers * kv_heads * head_dim * dtype.itemsize  # a position's keys (or values)
+    if kv_cache == "auto":
+        short = memory is not None and memory < 2 * slots * max_len * token_bytes
+        kv_cache = "paged" if short or block_size is not None else "static"
+    projections = DecoderWeights(family.projections(model), weights, slots, layout)
 
     def decode_attention(block):
         return flash_decode(attention, param.device, param.dtype, dtype, head_dim, block)
 
     if kv_cache == "static":
-        cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device)
-        return family(model, CacheAttention(cache, decode_attention(None)), windows)
+        flash = decode_attention(None)
+        cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device, head_major=flash is None)
+        return family(model, CacheAttention(cache, flash), windows, projections)
     if block_size is None:  # flash-attn's page when it would take one, else vLLM's default
         flash = flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK)
         block_size = FLASH_BLOCK if flash else DEFAULT_BLOCK
     flash = decode_attention(block_size)
     block_size = block_within(block_size, max_len, FLASH_BLOCK if flash else 1)
-    num_blocks = paged_blocks(memory, slots, max_len, block_size, layers * kv_heads * head_dim * dtype.itemsize)
+    num_blocks = paged_blocks(memory, slots, max_len, block_size, token_bytes)
     cache = PagedKVCache(
         layers, slots, kv_heads, max_len, head_dim, dtype, param.device, block_size=block_size, num_blocks=num_blocks
     )
-    return family(model, CacheAttention(cache, flash), windows)
+    return family(model, CacheAttention(cache, flash), windows, projections)

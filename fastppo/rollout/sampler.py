@@ -1,10 +1,12 @@
 """``Sampler``: batched, KV-cached generation on the live training weights, returning a Rollout.
 
-For the families of ``lean.FAMILIES`` it runs the lean decoders of ``lean.py`` over a KV cache
-allocated once per sampler: paged by default (``paged.py``: blocks through a block table, a
-prompt's blocks shared by its samples, rows admitted while memory covers them), or static
-(``kv_cache.py``: every one of ``max_batch_size`` slots at ``max_seq_len``) (decode attention from ``attention.py``,
-flash-attn or SDPA, chosen in ``flash.py``; on CUDA each step a replayed CUDA graph). Other causal
+For the families of ``lean.FAMILIES`` it runs the lean decoders of ``lean.py`` on a rollout copy of
+the projections packed for the step (``packed.py``, refreshed when the weights change) over a KV
+cache allocated once per sampler: paged (``paged.py``: blocks through a block table, a prompt's
+blocks shared by its samples, rows admitted while memory covers them) when its budget is short of
+every slot at the cap, else static (``kv_cache.py``: every one of ``max_batch_size`` slots at
+``max_seq_len``) (decode attention from ``attention.py``, flash-attn or SDPA, chosen in
+``flash.py``; on CUDA each step a replayed CUDA graph). Other causal
 LMs go through ``generic.py``. Both run the continuous-batching loop of ``batching.py``: rows
 enter free slots as earlier rows finish, finished rows leave the batch, and each step's draw is
 ``sample_tokens`` (one fused kernel on CUDA). Given a :class:`~fastppo.rollout.turns.Turns`, the
@@ -25,12 +27,14 @@ from .batching import RolloutLoop, row_cap, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
+from .layouts import LAYOUTS
 from .lean import FAMILIES, lean_decoder
+from .packed import WEIGHTS
 from .paged import KVMemoryError
 from .rollout import Rollout
 from .turns import Turns
 
-KV_CACHES = ("paged", "static")
+KV_CACHES = ("auto", "paged", "static")
 
 
 def _positive_int(x, name: str) -> int:
@@ -74,13 +78,21 @@ class Sampler:
             every 16 steps on an accelerator, every step on the CPU), the live rows move into the
             holes and the batch shrinks to them; 1 packs whenever a row has ended, 0 never moves
             a row (free slots past the last live one still leave the batch).
-        kv_cache: the lean path's KV layout, ``"paged"`` or ``"static"``.
+        kv_cache: the lean path's KV layout, ``"paged"``, ``"static"`` or ``"auto"``: paged when
+            ``kv_block_size`` is given or ``kv_memory`` is short of every slot at ``max_seq_len``,
+            else static (nothing to page).
         kv_block_size: positions per block of the paged cache (default: 256 where flash-attn's
             decode runs, which pages in multiples of 256, else 16); never more than
             ``max_seq_len`` (a multiple of 256 rounded up to one).
         kv_memory: bytes of the paged cache; rows enter while it covers them, so it bounds the
             rows in flight with ``max_batch_size`` (default: enough for every slot at
             ``max_seq_len``, the static layout's memory).
+        weights: what the lean path's projections multiply by: ``"packed"``, a copy with each
+            layer's projections on one input fused, in the layout fastest on this machine for
+            ``max_batch_size`` rows, made again at the start of each ``generate`` (one pass over
+            the weights); or ``"live"``, the model's own modules.
+        layout: the packed copy's layout (``layouts.LAYOUTS``); default: measured at start and
+            kept per machine (``calibration.py``).
     """
 
     def __init__(
@@ -93,9 +105,11 @@ class Sampler:
         cuda_graphs: bool = True,
         attention: str = "auto",
         compact_below: float = 1.0,
-        kv_cache: str = "paged",
+        kv_cache: str = "auto",
         kv_block_size: Optional[int] = None,
         kv_memory: Optional[int] = None,
+        weights: str = "packed",
+        layout: Optional[str] = None,
     ):
         self.model = model
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
@@ -113,8 +127,12 @@ class Sampler:
             _positive_int(kv_block_size, "kv_block_size")
         if kv_memory is not None:
             _positive_int(kv_memory, "kv_memory")
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
         self.lean = lean_decoder(
-            model, max_batch_size, max_seq_len, dtype, attention, kv_cache, kv_block_size, kv_memory
+            model, max_batch_size, max_seq_len, dtype, attention, kv_cache, kv_block_size, kv_memory, weights, layout
         )
         if self.lean is None and attention != "auto":
             raise ValueError(
@@ -138,6 +156,12 @@ class Sampler:
     def kv_cache(self):
         """The lean path's KV cache (``paged.py``'s or ``kv_cache.py``'s), None on the generic path."""
         return None if self.lean is None else self.lean.cache
+
+    @property
+    def weights(self):
+        """The lean path's :class:`~fastppo.rollout.packed.DecoderWeights` (its ``weights``, ``layout``
+        and ``bytes``), None on the generic path."""
+        return None if self.lean is None else self.lean.weights
 
     @property
     def fast_path(self) -> bool:
@@ -263,6 +287,7 @@ class Sampler:
             self._check_kv_memory(prompts, n, max_new, turns is not None)
             cache.reset_peak()
         if self.lean is not None:
+            self.lean.weights.refresh()  # the packed copy catches up with the parameters, once
             decoder, decode = self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
         else:
             decoder = GenericDecoder(self.model)

@@ -26,7 +26,7 @@ def flash_on_cpu(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gpt2"])
 def test_flash_path_decodes_greedily_like_generate(flash_on_cpu, family):
     model = tiny(family)
-    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64, attention="flash")
+    sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64, attention="flash", kv_cache="paged")
     assert sampler.attention == "flash" and sampler.kv_cache.block_size == 256  # flash-attn's page
     rollout = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=())
     for row, prompt in enumerate(PROMPTS):

@@ -108,6 +108,12 @@ def _rollout_dtypes() -> tuple:
     return ROLLOUT_DTYPES
 
 
+def _rollout_weights() -> tuple:
+    from ...rollout.packed import WEIGHTS
+
+    return WEIGHTS
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = _doc(
@@ -312,6 +318,14 @@ class RolloutConfig:
         "bfloat16, float16 or float32",
         "auto",
         bound=one_of(_rollout_dtypes),
+    )
+    rollout_weights: str = _doc(
+        "what the sampler's projections multiply by: packed (a copy of the rollout weights with each "
+        "layer's projections on one input fused, in the layout measured fastest on this machine, "
+        "made again before each rollout) or live (the modules themselves: no extra memory); "
+        "LoRA and --fsdp runs decode live",
+        "packed",
+        bound=one_of(_rollout_weights),
     )
     rollout_is_cap: Optional[float] = _doc(
         "weight each token's policy-gradient term by min(pi_old / pi_sampler, "

@@ -77,6 +77,8 @@ class Rollouts:
                 cuda_graphs=not models.sharded,
                 kv_block_size=r.rollout_kv_block_size or None,
                 kv_memory=kv_memory,
+                # a sharded run's copy is whole only during the rollout; a packed one would stay
+                weights="live" if models.sharded else r.rollout_weights,
             )
         except KVMemoryError as error:
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None

@@ -65,6 +65,7 @@ class ModelShape:
     kv_dim: int  # key/value heads x head dim
     lora_params: int  # adapter parameters for the given LoRA options (0 without)
     lora_tensors: int
+    packed_params: int = 0  # what the sampler's packed copy holds (rollout/packed.py): its projections
 
 
 def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> ModelShape:
@@ -87,7 +88,13 @@ def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> Model
         for _, module in adaptable_layers(model, lora_targets(model, lora_target_modules)):
             lora_params += lora_rank * sum(module.weight.shape)  # A (r, in) and B (out, r)
             lora_tensors += 2
+    from ...rollout.lean import FAMILIES
+
+    family = FAMILIES.get(c.model_type)
+    groups = family.projections(model) if family is not None and family.shapes(model) is not None else {}
+    matrices = {id(p): p for layers in groups.values() for g in layers for m in g for p in m.parameters()}
     return ModelShape(
+        packed_params=sum(p.numel() for p in matrices.values()),
         params=sum(p.numel() for p in params),
         tensors=len(params),
         backbone_params=sum(p.numel() for p in backbone),
@@ -159,6 +166,16 @@ def memory_plan(
     if fsdp or (lora.lora_rank is None and precision.rollout != torch.float32):
         when = ", during the rollout only" if fsdp else ""
         lines.append(Line("rollout copy", rollout * m.params, f"{m.params:,} in {str(precision.rollout)[6:]}{when}"))
+    if r.rollout_weights == "packed" and m.packed_params and lora.lora_rank is None and not fsdp:
+        lines.append(
+            Line(
+                "packed rollout copy",
+                rollout * m.packed_params,
+                f"{m.packed_params:,} of the projections in {str(precision.rollout)[6:]}, fused and in the layout "
+                "measured fastest at start (MKL's packed fp32 format holds ~1.3x this, the linear layout shares the "
+                "unfused matrices; --rollout-weights live: none)",
+            )
+        )
     if a.kl_coef > 0 and lora.lora_rank is None:
         lines.append(
             Line("reference", frozen * m.params // shards, f"{m.params:,} in {str(precision.frozen)[6:]}{per_rank}")
@@ -242,6 +259,14 @@ def kv_line(
     position = 2 * m.layers * m.kv_dim * size  # bytes of one position: K and V in every layer
     if memory is None and r.rollout_kv_memory is not None:
         memory = given_kv_bytes(r.rollout_kv_memory)
+    static_bytes = slots * cap * position
+    if (memory is None or memory >= static_bytes) and not r.rollout_kv_block_size:  # the sampler's "auto"
+        return Line(
+            "KV cache",
+            static_bytes,
+            f"{position:,} B a position ({m.layers} layers x K,V x {m.kv_dim}); static, every one of {slots} "
+            f"slots at the cap ({cap:,}): the budget pages nothing",
+        )
     try:
         blocks = paged_blocks(memory, slots, cap, block, position // 2)
     except KVMemoryError as error:

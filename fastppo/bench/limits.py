@@ -1,0 +1,112 @@
+"""How far each phase of an iteration is from this machine's limit: the machine's rates, measured,
+and the least time a phase's work could take at them.
+
+:func:`measure` times this machine's dense matmul per dtype (``2048^3`` products, the best of a
+few) and its read bandwidth (a sum over a buffer of several times any cache, filled first so its
+pages are real). ``fastppo bench --limits`` prints them; the end-to-end reports set each phase's
+seconds beside its limit:
+
+* **rollout**: a decode step reads every weight matrix once and each live row's keys and values
+  once, and multiplies each row by every matrix, so its least time is the larger of its bytes over
+  the read bandwidth and its FLOPs over the matmul rate; the prefill's is its FLOPs (2 per
+  parameter of the matrices per prompt token) over the matmul rate. Steps are counted as an ideal
+  scheduler would need them: the longest row's length, or the rows' tokens over the slots if more.
+* **update**: 6 FLOPs per matrix parameter per token a forward and backward process (each prompt
+  once for its samples, as the update lays them out), over the matmul rate. Attention's own FLOPs
+  (a few percent at these lengths) are left out, so both limits are a little optimistic.
+
+The *share* is the limit over the measured seconds: 100% is the machine's limit.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..machine import device_name
+from ..rollout.calibration import seconds
+
+MATMUL = 2048
+READ_BYTES = {"cpu": 2 << 30, "cuda": 4 << 30}
+
+
+@dataclass
+class MachineLimits:
+    machine: str
+    matmul_flops: dict  # dtype name -> FLOP/s
+    read_bytes_per_s: float
+    read_buffer: int  # bytes the read bandwidth was measured over
+
+    def rate(self, dtype: torch.dtype) -> float:
+        return self.matmul_flops[str(dtype).removeprefix("torch.")]
+
+
+def _best(device, run, repeats: int = 3) -> float:
+    run()
+    return min(seconds(device, run) for _ in range(repeats))
+
+
+@torch.no_grad()
+def measure(device: torch.device, read_bytes: int = None, matmul: int = MATMUL) -> MachineLimits:
+    """This machine's rates; ``read_bytes`` and ``matmul`` smaller than the defaults only to test it."""
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+    rates = {}
+    for dtype in dtypes:
+        a = torch.randn(matmul, matmul, device=device, dtype=dtype)
+        b = torch.randn(matmul, matmul, device=device, dtype=dtype)
+        rates[str(dtype).removeprefix("torch.")] = 2 * matmul**3 / _best(device, lambda a=a, b=b: a @ b)
+    buffer = torch.ones((read_bytes or READ_BYTES[device.type]) // 4, device=device)
+    read = buffer.numel() * 4 / _best(device, buffer.sum)
+    return MachineLimits(device_name(device), rates, read, buffer.numel() * 4)
+
+
+def matrix_parameters(model) -> int:
+    """Parameters of the model's matrices (linear layers, GPT-2's Conv1D, the LM head), tied ones once."""
+    seen = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            seen[id(module.weight)] = module.weight.numel()
+    return sum(seen.values())
+
+
+def kv_bytes_per_position(model, dtype: torch.dtype) -> int:
+    """Bytes of one position's keys and values over every layer."""
+    c = model.config
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def rollout_seconds(
+    limits: MachineLimits, model, dtype, prompt_lens: list, response_lens: list, slots: int, prefill: int
+) -> float:
+    """The least time of a rollout of rows with these prompt and response lengths in ``slots``
+    slots, ``prefill`` tokens prefilled, weights and KV cache in ``dtype``."""
+    params, kv = matrix_parameters(model), kv_bytes_per_position(model, dtype)
+    steps = max(max(response_lens), -(-sum(response_lens) // slots))
+    kv_read = sum(kv * (p * n + n * (n - 1) // 2) for p, n in zip(prompt_lens, response_lens))  # each step's live keys
+    decode_bytes = steps * params * dtype.itemsize + kv_read
+    decode_flops = 2 * params * sum(response_lens)
+    rate = limits.rate(dtype)
+    return max(decode_bytes / limits.read_bytes_per_s, decode_flops / rate) + 2 * params * prefill / rate
+
+
+def update_seconds(limits: MachineLimits, model, dtype, tokens: int) -> float:
+    """The least time of a forward and backward over ``tokens`` tokens in ``dtype``."""
+    return 6 * matrix_parameters(model) * tokens / limits.rate(dtype)
+
+
+def markdown(limits: MachineLimits) -> str:
+    lines = [
+        f"## This machine's limits: {limits.machine}",
+        "",
+        "| measure | rate |",
+        "| --- | --- |",
+        *(
+            f"| {dtype} matmul ({MATMUL}^3) | {flops / 1e9:,.0f} GFLOP/s |"
+            for dtype, flops in limits.matmul_flops.items()
+        ),
+        f"| read bandwidth (a sum over {limits.read_buffer >> 30} GiB) | {limits.read_bytes_per_s / 1e9:,.1f} GB/s |",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,36 @@
+"""The machine's limits (``bench/limits.py``): measured rates, and the least time of a phase's work."""
+
+import torch
+
+from fastppo.bench import limits
+from fastppo.machine import cpu_name
+
+from ..rollout.models import tiny
+
+
+def test_the_rates_are_measured_and_the_cpu_named():
+    measured = limits.measure(torch.device("cpu"), read_bytes=1 << 20, matmul=64)
+    assert set(measured.matmul_flops) == {"float32", "bfloat16"} and min(measured.matmul_flops.values()) > 0
+    assert measured.read_bytes_per_s > 0 and measured.read_buffer == 1 << 20
+    assert measured.machine == cpu_name() and "cores" in measured.machine
+    assert f"This machine's limits: {measured.machine}" in limits.markdown(measured)
+
+
+def test_a_rollout_limit_is_its_bytes_or_its_flops_whichever_is_larger_plus_the_prefill():
+    model = tiny("llama")  # 2 layers of hidden 32, 2 KV heads of 8; LM head 97 x 32
+    params = 2 * (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3) + 97 * 32
+    assert limits.matrix_parameters(model) == params
+    kv = limits.kv_bytes_per_position(model, torch.float32)
+    assert kv == 2 * 2 * 16 * 4
+    slow_read = limits.MachineLimits("m", {"float32": 1e12}, read_bytes_per_s=1e3, read_buffer=0)
+    # two rows of prompts 3 and 5, 4 and 2 tokens, in 8 slots: 4 steps, each row's keys read per step
+    kv_read = kv * (3 * 4 + 6) + kv * (5 * 2 + 1)
+    expected = (4 * params * 4 + kv_read) / 1e3 + 2 * params * 8 / 1e12
+    assert abs(limits.rollout_seconds(slow_read, model, torch.float32, [3, 5], [4, 2], 8, 8) - expected) < 1e-12
+    slow_math = limits.MachineLimits("m", {"float32": 1e3}, read_bytes_per_s=1e15, read_buffer=0)
+    expected = 2 * params * 6 / 1e3 + 2 * params * 8 / 1e3
+    assert abs(limits.rollout_seconds(slow_math, model, torch.float32, [3, 5], [4, 2], 8, 8) - expected) < 1e-9
+    # one slot: the rows' 6 tokens take 6 steps
+    one_slot = limits.rollout_seconds(slow_read, model, torch.float32, [3, 5], [4, 2], 1, 8)
+    assert abs(one_slot - ((6 * params * 4 + kv_read) / 1e3 + 2 * params * 8 / 1e12)) < 1e-12
+    assert limits.update_seconds(slow_math, model, torch.float32, 10) == 6 * params * 10 / 1e3
