@@ -398,7 +398,7 @@ def paged_decode(c: Check):
             continue
         for layout, block in (("static", None), ("paged", 256 if flash else 16)):
             if block is None:
-                cache = KVCache(1, B, KVH, L, D, dtype, c.device)
+                cache = KVCache(1, B, KVH, L, D, dtype, c.device, head_major=flash is None)  # as the sampler holds it
             else:
                 cache = PagedKVCache(
                     1, B, KVH, L, D, dtype, c.device, block_size=block, num_blocks=1 + B * math.ceil(L / block)
@@ -407,7 +407,7 @@ def paged_decode(c: Check):
                     assert cache.claim([row], prompt_len=1, cap=L, positions=L)
             cache.write(0, rows, at, keys.flatten(0, 1), values.flatten(0, 1))
             attend = CacheAttention(cache, flash)
-            masks = attend.decode_masks(positions, span, {None})
+            masks = attend.decode_masks(positions, span, {None}, dtype)
 
             def step(attend=attend, masks=masks):
                 return attend.decode(0, q, k, v, positions, span, D**-0.5, None, masks)

@@ -104,13 +104,18 @@ class LiveBytes(TorchDispatchMode):
 
 def storage_bytes(tensors) -> int:
     """Bytes of storage held for ``tensors`` in this process (a DTensor's by its local shard), each
-    storage once."""
+    storage once; an opaque tensor (oneDNN's blocked format, which has no storage to ask) by its
+    logical size."""
     from torch.distributed.tensor import DTensor
 
     storages = {}
     for t in tensors:
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if t.is_mkldnn:
+            storages[("opaque", id(t))] = t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -63,12 +63,9 @@ def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of every tensor storage alive in the process (a DTensor's by its local shard)."""
-    from torch.distributed.tensor import DTensor
-
+    """Bytes of every tensor storage alive in the process (``storage_bytes``)."""
     gc.collect()
-    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    return storage_bytes(t for t in tensors if isinstance(t, DTensor) or t.untyped_storage().nbytes())
+    return storage_bytes(obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
 def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: str) -> None:
