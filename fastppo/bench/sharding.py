@@ -28,13 +28,15 @@ from .measure import LiveBytes, storage_bytes
 
 def resident_bytes(trainer) -> dict:
     """The storage this rank holds, from the live tensors: the models' weights with the AdamW
-    states (``trained``), and the rollout copy's weights (``rollout``)."""
+    states (``trained``), and the rollout copy's weights with the sampler's packed projections
+    (``rollout``)."""
     models = [trainer.policy, trainer.critic, trainer.models.reference]
     tensors = [p for model in models if model is not None for p in model.parameters()]
     for optimizer in trainer.optimizers.each():
         tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     rollout = [] if trainer.models.rollout_weights.shared else list(trainer.models.rollout_weights.model.parameters())
-    return {"trained": storage_bytes(tensors), "rollout": storage_bytes(rollout)}
+    packed = trainer.rollouts.sampler.weights
+    return {"trained": storage_bytes(tensors), "rollout": storage_bytes(rollout) + (packed.bytes if packed else 0)}
 
 
 def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
