@@ -57,6 +57,11 @@ def main(argv=None) -> int:
         default=None,
         help="both trainers in bf16 mixed precision (default: on CUDA only)",
     )
+    versus.add_argument(
+        "--trl-without-checkpointing",
+        action="store_true",
+        help="also run TRL with its gradient checkpointing off; the speed-up is against its faster run",
+    )
     sharded = parser.add_argument_group("sharded against replicated data parallelism (--sharding)")
     sharded.add_argument(
         "--sharding",
@@ -130,6 +135,7 @@ def _versus_trl(args) -> int:
         iterations=args.iterations or 40,
         bf16=args.bf16,
         workload=args.workload,
+        trl_without_checkpointing=args.trl_without_checkpointing,
     )
     return _report(args, result, versus_markdown(result, machine(device)))
 

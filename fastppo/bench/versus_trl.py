@@ -137,7 +137,9 @@ def _phase_limits(limits, sampler, rollout_dtype, update_dtype, sampled: list, s
     return {"rollout": rollout, "update": update}
 
 
-def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload) -> list:
+def _trl_run(
+    model, device, prompts, samples, max_new_tokens, lr, iterations, seed, bf16, workload, checkpointing
+) -> list:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -214,6 +216,7 @@ def _trl_run(model, device, prompts, samples, max_new_tokens, lr, iterations, se
         num_iterations=1,
         beta=0.0,
         **({"max_tool_calling_iterations": 2} if workload == "tools" else {}),
+        **({} if checkpointing else {"gradient_checkpointing": False}),
     )
     trainer = GRPOTrainer(
         model=policy,
@@ -281,10 +284,13 @@ def compare(
     seed: int = 0,
     bf16: bool = None,
     workload: str = "arithmetic",
+    trl_without_checkpointing: bool = False,
 ) -> dict:
     """Both trainers for ``iterations`` on ``workload``; a summary row each (see the module).
     ``bf16`` (default: on CUDA): both in mixed precision, fastppo with bf16 autocast and a bf16
-    rollout copy, TRL with ``bf16=True``; else both in fp32."""
+    rollout copy, TRL with ``bf16=True``; else both in fp32. ``trl_without_checkpointing`` runs TRL
+    a second time with its gradient checkpointing off (its default turns it on); the speed-up is
+    against the faster of TRL's runs."""
     device = torch.device("cpu") if device is None else device
     bf16 = device.type == "cuda" if bf16 is None else bf16
     shape = dict(
@@ -302,16 +308,19 @@ def compare(
     limits = measure(device)
     runs = {
         "fastppo train": _fastppo_run(model, device, **shape, limits=limits),
-        "TRL GRPOTrainer": _trl_run(model, device, **shape),
+        "TRL GRPOTrainer": _trl_run(model, device, **shape, checkpointing=True),
     }
+    if trl_without_checkpointing:
+        runs["TRL GRPOTrainer, no gradient checkpointing"] = _trl_run(model, device, **shape, checkpointing=False)
     cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
     summaries = [_summary(name, rows, cutoff) for name, rows in runs.items()]
-    ours, theirs = summaries
+    ours, theirs = summaries[0], min(summaries[1:], key=lambda r: r["seconds_median"])
     return {
         "model": model or "the shipped tiny model",
         "shape": shape,
         "cutoff_seconds": cutoff,
         "speedup": theirs["seconds_median"] / ours["seconds_median"],
+        "against": theirs["trainer"],
         "rows": summaries,
         "limits": asdict(limits),
         "phases": _phases(runs["fastppo train"]),
@@ -342,7 +351,7 @@ def markdown(result: dict, machine: str) -> str:
         f"{s['max_new_tokens']} new tokens, lr {s['lr']}, {s['iterations']} iterations each, "
         f"{'bf16 mixed precision' if s['bf16'] else 'fp32'}, one run. "
         f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "
-        f"**{result['speedup']:.2f}x** (median seconds per iteration).",
+        f"**{result['speedup']:.2f}x** against {result['against']} (median seconds per iteration).",
         "",
         "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "
         "iterations by the cutoff | reward at the cutoff (last 5) | prefill tokens per episode |",

@@ -85,6 +85,7 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
                 "2",
                 "--max-new-tokens",
                 "4",
+                "--trl-without-checkpointing",
                 "--json",
                 str(tmp_path / "v.json"),
             ]
@@ -94,7 +95,11 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| fastppo train |" in printed and "| TRL GRPOTrainer |" in printed and "fp32" in printed
     result = json.loads((tmp_path / "v.json").read_text())
-    assert [r["trainer"] for r in result["rows"]] == ["fastppo train", "TRL GRPOTrainer"]
+    trl = ["TRL GRPOTrainer", "TRL GRPOTrainer, no gradient checkpointing"]
+    assert [r["trainer"] for r in result["rows"]] == ["fastppo train", *trl]
+    fastest = min(result["rows"][1:], key=lambda r: r["seconds_median"])
+    assert result["against"] == fastest["trainer"] and f"against {fastest['trainer']}" in printed
+    assert result["speedup"] == pytest.approx(fastest["seconds_median"] / result["rows"][0]["seconds_median"])
     for row in result["rows"]:
         assert row["iterations"] == 3 and row["seconds_median"] > 0 and row["tokens_per_s"] > 0
         # 0 when the other trainer's whole run ended before this one's first iteration did
