@@ -104,18 +104,15 @@ class LiveBytes(TorchDispatchMode):
 
 def storage_bytes(tensors) -> int:
     """Bytes of storage held for ``tensors`` in this process (a DTensor's by its local shard), each
-    storage once; an opaque tensor (oneDNN's blocked format, which has no storage to ask) by its
-    logical size."""
+    storage once; an opaque tensor (oneDNN's blocked format) by its logical size."""
     from torch.distributed.tensor import DTensor
+
+    from ..rollout.layouts import stored_bytes
 
     storages = {}
     for t in tensors:
         t = t.to_local() if isinstance(t, DTensor) else t
-        if t.is_mkldnn:
-            storages[("opaque", id(t))] = t.numel() * t.element_size()
-        else:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        storages[("opaque", id(t)) if t.is_mkldnn else t.untyped_storage().data_ptr()] = stored_bytes(t)
     return sum(storages.values())
 
 

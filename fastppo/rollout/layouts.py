@@ -108,6 +108,12 @@ class OneDNNBlocked(Layout):
 LAYOUTS = {layout.name: layout for layout in (Linear(), Transposed(), MKLPacked(), OneDNNBlocked())}
 
 
+def stored_bytes(stored: Tensor) -> int:
+    """Bytes a stored matrix holds: its storage's, or an opaque oneDNN tensor's logical size (it has
+    no storage to ask)."""
+    return stored.numel() * stored.element_size() if stored.is_mkldnn else stored.untyped_storage().nbytes()
+
+
 def layouts_for(device: torch.device, dtype: torch.dtype) -> list:
     """The names of the layouts that run on ``device`` in ``dtype``, ``linear`` first."""
     return [name for name, layout in LAYOUTS.items() if layout.available(device, dtype)]

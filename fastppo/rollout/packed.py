@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .calibration import choose_layout
-from .layouts import LAYOUTS
+from .layouts import LAYOUTS, stored_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,6 @@ def _layer_by_layer(groups: dict):
 def _nbytes(group: PackedGroup) -> int:
     """What the group's stored matrix adds to the model's own memory."""
     stored = group.stored
-    if stored.is_mkldnn:  # an opaque oneDNN tensor: its logical size
-        return stored.numel() * stored.element_size()
-    if stored.data_ptr() == group.weights[0].data_ptr():  # the live matrix itself
+    if not stored.is_mkldnn and stored.data_ptr() == group.weights[0].data_ptr():  # the live matrix itself
         return 0
-    return stored.untyped_storage().nbytes()
+    return stored_bytes(stored)
