@@ -120,6 +120,11 @@ class ToolRunner:
         """The :class:`Result` of each call :meth:`submit` started, in order."""
         return [p.done or self._outcome(p) for p in started]
 
+    def ready(self, started: list) -> bool:
+        """Whether :meth:`results` would return at once: every call settled or past its deadline."""
+        now = time.monotonic()
+        return all(p.done is not None or p.future.done() or p.deadline <= now for p in started)
+
     def _outcome(self, pending: _Pending) -> Result:
         name = pending.call.name
         wait = min(max(0.0, pending.deadline - time.monotonic()), threading.TIMEOUT_MAX)

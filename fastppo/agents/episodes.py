@@ -71,6 +71,10 @@ class Episodes(Turns):
         episode.hung = self.runner.hung
         return self.template.continuation(episode.messages[-len(results) :], episode.called)
 
+    def ready(self, row: int) -> bool:
+        started = self.rows[row].started
+        return started is None or self.runner.ready(started)
+
     def truncated(self, row: int) -> None:
         episode = self.rows[row]
         while episode.messages and episode.messages[-1]["role"] == "tool":

@@ -2,8 +2,10 @@
 and the least time a phase's work could take at them.
 
 :func:`measure` times this machine's dense matmul per dtype (``2048^3`` products, the best of a
-few) and its read bandwidth (a sum over a buffer of several times any cache, filled first so its
-pages are real). ``fastppo bench --limits`` prints them; the end-to-end reports set each phase's
+few; smaller where a dtype is so slow here that one such product would take over
+``MATMUL_SECONDS``, as bf16 is on a CPU without bf16 units, emulated at about 1% of its fp32 rate)
+and its read bandwidth (a sum over a buffer of several times any cache, filled first so its pages
+are real). ``fastppo bench --limits`` prints them; the end-to-end reports set each phase's
 seconds beside its limit:
 
 * **rollout**: a decode step reads every weight matrix once and each live row's keys and values
@@ -27,6 +29,8 @@ from ..machine import device_name
 from ..rollout.calibration import seconds
 
 MATMUL = 2048
+MATMUL_PROBE = 256  # the product that sizes each dtype's timed one
+MATMUL_SECONDS = 0.25  # the longest one timed product may take
 READ_BYTES = {"cpu": 2 << 30, "cuda": 4 << 30}
 
 
@@ -36,6 +40,7 @@ class MachineLimits:
     matmul_flops: dict  # dtype name -> FLOP/s
     read_bytes_per_s: float
     read_buffer: int  # bytes the read bandwidth was measured over
+    matmul_sizes: dict = None  # dtype name -> n of the n^3 product timed (default: MATMUL each)
 
     def rate(self, dtype: torch.dtype) -> float:
         return self.matmul_flops[str(dtype).removeprefix("torch.")]
@@ -46,18 +51,35 @@ def _best(device, run, repeats: int = 3) -> float:
     return min(seconds(device, run) for _ in range(repeats))
 
 
+def _matmul_rate(device, dtype, largest: int) -> tuple:
+    """``(FLOP/s, n)``: the best rate of ``n^3`` products in ``dtype``, ``n`` the largest multiple of
+    the probe up to ``largest`` whose product takes at most ``MATMUL_SECONDS`` at the probe's rate."""
+
+    def rate(n: int) -> float:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        return 2 * n**3 / _best(device, lambda: a @ b)
+
+    n = min(MATMUL_PROBE, largest)
+    probe = rate(n)
+    fits = int((probe * MATMUL_SECONDS / 2) ** (1 / 3)) // MATMUL_PROBE * MATMUL_PROBE
+    if min(fits, largest) > n:
+        n = min(fits, largest)
+        return rate(n), n
+    return probe, n
+
+
 @torch.no_grad()
 def measure(device: torch.device, read_bytes: int = None, matmul: int = MATMUL) -> MachineLimits:
     """This machine's rates; ``read_bytes`` and ``matmul`` smaller than the defaults only to test it."""
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
-    rates = {}
+    rates, sizes = {}, {}
     for dtype in dtypes:
-        a = torch.randn(matmul, matmul, device=device, dtype=dtype)
-        b = torch.randn(matmul, matmul, device=device, dtype=dtype)
-        rates[str(dtype).removeprefix("torch.")] = 2 * matmul**3 / _best(device, lambda a=a, b=b: a @ b)
+        name = str(dtype).removeprefix("torch.")
+        rates[name], sizes[name] = _matmul_rate(device, dtype, matmul)
     buffer = torch.ones((read_bytes or READ_BYTES[device.type]) // 4, device=device)
     read = buffer.numel() * 4 / _best(device, buffer.sum)
-    return MachineLimits(device_name(device), rates, read, buffer.numel() * 4)
+    return MachineLimits(device_name(device), rates, read, buffer.numel() * 4, sizes)
 
 
 def matrix_parameters(model) -> int:
@@ -97,14 +119,20 @@ def update_seconds(limits: MachineLimits, model, dtype, tokens: int) -> float:
     return 6 * matrix_parameters(model) * tokens / limits.rate(dtype)
 
 
+def gflops(flops: float) -> str:
+    """A rate in GFLOP/s, to two significant figures below 10 (an emulated dtype's is below 1)."""
+    return f"{flops / 1e9:,.0f} GFLOP/s" if flops >= 1e10 else f"{flops / 1e9:.2g} GFLOP/s"
+
+
 def markdown(limits: MachineLimits) -> str:
+    sizes = limits.matmul_sizes or {}
     lines = [
         f"## This machine's limits: {limits.machine}",
         "",
         "| measure | rate |",
         "| --- | --- |",
         *(
-            f"| {dtype} matmul ({MATMUL}^3) | {flops / 1e9:,.0f} GFLOP/s |"
+            f"| {dtype} matmul ({sizes.get(dtype, MATMUL)}^3) | {gflops(flops)} |"
             for dtype, flops in limits.matmul_flops.items()
         ),
         f"| read bandwidth (a sum over {limits.read_buffer >> 30} GiB) | {limits.read_bytes_per_s / 1e9:,.1f} GB/s |",

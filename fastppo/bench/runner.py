@@ -19,6 +19,7 @@ from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
 from .paged import paged_cases
 from .sampler import sampler_cases, sampling_cases
+from .tool_latency import tool_latency_cases
 from .trainer import trainer_cases, trainer_options_cases
 
 # op family -> cases(device, quick). A time budget cuts the end of the list, so one family of
@@ -29,6 +30,7 @@ FAMILIES = {
     "gae": gae_cases,
     "sampler": sampler_cases,
     "rollout": paged_cases,
+    "tools": tool_latency_cases,
     "sampling": sampling_cases,
     "trainer": trainer_cases,
     "trainer_options": trainer_options_cases,

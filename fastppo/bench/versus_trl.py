@@ -363,8 +363,10 @@ def markdown(result: dict, machine: str) -> str:
             f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
             f"{r['reward_at_cutoff']:.3f} | {r['prefill_per_episode']:.0f} |"
         )
+    from .limits import gflops
+
     limits = result["limits"]
-    rates = ", ".join(f"{dtype} matmul {flops / 1e9:,.0f} GFLOP/s" for dtype, flops in limits["matmul_flops"].items())
+    rates = ", ".join(f"{dtype} matmul {gflops(flops)}" for dtype, flops in limits["matmul_flops"].items())
     lines += [
         "",
         f"fastppo's phases against this machine's limit ({rates}, read {limits['read_bytes_per_s'] / 1e9:.1f} GB/s; "

@@ -13,12 +13,21 @@ the CPU every step) the rows that have ended leave it:
 
 Multi-turn rows (episodes, with a :class:`~fastppo.rollout.turns.Turns`): a row whose turn ends
 with a stop token asks the turns whether its episode goes on. If so it *pauses* in its slot with
-its cache while its tools run off this loop, and the other rows keep decoding. ``TOOL_STEPS``
-decode steps later (at once when no row is decoding: the rows due first, then the next while none
-of those can decode) the loop takes its continuation, prefills it onto the row's cache at the
-row's position (``Decoder.extend``), and the row decodes again. The resume step depends on step
-counts alone, never on how long a tool took, so a seed reproduces an episode; a tool still
-running then is waited for (it is bounded by its timeout). The tokens of a continuation go to the
+its cache while its tools run off this loop, and the other rows keep decoding. When it resumes is
+the *tool schedule*'s choice (``TOOL_SCHEDULES``):
+
+- ``"fixed"`` (the default): ``tool_window`` decode steps later (at once when no row is decoding:
+  the rows due first, then the next while none of those can decode). The resume step depends on
+  step counts alone, never on how long a tool took, so a seed reproduces an episode; a tool still
+  running then is waited for (it is bounded by its timeout), and every row waits with it.
+- ``"eager"``: at the first look after its tools are done (``Turns.ready``), and the loop waits for
+  a tool only when no row can decode, then for the first row whose tools finish. No decode step
+  waits on a slow tool, but when a row resumes depends on the tools' timing: a seed reproduces the
+  episodes in distribution, not token for token.
+
+Either way the loop then takes the row's continuation, prefills it onto the row's cache at the
+row's position (``Decoder.extend``), and the row decodes again; the seconds it spent waiting for
+tools are counted (``tool_wait``). The tokens of a continuation go to the
 row's output with mask 0 and log-prob 0; ``max_new`` bounds the tokens the model draws per
 episode, and a row's context (``max_len``) bounds all its tokens: a continuation that would not
 leave room for one more drawn token ends the episode as truncated.
@@ -40,6 +49,7 @@ depend on where it sits in the batch, so changing the number of slots or ``compa
 changes sampled (not greedy) tokens.
 """
 
+import time
 from collections import deque
 from typing import Callable, Optional
 
@@ -52,7 +62,9 @@ from .turns import Turns
 
 SYNC_EVERY = 16  # decode steps between the host's looks at which rows have ended, on an accelerator
 CPU_SYNC_EVERY = 1  # and on the CPU, where ops are synchronous anyway and a look costs microseconds
-TOOL_STEPS = 16  # decode steps a paused row's tools have before the loop waits for them
+TOOL_WINDOW = 16  # decode steps a paused row's tools have before the fixed schedule waits for them
+TOOL_SCHEDULES = ("fixed", "eager")
+TOOL_POLL = 0.001  # seconds between looks at whether a tool waited for has finished
 STUCK_LOOKS = 4  # looks in a row that draw no token and leave no row decoding: the loop cannot go on
 
 
@@ -98,9 +110,11 @@ class RolloutLoop:
         bucket: Optional[Callable] = None,
         on_rows_ended: Optional[Callable] = None,
         turns: Optional[Turns] = None,
+        tool_schedule: str = "fixed",
+        tool_window: int = TOOL_WINDOW,
     ):
         self.decoder, self.decode, self.draw, self.on_rows_ended = decoder, decode, draw, on_rows_ended
-        self.turns = turns
+        self.turns, self.eager, self.tool_window = turns, tool_schedule == "eager", tool_window
         self.capacity, self.max_len, self.prompts, self.n, self.max_new = slots, max_len, prompts, n, max_new
         self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
         device = decoder.device
@@ -127,7 +141,7 @@ class RolloutLoop:
         # On the host: each occupied slot's prompt length minus the decode steps run before it
         # joined, which bounds its position at every later step (for the attention span).
         self.offset = {}
-        self.paused = {}  # slot -> the decode step at which its continuation is taken
+        self.paused = {}  # slot -> (the step it is due at: fixed, resume; eager, its pause), its output row
         self.stalled = set()  # slots waiting for memory
         self.continued = {}  # output row -> a continuation taken but waiting for memory
         self.turn_start = {}  # output row -> the column its current turn starts at
@@ -139,6 +153,7 @@ class RolloutLoop:
         self.memory_waits = 0  # looks at which a row stalled, a resume or a prompt with free slots waited
         self.barren_looks = 0  # looks in a row that drew nothing, after which no row was decoding
         self.drew = False  # whether this look drew a token (a prefill's or a continuation's)
+        self.tool_wait = 0.0  # seconds spent waiting for tools
         self.sync_every = sync_every(device)
 
     def run(self) -> Rollout:
@@ -263,21 +278,51 @@ class RolloutLoop:
 
     def _any_due(self, active: list) -> bool:
         """Whether a paused row is to resume at this look (with the decoding slots ``active``)."""
-        return bool(self.paused) and (not active or min(self.paused.values()) <= self.steps_run)
+        return bool(self.paused) and (not active or any(map(self._due, self.paused)))
+
+    def _due(self, slot: int) -> bool:
+        """Whether paused ``slot`` resumes at this look while other rows decode: its tools' steps
+        have passed (fixed), or its tools are done (eager; a continuation waiting for memory is)."""
+        step, row = self.paused[slot]
+        if self.eager:
+            return row in self.continued or self.turns.ready(row)
+        return step <= self.steps_run
 
     def _resume_due(self) -> None:
-        """Resume the paused rows whose tools have had their steps. When no row is decoding, the
-        paused rows instead, group by group in the order they are due, until one decodes: a row
-        refused memory must not keep the others' turns from coming."""
+        """Resume the paused rows that are due. When no row is decoding, the paused rows instead,
+        until one decodes (a row refused memory must not keep the others' turns from coming):
+        fixed, group by group in the order they are due; eager, as their tools finish, waiting
+        for the first when none has (a row's tools are done by their timeout)."""
         if not self.paused:
             return
         if self.active[: self.b].any():
-            self._resume([s for s, due in self.paused.items() if due <= self.steps_run])
+            self._resume([s for s in self.paused if self._due(s)])
             return
-        for step in sorted(set(self.paused.values())):
-            self._resume([s for s, due in self.paused.items() if due == step])
+        if self.eager:  # each row once: one refused memory must not be asked again at this look
+            tried = set()
+            while self.paused.keys() - tried and not self.active[: self.b].any():
+                due = self._wait(lambda: [s for s in self.paused if s not in tried and self._due(s)])
+                tried.update(due)
+                self._resume(due)
+            return
+        for step in sorted({step for step, _ in self.paused.values()}):
+            self._resume([s for s, (due, _) in self.paused.items() if due == step])
             if self.active[: self.b].any():
                 return
+
+    def _continuation(self, row: int) -> list:
+        """Output row ``row``'s continuation, once its tools are done."""
+        self._wait(lambda: self.turns.ready(row))
+        return list(self.turns.continuation(row))
+
+    def _wait(self, found: Callable):
+        """What ``found()`` gives once it is true, asked every ``TOOL_POLL`` seconds; the wait counted
+        in ``tool_wait``."""
+        start = time.monotonic()
+        while not (value := found()):
+            time.sleep(TOOL_POLL)
+        self.tool_wait += time.monotonic() - start
+        return value
 
     def _end_turns(self, ended: list) -> list:
         """Tell the turns of each row in ``ended`` whose turn is over; those whose episode goes on
@@ -294,7 +339,7 @@ class RolloutLoop:
             turn = self.tokens_out[row, start:drawn].tolist()
             may_continue = bool(stopped) and generated < limit and P + drawn < self.max_len
             if self.turns.turn_ended(row, turn, may_continue) and may_continue:
-                self.paused[s] = self.steps_run + TOOL_STEPS
+                self.paused[s] = (self.steps_run + (0 if self.eager else self.tool_window), row)
             else:
                 over.append(s)
         return over
@@ -313,14 +358,14 @@ class RolloutLoop:
         for s, (row, d, P, last) in zip(slots, state):
             tokens = self.continued.pop(row, None)
             if tokens is None:
-                tokens = list(self.turns.continuation(row))
+                tokens = self._continuation(row)
             if P + d + len(tokens) >= self.max_len:
                 del self.paused[s]
                 self.turns.truncated(row)
                 truncated.append(s)
                 continue
             if not self.decoder.hold([s], [P + d + len(tokens) + self.sync_every])[0]:
-                self.paused[s], self.continued[row] = self.steps_run, tokens  # no memory yet: at the next look
+                self.paused[s], self.continued[row] = (self.steps_run, row), tokens  # no memory yet: at the next look
                 self.memory_waits += 1
                 continue
             del self.paused[s]

@@ -13,7 +13,7 @@ never assumed. Each layout here gives bit-for-bit or near (within fp32 rounding)
 * ``mkl``: MKL's packed GEMM format (``cblas_sgemm_pack``), the format inductor's CPU freezing
   pass uses; fp32 only.
 * ``onednn``: oneDNN's blocked format for its inner-product primitive (on CPUs with AMX it tiles
-  the bf16 matrix for the AMX units).
+  the bf16 matrix for the AMX units); bf16 only where oneDNN can store it (:func:`onednn_bf16`).
 
 A layout stores a matrix with :meth:`Layout.store` and multiplies with :meth:`Layout.apply`;
 :meth:`Layout.store_into` refreshes a stored matrix in place where the layout can (``linear`` and
@@ -93,15 +93,22 @@ class OneDNNBlocked(Layout):
 
     @staticmethod
     def available(device, dtype):
-        return (
-            device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-        )
+        if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16())
 
     def store(self, weight, rows):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
 
     def apply(self, x, stored, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, stored, bias, "none", [], "")
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN stores bf16 matrices on this CPU: its reorder needs avx512bw/vl/dq or
+    avx_ne_convert (or Arm's bf16 extension), and refuses the matrix without them (an AVX2-only
+    x86 CPU), where the other layouts still multiply bf16."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 #: name -> layout: every way a rollout copy can hold a matrix.

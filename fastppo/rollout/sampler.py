@@ -23,7 +23,7 @@ from ..limits import GiB
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
-from .batching import RolloutLoop, row_cap, sync_every
+from .batching import TOOL_SCHEDULES, TOOL_WINDOW, RolloutLoop, row_cap, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
@@ -151,6 +151,8 @@ class Sampler:
         self.peak_rows = 0
         #: How often in the last ``generate`` a row or a prompt waited for KV memory (paged cache).
         self.memory_waits = 0
+        #: Seconds the last ``generate`` waited for tools (an episode's ``Turns.ready``).
+        self.tool_wait_seconds = 0.0
 
     @property
     def kv_cache(self):
@@ -243,6 +245,8 @@ class Sampler:
         seed: Optional[int] = None,
         on_rows_ended: Optional[Callable[[int], None]] = None,
         turns: Optional[Turns] = None,
+        tool_schedule: str = "fixed",
+        tool_window: int = TOOL_WINDOW,
     ) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per prompt.
 
@@ -262,6 +266,11 @@ class Sampler:
                 bounds the tokens the model draws in an episode and ``max_seq_len`` all of its
                 tokens; the response holds the continuations too, with mask 0 and log-prob 0, and
                 ``response_lens`` counts every token of it.
+            tool_schedule: when a row paused for its tools resumes (``batching.py``): ``"fixed"``,
+                ``tool_window`` decode steps after its turn ended, whatever the tools' timing, so a
+                seed reproduces the episodes; or ``"eager"``, as soon as its tools are done, the
+                loop waiting for tools only when no row can decode (reproducible in distribution,
+                not token for token).
         """
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
         max_new = self._check_prompts(prompts, max_new_tokens, n)
@@ -271,6 +280,10 @@ class Sampler:
                 "samples are decoded together"
             )
         check_sampling_options(temperature, top_k, top_p)
+        if tool_schedule not in TOOL_SCHEDULES:
+            raise ValueError(f"tool_schedule must be one of {TOOL_SCHEDULES}, got {tool_schedule!r}")
+        if isinstance(tool_window, bool) or not isinstance(tool_window, int) or tool_window < 0:
+            raise ValueError(f"tool_window must be an int >= 0, got {tool_window!r}")
         stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
         # One seed per draw, drawn on the CPU (no device sync): from a generator seeded with
         # ``seed``, else from torch's global one, so a seeded trainer run reproduces either way.
@@ -308,11 +321,14 @@ class Sampler:
             graph_rows if self.graphs is not None else None,
             on_rows_ended,
             turns,
+            tool_schedule,
+            tool_window,
         )
         with _sampling_mode(self.model):
             rollout = loop.run()
         self.rows_decoded, self.prefill_tokens = loop.rows_decoded, decoder.prefilled
         self.peak_rows, self.memory_waits = loop.peak_rows, loop.memory_waits
+        self.tool_wait_seconds = loop.tool_wait
         return rollout
 
     def _check_kv_memory(self, prompts, n: int, max_new: list, episodes: bool) -> None:

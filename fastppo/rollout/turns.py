@@ -26,6 +26,13 @@ class Turns(ABC):
         """The token ids that follow row ``row``'s last turn, up to and including the next
         assistant turn's header; waits for the row's calls (each bounded by its timeout)."""
 
+    def ready(self, row: int) -> bool:
+        """Whether :meth:`continuation` would return at once for row ``row`` (its calls are done, or
+        past their timeout): must become true within the row's tool timeout. The sampler looks at it
+        to resume a row as soon as it can (the eager tool schedule) and to count the time it waits.
+        The default, True, says nothing: the wait then happens inside :meth:`continuation`."""
+        return True
+
     @abstractmethod
     def truncated(self, row: int) -> None:
         """Row ``row``'s continuation did not fit its context: the episode ends after its last turn,

@@ -118,6 +118,27 @@ def test_a_tool_that_never_returns_times_out_and_the_others_still_answer():
     assert "took longer than 0.3 s" in results[0].text
 
 
+@pytest.mark.parametrize("slow", ["never", "forever"])
+def test_calls_are_ready_when_all_have_answered_or_passed_their_timeout(slow):
+    runner = ToolRunner(0.3)
+    try:
+        answered = runner.submit([Call("later", {"x": "a"}), Call("add", {"a": 1, "b": 1}), Call("nope", {})], TOOLS)
+        deadline = time.monotonic() + 5
+        while not runner.ready(answered):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        start = time.monotonic()
+        assert [r.status for r in runner.results(answered)] == ["ok", "ok", "failed"]
+        assert time.monotonic() - start < 0.05  # ready: the results wait for nothing
+        hanging = runner.submit([Call(slow, {"x": "a"})], TOOLS)
+        assert not runner.ready(hanging)
+        time.sleep(0.35)
+        assert runner.ready(hanging)  # past its timeout: its result is the timeout's, at once
+        assert [r.status for r in runner.results(hanging)] == ["timeout"]
+    finally:
+        runner.close()
+
+
 def test_calls_run_at_once():
     """Two calls that each wait for the other to start can both finish only if they run together."""
     meet = threading.Barrier(2, timeout=5)

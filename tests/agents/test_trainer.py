@@ -1,6 +1,7 @@
 """The trainer with tools: episodes in the rollout, rewards that read their messages (or text),
 environments reset per episode with their rows' fields, tool metrics and whole episodes in the
-logs, held-out episodes, a hung tool that only costs its timeout, and exact resumption."""
+logs, held-out episodes, a hung tool that only costs its timeout (and the wait for it, counted) on
+either tool schedule, and exact resumption."""
 
 import json
 
@@ -72,13 +73,17 @@ def test_an_observation_needs_a_chat_prompt(tmp_path, steps):
         trainer.rollout(0)
 
 
-def test_a_tool_that_never_returns_costs_its_timeout_only(tmp_path, every_turn_calls, monkeypatch):
+@pytest.mark.parametrize("schedule", ["fixed", "eager"])
+def test_a_tool_that_never_returns_costs_its_timeout_only(tmp_path, every_turn_calls, monkeypatch, schedule):
     monkeypatch.setattr(
         parsing, "parse_turn", lambda text, tokenizer=None: (text, [Call("never_returns", {"text": text})])
     )
-    trainer = agent_trainer(tmp_path, tools=["tests.agents.runs:never_returns"], tool_timeout=0.2, iterations=1)
+    trainer = agent_trainer(
+        tmp_path, tools=["tests.agents.runs:never_returns"], tool_timeout=0.2, iterations=1, tool_schedule=schedule
+    )
     history = trainer.train()
     assert history[0]["tools/timeouts"] > 0 and history[0]["tools/timeouts"] == history[0]["tools/calls"]
+    assert 0.1 < history[0]["time_tools_wait"] <= history[0]["time_rollout"]  # the rollout waited for the timeouts
 
 
 def test_logs_hold_tool_metrics_and_whole_episodes_and_evaluation_runs_episodes(tmp_path, every_turn_calls):

@@ -34,3 +34,13 @@ def test_a_rollout_limit_is_its_bytes_or_its_flops_whichever_is_larger_plus_the_
     one_slot = limits.rollout_seconds(slow_read, model, torch.float32, [3, 5], [4, 2], 1, 8)
     assert abs(one_slot - ((6 * params * 4 + kv_read) / 1e3 + 2 * params * 8 / 1e12)) < 1e-12
     assert limits.update_seconds(slow_math, model, torch.float32, 10) == 6 * params * 10 / 1e3
+
+
+def test_a_dtype_too_slow_here_is_timed_on_a_smaller_product_and_its_rate_kept_to_two_figures(monkeypatch):
+    monkeypatch.setattr(limits, "MATMUL_SECONDS", 0.0)  # every dtype too slow for a product past the probe
+    measured = limits.measure(torch.device("cpu"), read_bytes=1 << 20, matmul=limits.MATMUL)
+    assert measured.matmul_sizes == {"float32": limits.MATMUL_PROBE, "bfloat16": limits.MATMUL_PROBE}
+    assert f"| float32 matmul ({limits.MATMUL_PROBE}^3) |" in limits.markdown(measured)
+    monkeypatch.setattr(limits, "MATMUL_SECONDS", 1e9)  # and fast enough for the largest asked for
+    assert limits.measure(torch.device("cpu"), read_bytes=1 << 20, matmul=512).matmul_sizes["float32"] == 512
+    assert limits.gflops(3.3e8) == "0.33 GFLOP/s" and limits.gflops(1.25e11) == "125 GFLOP/s"

@@ -50,6 +50,23 @@ def test_the_default_sampler_decodes_like_generate_and_its_logprobs_are_the_mode
         torch.testing.assert_close(rollout.logprobs[row, : len(expected)], expected, atol=1e-5, rtol=0)
 
 
+def test_onednn_holds_bf16_only_where_this_cpu_lets_it_and_a_bf16_sampler_runs_either_way(monkeypatch):
+    """On an AVX2-only CPU oneDNN refuses to store a bf16 matrix: the layout is then not offered,
+    asking for it is refused by name, and the calibration picks among the others."""
+    from fastppo.rollout import layouts
+
+    monkeypatch.setattr(layouts, "onednn_bf16", lambda: False)
+    assert "onednn" not in layouts_for(torch.device("cpu"), torch.bfloat16)
+    assert "onednn" in layouts_for(torch.device("cpu"), torch.float32)
+    model = tiny("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="layout 'onednn' does not run on cpu in torch.bfloat16"):
+        fastppo.Sampler(model, max_batch_size=2, max_seq_len=40, layout="onednn")
+    monkeypatch.setattr(calibration, "_read", lambda: {})  # measured here, whatever a cache holds
+    monkeypatch.setattr(calibration, "_write", lambda key, choice: None)
+    sampler, _ = _rollout(model)
+    assert sampler.weights.layout in layouts_for(torch.device("cpu"), torch.bfloat16)
+
+
 @pytest.mark.parametrize("layout", layouts_for(torch.device("cpu"), torch.bfloat16))
 def test_a_bf16_copy_decodes_as_the_bf16_modules(layout):
     model = tiny("llama").to(torch.bfloat16)

@@ -1,7 +1,8 @@
 """Multi-turn rollouts in the sampler: a row paused between turns keeps its slot and cache and gets
 its continuation prefilled at its position. Greedy episodes equal, token for token and in their
-log-probs, a reference that prefills the whole conversation again for every token; the schedule
-does not depend on how long a continuation took."""
+log-probs, a reference that prefills the whole conversation again for every token, on either tool
+schedule; the fixed schedule does not depend on how long a continuation took, and the eager one
+resumes a row as soon as its tools are done and never waits for them while another row can decode."""
 
 import random
 import time
@@ -88,12 +89,19 @@ def test_greedy_episodes_on_the_triton_sampling_kernel(family, monkeypatch):
     assert launched
 
 
-def check_greedy_episodes(family, slots):
+@pytest.mark.parametrize("schedule", [{"tool_schedule": "eager"}, {"tool_window": 0}, {"tool_window": 3}])
+def test_greedy_episodes_are_the_reference_s_on_every_tool_schedule(schedule):
+    check_greedy_episodes("llama", 2, **schedule)
+
+
+def check_greedy_episodes(family, slots, **schedule):
     model = tiny(family)
     max_new, max_len = 20, 48
     sampler = fastppo.Sampler(model, max_batch_size=slots, max_seq_len=max_len)
     turns = Scripted()
-    rollout = sampler.generate(RAGGED_PROMPTS, max_new_tokens=max_new, temperature=0, stop_token_ids=STOP, turns=turns)
+    rollout = sampler.generate(
+        RAGGED_PROMPTS, max_new_tokens=max_new, temperature=0, stop_token_ids=STOP, turns=turns, **schedule
+    )
     assert max(turns.calls.values()) == 2, "the episodes must reach their third turn"
     for row, prompt in enumerate(RAGGED_PROMPTS):
         response, mask, logprobs, stopped = reference(model, prompt, row, max_new, max_len)
@@ -112,12 +120,15 @@ def check_greedy_episodes(family, slots):
 
 
 # (family, context, budget) where some continuation does not fit the context of these prompts
+@pytest.mark.parametrize("schedule", ["fixed", "eager"])
 @pytest.mark.parametrize("family, max_len, max_new", [("llama", 16, 9), ("gpt2", 20, 10), ("gpt_neox", 14, 6)])
-def test_a_continuation_past_the_context_ends_the_episode_truncated(family, max_len, max_new):
+def test_a_continuation_past_the_context_ends_the_episode_truncated(family, max_len, max_new, schedule):
+    """Rows whose continuations all end their episodes while none decodes end at one look, on
+    either schedule: a look that only ends rows is no stuck loop."""
     model = tiny(family)
     turns = Scripted(turns=5)
     rollout = fastppo.Sampler(model, max_batch_size=4, max_seq_len=max_len).generate(
-        RAGGED_PROMPTS, max_new_tokens=max_new, temperature=0, stop_token_ids=STOP, turns=turns
+        RAGGED_PROMPTS, max_new_tokens=max_new, temperature=0, stop_token_ids=STOP, turns=turns, tool_schedule=schedule
     )
     for row, prompt in enumerate(RAGGED_PROMPTS):
         response, mask, _, stopped = reference(model, prompt, row, max_new, max_len, turns=5)
@@ -171,3 +182,74 @@ def test_turns_see_each_turn_once_with_its_stop_token():
         sampled.append(current)
         assert seen == sampled
         assert all(turn[-1] in STOP for turn in seen[:-1])
+
+
+class Timed(Scripted):
+    """Scripted turns whose tools take ``seconds(row)`` of wall time from the turn's end, as a
+    :class:`~fastppo.agents.calls.ToolRunner`'s do: ``continuation`` blocks until they are done.
+    Records, per continuation, the decode steps since the row's turn ended and whether its tools
+    were done when it was asked for."""
+
+    def __init__(self, seconds, steps):
+        super().__init__()
+        self.seconds, self.steps, self.done_at, self.paused_at, self.taken = seconds, steps, {}, {}, []
+
+    def turn_ended(self, row, turn, may_continue):
+        going_on = super().turn_ended(row, turn, may_continue)
+        if going_on:
+            self.done_at[row], self.paused_at[row] = time.monotonic() + self.seconds(row), self.steps[0]
+        return going_on
+
+    def ready(self, row):
+        return time.monotonic() >= self.done_at[row]
+
+    def continuation(self, row):
+        self.taken.append((row, self.steps[0] - self.paused_at[row], self.ready(row)))
+        time.sleep(max(0.0, self.done_at[row] - time.monotonic()))
+        return super().continuation(row)
+
+
+def timed_rollout(seconds, **schedule):
+    """Greedy episodes of 4 prompts in 4 slots whose tools take ``seconds(row)``; the turns, the
+    sampler and the rollout."""
+    sampler = fastppo.Sampler(tiny("llama"), max_batch_size=4, max_seq_len=48)
+    steps = [0]
+    decode = sampler.lean.decode
+
+    def counted(*args):
+        steps[0] += 1
+        return decode(*args)
+
+    sampler.lean.decode = counted
+    turns = Timed(seconds, steps)
+    rollout = sampler.generate(
+        RAGGED_PROMPTS[:4], max_new_tokens=20, temperature=0, stop_token_ids=STOP, turns=turns, **schedule
+    )
+    return turns, sampler, rollout
+
+
+def test_eager_takes_a_continuation_at_the_look_its_tools_are_done_and_never_waits_while_a_row_decodes():
+    slow = 0.5  # row 0's tool: longer than 16 decode steps of the tiny model take
+    turns, sampler, eager = timed_rollout(lambda row: slow * (row == 0), tool_schedule="eager")
+    assert turns.taken and all(done for _, _, done in turns.taken), "a continuation is taken once its tools are done"
+    assert any(steps == 0 for row, steps, _ in turns.taken if row != 0), "instant tools: resumed at the same look"
+    assert any(steps > 0 for row, steps, _ in turns.taken if row == 0), "row 0's slow tool: others decoded meanwhile"
+    assert sampler.tool_wait_seconds >= slow * 0.9, "then, nothing else to decode, the loop waited for it"
+    fixed_turns, fixed_sampler, fixed = timed_rollout(lambda row: slow * (row == 0))
+    assert max(steps for _, steps, _ in fixed_turns.taken) == 16, "fixed: 16 steps, then the loop waits"
+    assert fixed_sampler.tool_wait_seconds >= slow * 0.9
+    assert torch.equal(eager.response_ids, fixed.response_ids), "greedy episodes whatever the schedule"
+
+
+def test_the_fixed_window_is_the_steps_a_row_waits_while_others_decode():
+    turns, _, _ = timed_rollout(lambda row: 0.0, tool_window=3)
+    assert {steps for _, steps, _ in turns.taken} <= {0, 1, 2, 3} and any(steps == 3 for _, steps, _ in turns.taken)
+
+
+@pytest.mark.parametrize(
+    "options", [{"tool_schedule": "later"}, {"tool_window": -1}, {"tool_window": 1.5}, {"tool_window": True}]
+)
+def test_a_tool_schedule_it_does_not_know_is_refused_by_name(options):
+    sampler = fastppo.Sampler(tiny("llama"), max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match=next(iter(options))):
+        sampler.generate(RAGGED_PROMPTS[:1], max_new_tokens=4, turns=Scripted(), **options)

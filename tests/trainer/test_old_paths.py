@@ -1,4 +1,5 @@
-"""What fastppo 0.2 wrote and named keeps working: a run it checkpointed resumes exactly, and the flat
+"""What fastppo 0.2 wrote and named keeps working: a run it checkpointed resumes as if never stopped
+(exactly, to the rounding of the CPU that made it), and the flat
 trainer's module paths still import, each with a DeprecationWarning naming where it went."""
 
 import importlib
@@ -8,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fastppo.cli import main as fastppo_main
@@ -27,11 +27,15 @@ FIXTURE = {
 }
 
 
+def untimed_metrics(run: Path) -> list:
+    """Each iteration's metrics, timings aside."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("time", "tokens_per_s"))} for row in rows]
+
+
 def learned(run: Path) -> tuple:
     """Each iteration's metrics (timings aside) and the final policy's weights."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    metrics = [{k: v for k, v in row.items() if not k.startswith(("time", "tokens_per_s"))} for row in rows]
-    return metrics, load_file(str(run / "policy" / "model.safetensors"))
+    return untimed_metrics(run), load_file(str(run / "policy" / "model.safetensors"))
 
 
 def test_a_run_checkpointed_by_0_2_resumes_as_if_never_stopped(tmp_path):
@@ -41,13 +45,22 @@ def test_a_run_checkpointed_by_0_2_resumes_as_if_never_stopped(tmp_path):
     PPOTrainer(TrainConfig.from_flat({**FIXTURE, "out": str(tmp_path / "fresh")}).validate()).train()
     (metrics, weights), (fresh_metrics, fresh_weights) = learned(resumed), learned(tmp_path / "fresh")
     assert [row["iteration"] for row in metrics] == [0, 1, 2]
+    assert metrics[:2] == untimed_metrics(RUN)[:2], "the fixture's own iterations are kept as they were"
     # the sampler's log-probs, and so their mismatch with the update's, are what changed since 0.2.0
     # (its fused, packed products round differently, within 1e-6): the training is the same
     mismatch, fresh_mismatch = ([row.pop("logprob_mismatch") for row in m] for m in (metrics, fresh_metrics))
-    assert metrics == fresh_metrics
     assert max(abs(a - b) for a, b in zip(mismatch, fresh_mismatch)) < 1e-6
+    # Bitwise on a CPU that rounds as the one that made the fixture; another (an AVX2 AMD against
+    # that AVX-512 Xeon) rounds the fixture's two iterations' products differently, by about 1e-7
+    # relative, so the continuation is held to that: the same tokens, the same steps, to rounding
+    # (Adam's steps of lr 5e-4 carry the rounding of a near-zero gradient to ~1e-5 in a few weights:
+    # each matrix is held to 1e-5 of its norm)
+    assert [m.keys() for m in metrics] == [m.keys() for m in fresh_metrics]
+    for row, fresh in zip(metrics, fresh_metrics):
+        assert row == pytest.approx(fresh, rel=1e-5, abs=1e-7), row["iteration"]
     assert weights.keys() == fresh_weights.keys()
-    assert all(torch.equal(weights[k], fresh_weights[k]) for k in weights)
+    for k in weights:
+        assert (weights[k] - fresh_weights[k]).norm() <= 1e-5 * fresh_weights[k].norm(), k
 
 
 def forget(old: str) -> None:

@@ -43,6 +43,8 @@ RESUMABLE = {
     "rollout_batch_size",
     "rollout_kv_memory",
     "rollout_kv_block_size",
+    "tool_schedule",
+    "tool_window",
 }
 
 

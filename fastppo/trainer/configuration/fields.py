@@ -114,6 +114,12 @@ def _rollout_weights() -> tuple:
     return WEIGHTS
 
 
+def _tool_schedules() -> tuple:
+    from ...rollout.batching import TOOL_SCHEDULES
+
+    return TOOL_SCHEDULES
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = _doc(
@@ -358,6 +364,17 @@ class ToolsConfig:
         "read a token's text in a tool's result (<|im_end|>, <tool_call>) as text, not as the token: "
         "a result cannot then forge a turn in the model's context",
         False,
+    )
+    tool_schedule: str = _doc(
+        "when a row paused for its tools resumes: fixed (tool_window decode steps after its turn, "
+        "whatever the tools' timing; every row waits for a tool still running then; a seed "
+        "reproduces the run token for token) or eager (as soon as its tools are done; the rollout "
+        "waits for tools only when no row can decode; reproducible in distribution, not token for token)",
+        "fixed",
+        bound=one_of(_tool_schedules),
+    )
+    tool_window: int = _doc(
+        "decode steps the fixed tool schedule gives a row's tools before it resumes the row", 16, bound=at_least(0)
     )
     max_tool_tokens: int = _doc(
         "room in each row's context for tool results and chat scaffolding, beyond the prompt and "

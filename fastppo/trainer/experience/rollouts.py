@@ -53,6 +53,7 @@ class Sampled:
     rollout: object
     texts: list
     episodes: Optional[list] = None
+    tool_wait: float = 0.0  # seconds the rollout waited for tools
 
 
 class Rollouts:
@@ -87,7 +88,7 @@ class Rollouts:
     def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None, turns=None):
         """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
         the ``--stop`` strings; episodes of ``turns``, if given. The rollout copy must be refreshed."""
-        r, tok = self.config.rollout, self.tokenizer
+        r, t, tok = self.config.rollout, self.config.tools, self.tokenizer
         try:
             rollout = self.sampler.generate(
                 prompt_ids,
@@ -101,6 +102,8 @@ class Rollouts:
                 seed=seed,
                 on_rows_ended=on_rows_ended,
                 turns=turns,
+                tool_schedule=t.tool_schedule,
+                tool_window=t.tool_window,
             )
         except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
@@ -127,7 +130,7 @@ class Rollouts:
                 )
         turns = self.agent.episodes(instances)
         rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns)
-        return Sampled(rollout, texts, turns.rows)
+        return Sampled(rollout, texts, turns.rows, self.sampler.tool_wait_seconds)
 
     def _observed(self, prompts, i: int, observation, text: str) -> str:
         """Row ``i``'s prompt with ``observation`` (an environment's reset) added to its last message."""
@@ -191,6 +194,7 @@ class Rollouts:
             "sampling_attempts": float(len(batches)),
             "reward_sampled": float(torch.cat([b.raw for b in batches]).mean()),
             **({} if episodes is None else episode_metrics(episodes)),
+            **({} if episodes is None else {"time_tools_wait": sum(b.stats["time_tools_wait"] for b in batches)}),
         }  # every row, kept or not
         gathered = responses.gather_rows([(s.rollout, i) for s, i in rows])
         return Scored(gathered, **picked, each_reward=each, stats=stats, episodes=episodes)
@@ -218,7 +222,9 @@ class Rollouts:
             raw,
             no_stop,
             {name: torch.tensor(values) for name, values in each.items()},
-            stats={} if sampled.episodes is None else episode_metrics(sampled.episodes),
+            stats={}
+            if sampled.episodes is None
+            else {**episode_metrics(sampled.episodes), "time_tools_wait": sampled.tool_wait},
             episodes=sampled.episodes,
         )
 

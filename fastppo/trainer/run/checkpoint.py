@@ -250,6 +250,8 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
             ("rollout_batch_size", "decodes the rows in other slots"),
             ("rollout_kv_memory", "may make rows wait for KV memory at other steps, in other slots"),
             ("rollout_kv_block_size", "may make rows wait for KV memory at other steps, in other slots"),
+            ("tool_schedule", "resumes rows after their tools at other steps"),
+            ("tool_window", "resumes rows after their tools at other steps"),
         )
         if field in overrides and overrides[field] != saved.get(field)
     ]

@@ -242,8 +242,10 @@ def test_a_resume_drops_the_metrics_rows_of_the_iterations_it_repeats(tmp_path):
     assert [json.loads(line)["iteration"] for line in metrics_before(rows, 3)] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("change", [{"rollout_batch_size": 8}, {"rollout_kv_memory": 0.5}])
-def test_a_changed_sampler_memory_resumes_saying_it_is_not_exact(finished_run, change):
+@pytest.mark.parametrize(
+    "change", [{"rollout_batch_size": 8}, {"rollout_kv_memory": 0.5}, {"tool_schedule": "eager"}, {"tool_window": 4}]
+)
+def test_a_changed_sampler_memory_or_tool_schedule_resumes_saying_it_is_not_exact(finished_run, change):
     with pytest.warns(UserWarning, match="samples other tokens than the uninterrupted run would"):
         PPOTrainer.resume(finished_run, {"iterations": 3, **change})
 
