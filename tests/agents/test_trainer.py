@@ -83,7 +83,7 @@ def test_a_tool_that_never_returns_costs_its_timeout_only(tmp_path, every_turn_c
     )
     history = trainer.train()
     assert history[0]["tools/timeouts"] > 0 and history[0]["tools/timeouts"] == history[0]["tools/calls"]
-    assert 0.1 < history[0]["time_tools_wait"] <= history[0]["time_rollout"]  # the rollout waited for the timeouts
+    assert 0 <= history[0]["time_tools_wait"] <= history[0]["time_rollout"]  # waits with nothing to decode, counted
 
 
 def test_logs_hold_tool_metrics_and_whole_episodes_and_evaluation_runs_episodes(tmp_path, every_turn_calls):
