@@ -20,9 +20,10 @@ finishes (OUT_DIR/kernel_check.jsonl, one JSON line per check, and OUT_DIR/kerne
 5. ``occupancy``: greedy sampling forced to 1 to 16 splits (one to several waves of programs),
    measured against predicted: how far the model's waves and latency hold.
 6. ``from_hidden``: ``ppo_loss_from_hidden`` against its three bare matmuls and the FLOP/byte model.
-7. ``paged_decode``: the sampler's decode attention over the paged KV cache against the static
-   one holding the same keys, SDPA and (where flash-attn is installed) flash-attn: equal outputs,
-   and the time of each with its share of a copy of the keys and values it must read.
+7. ``paged_decode``: the sampler's decode attention over the paged KV cache (a group's prompt
+   blocks shared) against the static one holding the same keys: SDPA, fastppo's kernel (the cascade
+   over the paged cache) and (where flash-attn is installed) flash-attn: equal outputs, the kernel
+   against float64, and the time of each with its share of a copy of the keys and values it reads.
 
 Every section declares the seconds it may take on the GPU; one that would not fit in what is left
 of ``--budget-s`` is skipped and says so, and one that raises is recorded and the next one runs.
@@ -371,7 +372,12 @@ def from_hidden(c: Check):
 
 def paged_decode(c: Check):
     """One layer's decode step, Qwen2.5-7B's attention shape (28 heads, 4 KV heads of 128), rows at
-    ragged positions, over a static cache and a paged one (blocks of 16 for SDPA, 256 for flash)."""
+    ragged positions in groups of 8 sharing a prompt of half the context, over a static cache and a
+    paged one (blocks of 16 for SDPA and the kernel, 256 for flash, the prompt's blocks shared by its
+    group): SDPA, fastppo's kernel (plain over the static cache, the cascade over the paged one) and
+    (where installed) flash-attn. Each is timed with its share of a copy of the keys and values its
+    rows attend (the cascade reads fewer: its share is an effective rate); each agrees with SDPA over
+    the static cache, and the kernel with a float64 oracle on some rows."""
     import math
 
     from fastppo.rollout.attention import CacheAttention
@@ -379,20 +385,24 @@ def paged_decode(c: Check):
     from fastppo.rollout.kv_cache import KVCache
     from fastppo.rollout.paged import PagedKVCache
 
-    B, H, KVH, D, L = c.size(256, 4), 28, 4, 128, c.size(4096, 40)
+    B, H, KVH, D, L, group = c.size(256, 4), 28, 4, 128, c.size(4096, 40), c.size(8, 2)
+    prompt = L // 2
     dtype = torch.bfloat16 if not c.dry else torch.float32
     positions = torch.randint(L // 2, L, (B,), device=c.device)
     span = int(positions.max()) + 1
     q = torch.randn(B, H, 1, D, device=c.device, dtype=dtype)
     k, v = (torch.randn(B, KVH, 1, D, device=c.device, dtype=dtype) for _ in range(2))
     keys, values = (torch.randn(B, L, KVH, D, device=c.device, dtype=dtype) for _ in range(2))
+    for x in (keys, values):  # a group's rows hold its prompt's keys
+        x.view(B // group, group, L, KVH, D)[:, 1:, :prompt] = x.view(B // group, group, L, KVH, D)[:, :1, :prompt]
     read = 2 * int(positions.sum() + B) * KVH * D * keys.element_size()  # each row's live keys and values
     rows = torch.arange(B, device=c.device).repeat_interleave(L)
     at = torch.arange(L, device=c.device).repeat(B)
     outputs = {}
-    for attention in ("sdpa", "flash"):
+    for attention in ("sdpa", "triton", "flash"):
+        backend = "triton" if attention == "triton" else "torch"
         try:
-            flash = flash_decode(attention, c.device, dtype, dtype, D, None if attention == "sdpa" else 256)
+            flash = flash_decode(attention, c.device, dtype, dtype, D, 256 if attention == "flash" else None)
         except ValueError as why:
             c.record("paged_decode", f"{attention}: skipped ({why})")
             continue
@@ -403,18 +413,21 @@ def paged_decode(c: Check):
                 cache = PagedKVCache(
                     1, B, KVH, L, D, dtype, c.device, block_size=block, num_blocks=1 + B * math.ceil(L / block)
                 )
-                for row in range(B):
-                    assert cache.claim([row], prompt_len=1, cap=L, positions=L)
+                for first in range(0, B, group):
+                    assert cache.claim(list(range(first, first + group)), prompt_len=prompt, cap=L, positions=L)
             cache.write(0, rows, at, keys.flatten(0, 1), values.flatten(0, 1))
-            attend = CacheAttention(cache, flash)
-            masks = attend.decode_masks(positions, span, {None}, dtype)
+            attend = CacheAttention(cache, flash, backend)
+            context = attend.decode_context(positions)
 
-            def step(attend=attend, masks=masks):
-                return attend.decode(0, q, k, v, positions, span, D**-0.5, None, masks)
+            def step(attend=attend, context=context):
+                return attend.decode(0, q, k, v, positions, span, D**-0.5, None, context)
 
             outputs[attention, layout] = step().float()
             ms = c.ms(step)
-            name = f"{attention} decode over a {layout} cache" + (f" (blocks of {block})" if block else "")
+            how = {"sdpa": "SDPA", "triton": "the kernel", "flash": "flash-attn"}[attention]
+            if attention == "triton" and layout == "paged":
+                how += " (cascade: a group's prompt read once)"
+            name = f"{how} over a {layout} cache" + (f" (blocks of {block})" if block else "")
             name += f", [{B} rows up to {span}, {H} heads, {KVH} KV heads of {D}]"
             c.record("paged_decode", name, us=round(ms * 1e3, 1), share=round(read / ms / 1e6 / c.copy(), 3))
     reference = outputs.get(("sdpa", "static"))
@@ -427,6 +440,26 @@ def paged_decode(c: Check):
                 ok=diff < 2e-2,
                 max_abs_diff=diff,
             )
+    # The kernel against float64 on a few rows: their keys, the step's new one at its position included.
+    checked = min(B, 8)
+    for layout in ("static", "paged"):
+        if ("triton", layout) not in outputs:
+            continue
+        worst = 0.0
+        for b in range(checked):
+            n = int(positions[b]) + 1
+            kk = torch.cat((keys[b, : n - 1], k[b, :, 0][None])).double()  # (n, KVH, D)
+            vv = torch.cat((values[b, : n - 1], v[b, :, 0][None])).double()
+            qq = q[b, :, 0].double().view(KVH, H // KVH, D)
+            weights = torch.softmax(torch.einsum("hgd,nhd->hgn", qq, kk) * D**-0.5, dim=-1)
+            expected = torch.einsum("hgn,nhd->hgd", weights, vv).reshape(H, D)
+            worst = max(worst, (outputs["triton", layout][b, :, 0].double() - expected).abs().max().item())
+        c.record(
+            "paged_decode",
+            f"the kernel, {layout}: against float64 on {checked} rows",
+            ok=worst < 2e-2,
+            max_abs_diff=worst,
+        )
 
 
 # Each section and the seconds it may take on the GPU (a cold machine: compiling included), in the
@@ -442,7 +475,7 @@ SECTIONS = (
     (distribution, 15),
     (occupancy, 25),
     (from_hidden, 20),
-    (paged_decode, 15),
+    (paged_decode, 25),
 )
 
 

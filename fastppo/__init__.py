@@ -6,6 +6,7 @@ any trainer: exact documented semantics, fp32 results, no host syncs, clear erro
 
 from .ops import (
     IGNORE_INDEX,
+    decode_attention,
     gae,
     group_advantages,
     kl_penalty,

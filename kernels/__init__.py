@@ -1,6 +1,6 @@
 """fastppo's device code: Triton kernels and the thin launchers that run them.
 
-One module per kernel family (``logprobs``, ``ppo_loss``, ``gae``, ``sampling``); each launcher
+One module per kernel family (``logprobs``, ``ppo_loss``, ``gae``, ``sampling``, ``decode_attention``); each launcher
 takes tensors already shaped the way its kernel expects and writes into output tensors it is
 given. Nothing here validates arguments, chooses dtypes or knows about autograd: that is the job
 of ``fastppo.ops``. ``layout`` holds what the kernels share with their PyTorch twins and imports
@@ -14,7 +14,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-FAMILIES = ("logprobs", "ppo_loss", "gae", "sampling")
+FAMILIES = ("logprobs", "ppo_loss", "gae", "sampling", "decode_attention")
 __all__ = [*FAMILIES, "layout"]
 
 

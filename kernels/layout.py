@@ -4,6 +4,8 @@ The twins run where triton is not installed (a CPU-only machine), so what both s
 on lives here, once, and the kernels derive their constants from it.
 """
 
+from typing import Any, NamedTuple
+
 # The columns of the PPO loss's per-program partial sums, in the order both implementations
 # store them: a (programs, len(PARTIALS)) fp32 tensor that ``fastppo.ops.ppo_loss`` sums.
 PARTIALS = ("pg", "kl", "entropy", "clipped", "half_lr_sq", "ratio", "ratio_max", "dual_clipped", "count")
@@ -21,3 +23,20 @@ def row_unit(*sizes) -> int:
     while unit > 1 and any(size % unit for size in sizes):
         unit //= 2
     return unit
+
+
+class Cascade(NamedTuple):
+    """How decode attention reads a group's shared prompt once (``kernels/decode_attention.py``).
+
+    ``members`` ``(E, M)`` int32: each entry's rows (the samples sharing one prefix, up to M of
+    them, -1 where an entry has fewer); ``shared`` ``(E,)`` int32: the positions ``[0, shared)``
+    the entry's rows hold in the same blocks (0: an unused entry); ``starts`` ``(B,)`` int32: each
+    row's ``shared`` (0 for a row in no entry), where its own keys begin; ``longest``: an int at
+    least every ``shared``. A row is in at most one entry. The math is plain attention's: this
+    only says what may be read once.
+    """
+
+    members: Any
+    shared: Any
+    starts: Any
+    longest: int

@@ -239,3 +239,28 @@ def gae_oracle(rewards, values, mask, gamma, lam):
 def chi2_critical(df: int, z: float = 3.09) -> float:
     """The chi-square quantile at p = 0.001 (z = 3.09), by Wilson and Hilferty's approximation."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def decode_attention_oracle(q, k_cache, v_cache, lengths, scale, block_table=None, window=None, sinks=None):
+    """float64 decode attention, row by row: row b's query ``q[b]`` ``(H, D)`` over its positions
+    ``[max(0, L - window), L)``, read position by position (through ``block_table`` when paged), query
+    head h on KV head ``h // (H // KVH)``, each head's sink one more logit with no value."""
+    B, H, D = q.shape
+    KVH, page = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(lengths[b])
+        first = 0 if window is None else max(0, L - window)
+        at = [
+            (int(block_table[b, p // page]), p % page) if block_table is not None else (b, p) for p in range(first, L)
+        ]
+        keys = torch.stack([k_cache[i, j] for i, j in at]).double()  # (n, KVH, D)
+        values = torch.stack([v_cache[i, j] for i, j in at]).double()
+        for h in range(H):
+            kv = h // (H // KVH)
+            scores = keys[:, kv] @ q[b, h].double() * scale  # (n,)
+            if sinks is not None:
+                scores = torch.cat((scores, sinks[h].double().view(1)))
+            weights = torch.softmax(scores, dim=0)[: len(at)]
+            out[b, h] = weights @ values[:, kv]
+    return out

@@ -166,7 +166,7 @@ def _sass(args, parser) -> int:
     from dataclasses import asdict
 
     from ..ops.dispatch import TRITON_INSTALLED
-    from .kernel_cases import all_cases, from_hidden_plans
+    from .kernel_cases import all_cases, decode_step_bytes, from_hidden_plans
     from .roofline import estimate, with_overrides
     from .roofline import markdown as roofline_markdown
     from .runner import commit
@@ -199,10 +199,11 @@ def _sass(args, parser) -> int:
     meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "triton": triton.__version__}
     rows = [estimate(case, gpu) for case in all_cases()]
     plans = from_hidden_plans(gpu)
+    decode_bytes = decode_step_bytes()
     return _report(
         args,
-        {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "from_hidden": plans},
-        roofline_markdown(rows, plans, gpu, meta, beside),
+        {"meta": meta, "gpu": asdict(gpu), "kernels": rows, "from_hidden": plans, "decode_bytes": decode_bytes},
+        roofline_markdown(rows, plans, gpu, meta, beside, decode_bytes),
     )
 
 

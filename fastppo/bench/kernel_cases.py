@@ -5,14 +5,15 @@ the runtime specialises it, as the compile check over every variant does
 (``tests/kernels/sm90_compile.py``). Shapes are those of a real RL step on a 150k-vocabulary
 model: 8192 tokens of log-probs, a 256-row sampling step, 512 rollouts of 8192 positions for GAE,
 and the same 4M tokens for the PPO loss; plus one small vocabulary (1000) for the log-prob
-kernels' one-warp tiling.
+kernels' one-warp tiling; decode attention at Qwen2.5-7B's heads (4 KV heads of 128, 7 query heads
+each, bf16), 256 rows of 4k positions, and 64 groups of 8 samples of a 2k-token prompt.
 """
 
 import torch
 import triton
 
-from ..kernels import gae, logprobs, ppo_loss, sampling
-from ..kernels.layout import PARTIALS
+from ..kernels import decode_attention, gae, logprobs, ppo_loss, sampling
+from ..kernels.layout import PARTIALS, Cascade
 from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
 from .launches import launched
 from .roofline import KernelCase, from_hidden_model
@@ -133,6 +134,115 @@ def ppo_loss_cases(N: int = 512 * 8192, device="cpu") -> list:
     ]
 
 
+# Qwen2.5-7B's attention: layers, KV heads, query heads per KV head, head size; a bf16 cache in blocks of 16.
+QWEN7B = dict(layers=28, kv_heads=4, group=7, head_dim=128)
+DECODE_PAGE = 16
+
+
+def _decode_tensors(rows: int, positions: int, device, kv_heads, group, head_dim, **_):
+    """A step's query and output, and a pool holding ``rows`` rows of ``positions`` each, its table."""
+    per_row = triton.cdiv(positions, DECODE_PAGE)
+    q = _empty(rows, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
+    pool = [_empty(1 + rows * per_row, DECODE_PAGE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)]
+    pool.append(torch.empty_like(pool[0]))
+    table = torch.zeros(rows, per_row, dtype=torch.int32, device=device)
+    lengths = torch.full((rows,), positions, dtype=torch.long, device=device)
+    return q, pool, table, lengths, torch.empty_like(q)
+
+
+def decode_attention_cases(rows=256, positions=4096, groups=64, samples=8, prompt=2048, device="cpu", shape=QWEN7B):
+    """Decode attention, one layer: ``rows`` rows of ``positions`` keys (plain), and ``groups`` x
+    ``samples`` rows of a shared ``prompt`` and ``positions - prompt`` keys each (cascade: the prefix
+    kernel, each row's own keys, the combine). Bytes: the keys and values each kernel must read
+    (a head of a position: 2 x head_dim x 2 bytes, K and V), the queries, outputs and partials."""
+    KVH, G, D = shape["kv_heads"], shape["group"], shape["head_dim"]
+    H, position_bytes = KVH * G, 2 * KVH * D * 2
+    BLOCK_D, BLOCK_N = decode_attention._tiling(D, torch.bfloat16)
+    q, (k, v), table, lengths, out = _decode_tensors(rows, positions, device, **shape)
+    S = decode_attention._splits(rows * KVH, positions, BLOCK_N, decode_attention.SMS_WITHOUT_GPU)
+
+    def run():
+        decode_attention.decode_attention(q, k, v, table, lengths, positions, 0.088, None, None, None, out)
+
+    cases = [
+        KernelCase(
+            "decode_attention",
+            f"bf16 {rows} rows x {positions} keys, {S} split(s)",
+            launched(decode_attention, "_decode_kernel", run),
+            trips=triton.cdiv(triton.cdiv(positions, S), BLOCK_N),
+            elements_per_trip=BLOCK_N * BLOCK_D,
+            bytes=rows * positions * position_bytes + 2 * rows * H * D * 2,
+            target=0.8,
+        )
+    ]
+    B = groups * samples
+    q, (k, v), table, lengths, out = _decode_tensors(B, positions, device, **shape)
+    members = torch.arange(B, dtype=torch.int32, device=device).view(groups, samples)
+    shared = torch.full((groups,), prompt, dtype=torch.int32, device=device)
+    cascade = Cascade(members, shared, torch.full((B,), prompt, dtype=torch.int32, device=device), prompt)
+    SP = decode_attention._splits(groups * KVH, prompt, BLOCK_N, decode_attention.SMS_WITHOUT_GPU)
+    S = decode_attention._splits(B * KVH, positions, BLOCK_N, decode_attention.SMS_WITHOUT_GPU)
+    partial_bytes = B * H * (D + 2) * 4  # one split's (m, l, acc) of every row and head
+
+    def run_cascade():
+        decode_attention.decode_attention(q, k, v, table, lengths, positions, 0.088, None, None, cascade, out)
+
+    shape_name = f"bf16 {groups} x {samples} rows, {prompt} shared + {positions - prompt} own keys"
+    own = positions - prompt
+    cases += [
+        KernelCase(
+            "decode_attention cascade: shared prefix",
+            f"{shape_name}, {SP} split(s)",
+            launched(decode_attention, "_prefix_kernel", run_cascade),
+            trips=triton.cdiv(triton.cdiv(prompt, SP), BLOCK_N),
+            elements_per_trip=BLOCK_N * BLOCK_D,
+            bytes=groups * prompt * position_bytes + B * H * D * 2 + SP * partial_bytes,
+        ),
+        KernelCase(
+            "decode_attention cascade: own keys",
+            f"{shape_name}, {S} split(s)",
+            launched(decode_attention, "_decode_kernel", run_cascade),
+            trips=triton.cdiv(own, BLOCK_N),  # a row's own keys lie in its first split
+            elements_per_trip=BLOCK_N * BLOCK_D,
+            bytes=B * own * position_bytes + B * H * D * 2 + S * partial_bytes,
+        ),
+        KernelCase(
+            "decode_attention cascade: combine",
+            f"{shape_name}, {SP + S} partials",
+            launched(decode_attention, "_combine_kernel", run_cascade),
+            trips=SP + S,
+            elements_per_trip=16 * BLOCK_D,
+            bytes=(SP + S) * partial_bytes + B * H * D * 2,
+        ),
+    ]
+    return cases
+
+
+def decode_step_bytes(rows=256, positions=4096, groups=64, samples=8, prompt=2048, shape=QWEN7B) -> list:
+    """Keys and values read per decode step (all layers) by each way of attending, at the shapes of
+    :func:`decode_attention_cases`: the kernel (each row's live keys once), the cascade (a group's
+    prompt once), and the gather it replaces on CUDA without flash-attn (each row's blocks read and
+    written into a new tensor, which SDPA reads again over the longest row's span: 3x, at equal
+    lengths no padding)."""
+    position_bytes = 2 * shape["kv_heads"] * shape["head_dim"] * 2 * shape["layers"]
+    B = groups * samples
+    return [
+        {
+            "workload": f"{rows} rows x {positions} keys",
+            "kernel": rows * positions * position_bytes,
+            "cascade": None,
+            "gather": 3 * rows * positions * position_bytes,
+        },
+        {
+            "workload": f"{groups} x {samples} rows of a {prompt}-token prompt, {positions} keys each",
+            "kernel": B * positions * position_bytes,
+            "cascade": (groups * prompt + B * (positions - prompt)) * position_bytes,
+            "gather": 3 * B * positions * position_bytes,
+            "prompt_share": groups / B,  # the cascade's prompt bytes over the plain kernel's
+        },
+    ]
+
+
 def all_cases(device="cpu", toy: bool = False) -> list:
     """Every case, its tensors on ``device``; ``toy``: at shapes the Triton interpreter runs in a
     second (the kernel check's dry run), the reported shapes otherwise. Besides the real step's
@@ -148,6 +258,7 @@ def all_cases(device="cpu", toy: bool = False) -> list:
         + sample_cases(8 if toy else 256, odd_V, device)
         + gae_cases(*((4, 256) if toy else (512, 8192)), device)
         + ppo_loss_cases(4096 if toy else 512 * 8192, device)
+        + (decode_attention_cases(4, 64, 2, 2, 32, device) if toy else decode_attention_cases(device=device))
     )
 
 

@@ -260,8 +260,12 @@ def waves(r: dict) -> str:
     return str(r["waves"]) if last == 1 else f"{r['waves']} (last {f'{last:.0%}' if last >= 0.01 else '<1%'})"
 
 
-def markdown(rows: list, plans: list, gpu: GPU, meta: dict, beside: Optional[dict] = None) -> str:
-    """The report; ``beside``: the JSON of the same report under another triton, compared per kernel."""
+def markdown(
+    rows: list, plans: list, gpu: GPU, meta: dict, beside: Optional[dict] = None, decode_bytes: Optional[list] = None
+) -> str:
+    """The report; ``beside``: the JSON of the same report under another triton, compared per kernel;
+    ``decode_bytes``: the keys and values a decode step reads by each way of attending
+    (``kernel_cases.decode_step_bytes``)."""
     lines = [
         f"# fastppo kernels on {gpu.name}, predicted from sm_90 machine code (an estimate, not a measurement)",
         "",
@@ -311,6 +315,25 @@ def markdown(rows: list, plans: list, gpu: GPU, meta: dict, beside: Optional[dic
             o = other.get((r["kernel"], r["shape"]))
             theirs_cells = " | ".join(predicted(o)) if o else "not in that report | | "
             lines.append(f"| {r['kernel']} | {r['shape']} | {' | '.join(predicted(r))} | {theirs_cells} |")
+    if decode_bytes:
+        lines += [
+            "",
+            "## Decode attention: keys and values read per decode step, all layers",
+            "",
+            "The kernel reads each row's live keys once; the cascade reads a group's shared prompt once for the "
+            "group; the gather (CUDA without flash-attn, before the kernel) reads each row's blocks, writes them "
+            f"into a new tensor and SDPA reads that again. Time at {gpu.copy_tbs} TB/s copy bandwidth.",
+            "",
+            "| workload | kernel GB | cascade GB | gather GB | cascade's prompt bytes / kernel's | kernel ms | "
+            "cascade ms | gather ms |",
+            "| --- " * 8 + "|",
+        ]
+        for d in decode_bytes:
+            ms = {k: d[k] / (gpu.copy_tbs * 1e12) * 1e3 if d[k] else None for k in ("kernel", "cascade", "gather")}
+            gb = {k: f"{d[k] / 1e9:.1f}" if d[k] else "" for k in ("kernel", "cascade", "gather")}
+            share = f"{d['prompt_share']:.3g}" if d.get("prompt_share") else ""
+            times = " | ".join(f"{ms[k]:.1f}" if ms[k] else "" for k in ("kernel", "cascade", "gather"))
+            lines.append(f"| {d['workload']} | {gb['kernel']} | {gb['cascade']} | {gb['gather']} | {share} | {times} |")
     if plans:
         lines += [
             "",

@@ -2,6 +2,7 @@
 
 from .advantages import group_advantages, masked_whiten, token_rewards
 from .checks import IGNORE_INDEX
+from .decode_attention import decode_attention
 from .gae import gae
 from .kl import kl_penalty
 from .ppo_loss import ppo_policy_loss
@@ -28,6 +29,7 @@ __all__ = [
     "group_advantages",
     "token_rewards",
     "sample_tokens",
+    "decode_attention",
     "rollout_is_weights",
     "IGNORE_INDEX",
 ]

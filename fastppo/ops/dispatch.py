@@ -19,9 +19,15 @@ from functools import lru_cache
 
 import torch
 
-from . import gae_torch, logprobs_torch, ppo_loss_torch, sampling_torch
+from . import decode_attention_torch, gae_torch, logprobs_torch, ppo_loss_torch, sampling_torch
 
-TWINS = {"gae": gae_torch, "logprobs": logprobs_torch, "ppo_loss": ppo_loss_torch, "sampling": sampling_torch}
+TWINS = {
+    "gae": gae_torch,
+    "logprobs": logprobs_torch,
+    "ppo_loss": ppo_loss_torch,
+    "sampling": sampling_torch,
+    "decode_attention": decode_attention_torch,
+}
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -73,9 +79,15 @@ def interpreter_problem(triton_version: tuple, numpy_version: tuple):
 @lru_cache(maxsize=1)
 def kernels() -> dict:
     """The Triton launchers of each family (imports triton, once)."""
-    from ..kernels import gae, logprobs, ppo_loss, sampling
+    from ..kernels import decode_attention, gae, logprobs, ppo_loss, sampling
 
-    return {"gae": gae, "logprobs": logprobs, "ppo_loss": ppo_loss, "sampling": sampling}
+    return {
+        "gae": gae,
+        "logprobs": logprobs,
+        "ppo_loss": ppo_loss,
+        "sampling": sampling,
+        "decode_attention": decode_attention,
+    }
 
 
 def implementation(backend: str, family: str):

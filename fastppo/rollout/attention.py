@@ -6,8 +6,11 @@ causally with SDPA (which on CUDA dispatches to a flash kernel of its own). Deco
 row's new key and value at its own position and attends over the row's valid prefix (and its
 sliding window, if the layer has one): either flash-attn's ``flash_attn_with_kvcache``, which
 appends and attends in one launch reading only each row's live keys (through the block table
-when paged), or SDPA over ``[:span]`` with a mask, reading the static cache through a transposed
-view (no copy) or gathering a paged row's blocks. ``flash.py`` chooses.
+when paged), or fastppo's ``decode_attention`` (its launcher) after the cache has stored the key: on CUDA its
+Triton kernel, which reads each row's live keys where they lie (a group's shared prompt once, by
+the paged cache's cascade), on the CPU its twin, SDPA over ``[:span]`` with a mask, reading the
+static cache through a transposed view (no copy) or gathering a paged row's blocks. ``flash.py``
+chooses.
 Extend (a multi-turn row's continuation) stores a few rows' new keys after the ones they hold and
 attends over each row's prefix so far with SDPA.
 """
@@ -18,11 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.dispatch import implementation
+
 
 class CacheAttention:
-    def __init__(self, cache, flash_decode: Optional[Callable] = None):
+    def __init__(self, cache, flash_decode: Optional[Callable] = None, backend: str = "torch"):
         self.cache = cache
-        self.flash_decode = flash_decode  # flash_attn_with_kvcache, or None for SDPA
+        self.flash_decode = flash_decode  # flash_attn_with_kvcache, or None for decode_attention
+        self.backend = backend  # decode_attention's: "triton" (the kernel) or "torch" (its SDPA twin)
 
     def prefill(
         self, layer: int, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]
@@ -73,21 +79,15 @@ class CacheAttention:
             q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
 
-    def decode_masks(self, positions: Tensor, span: int, windows: set, dtype: torch.dtype) -> dict:
-        """For one decode step, each window's (None: full attention) key mask ``(B, 1, 1, span)``,
-        additive in ``dtype`` (0 on a row's keys, -inf elsewhere): SDPA's CPU kernel takes a float
-        mask as it is, where it would convert a bool one at every layer.
-
-        Built once per step and shared by the layers; empty for flash-attn, which needs none.
-        """
+    def decode_context(self, positions: Tensor) -> tuple:
+        """What every layer of one decode step shares: where each row's new key goes, each row's
+        length once it is stored ``(B,)``, and the paged cache's cascade when the kernel attends
+        and some prompt is shared."""
         if self.flash_decode is not None:
-            return {}
-        keys = torch.arange(span, device=positions.device)
-        causal = keys[None, :] <= positions[:, None]  # (B, span)
-        masks = {w: causal if w is None else causal & (keys[None, :] > positions[:, None] - w) for w in windows}
-        blocked = torch.tensor(float("-inf"), dtype=dtype, device=positions.device)
-        zero = torch.tensor(0.0, dtype=dtype, device=positions.device)
-        return {w: torch.where(m, zero, blocked)[:, None, None, :] for w, m in masks.items()}
+            return None  # flash-attn stores and attends by itself
+        B = positions.shape[0]
+        cascade = self.cache.cascade(B) if self.backend == "triton" and self.cache.paged else None
+        return self.cache.locate(torch.arange(B, device=positions.device), positions), positions + 1, cascade
 
     def decode(
         self,
@@ -99,29 +99,25 @@ class CacheAttention:
         span: int,
         scale: float,
         window: Optional[int],
-        masks: dict,
+        context: tuple,
     ) -> Tensor:
         """Store the new key and value of slots ``0 .. B-1`` at their positions and attend over each
         row's keys so far.
 
-        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span; ``masks`` from
-        :meth:`decode_masks` -> (B, H, 1, D).
-
-        The query heads that share a key head (GQA's group of G) attend as G query rows of that
-        head, one attention per key head: ``(B, KVH, G, D)`` against ``(B, KVH, span, D)``. A row's
-        keys are then read once for its group, not once per query head (1.5x faster than SDPA's
-        own GQA on a 2-core Xeon).
+        q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span; ``context`` from
+        :meth:`decode_context` -> (B, H, 1, D).
         """
         if self.flash_decode is not None:
             return self._flash(layer, q, k, v, positions, span, scale, window)
-        (B, H, _, D), KVH = q.shape, k.shape[1]
-        self.cache.write(layer, torch.arange(B, device=q.device), positions, k[:, :, 0], v[:, :, 0])
-        # The cache may be stored in another dtype than the model computes in; .to is then a cast.
-        cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, B, span))
-        out = F.scaled_dot_product_attention(
-            q.reshape(B, KVH, H // KVH, D), cached_k, cached_v, attn_mask=masks[window], scale=scale
-        )  # (B, KVH, G, D)
-        return out.view(B, H, 1, D)
+        at, lengths, cascade = context
+        self.cache.store(layer, at, k[:, :, 0], v[:, :, 0])
+        out = torch.empty_like(q)  # (B, H, 1, D)
+        # The op's launcher, not the op: these arguments are right by construction, and the op's
+        # checks would cost ~2% of a CPU decode step, called for every layer.
+        implementation(self.backend, "decode_attention").decode_attention(
+            q[:, :, 0], *self.cache.kernel_args(layer), lengths, span, scale, window, None, cascade, out[:, :, 0]
+        )
+        return out
 
     def _flash(self, layer, q, k, v, positions, span, scale, window) -> Tensor:
         B = q.shape[0]

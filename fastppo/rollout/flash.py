@@ -1,4 +1,5 @@
-"""Choosing the decode attention: flash-attn's ``flash_attn_with_kvcache`` where it can run, else SDPA.
+"""Choosing the decode attention: flash-attn's ``flash_attn_with_kvcache`` where it can run, else
+fastppo's own ``decode_attention`` (its Triton kernel on CUDA, its SDPA twin elsewhere).
 
 ``flash_attn_with_kvcache`` appends each row's new key and value at its own length and attends
 over the row's valid prefix in one kernel, reading only the live part of the cache, where PyTorch
@@ -6,8 +7,11 @@ SDPA reads the whole ``[:span]`` window with a mask. It needs the flash-attn pac
 float16 or bfloat16 model with a KV cache of the same dtype, and a head size up to 256 that is a
 multiple of 8, and for a paged cache blocks of a multiple of 256 positions (flash-attn 2's page
 size rule). ``attention="auto"`` takes it when all of that holds; ``"flash"`` insists and
-says which condition failed; ``"sdpa"`` never takes it. Prefill always runs SDPA, which on CUDA
-already dispatches causal attention to a flash kernel of its own.
+says which condition failed. Otherwise ``decode_attention`` attends: ``"triton"`` runs its kernel
+(which reads each row's live keys where they lie, paged or not, and a group's shared prompt once),
+``"sdpa"`` its PyTorch twin, and ``"auto"`` the kernel on CUDA where triton is installed, else the
+twin (the CPU's path). Prefill always runs SDPA, which on CUDA already dispatches causal attention
+to a flash kernel of its own.
 """
 
 import importlib.util
@@ -15,7 +19,9 @@ from typing import Callable, Optional
 
 import torch
 
-ATTENTIONS = ("auto", "flash", "sdpa")
+from ..ops.dispatch import TRITON_INSTALLED, resolve_backend
+
+ATTENTIONS = ("auto", "flash", "triton", "sdpa")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_BLOCK = 256  # flash-attn 2 pages a KV cache in blocks of a multiple of this many positions
 
@@ -55,8 +61,9 @@ def flash_decode(
     head_dim: int,
     block_size: Optional[int] = None,
 ) -> Optional[Callable]:
-    """``flash_attn_with_kvcache`` if ``attention`` (one of ``ATTENTIONS``) picks it, else None (SDPA)."""
-    if attention == "sdpa":
+    """``flash_attn_with_kvcache`` if ``attention`` (one of ``ATTENTIONS``) picks it, else None
+    (``decode_attention``, on the backend :func:`kernel_backend` names)."""
+    if attention in ("triton", "sdpa"):
         return None
     reason = _why_not_flash(device, model_dtype, cache_dtype, head_dim, block_size)
     if reason is None:
@@ -67,3 +74,16 @@ def flash_decode(
     if attention == "flash":
         raise ValueError(f"attention='flash' cannot be used: {reason}")
     return None
+
+
+def kernel_backend(attention: str, device: torch.device) -> str:
+    """The backend ``decode_attention`` runs on where flash-attn does not decode: ``"triton"`` (the
+    kernel) or ``"torch"`` (the twin), as ``attention`` (one of ``ATTENTIONS``) picks for ``device``."""
+    if attention == "triton":
+        try:
+            return resolve_backend("triton", device)
+        except ValueError as error:
+            raise ValueError(f"attention='triton' cannot be used: {error}") from None
+    if attention == "auto" and device.type == "cuda" and TRITON_INSTALLED:
+        return "triton"
+    return "torch"

@@ -10,7 +10,7 @@ by the prefill of its group, and each decode step writes every row at its own po
 of ragged lengths share one cache. Reading and writing it for attention is ``attention.py``'s.
 
 The paged cache (``paged.py``) keeps the same storage interface (``write``, ``read``,
-``flash_args``, ``share``, ``move``) and adds blocks a row claims as it grows; here every slot has
+``flash_args``, ``kernel_args``, ``share``, ``move``) and adds blocks a row claims as it grows; here every slot has
 all of its positions from the start.
 """
 
@@ -50,8 +50,17 @@ class KVCache:
 
     def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``, ``v`` ``(n, KVH, D)`` at ``positions`` ``(n,)`` of slots ``rows`` ``(n,)``."""
-        self.k[layer][rows, positions] = k.to(self.k[layer].dtype)
-        self.v[layer][rows, positions] = v.to(self.v[layer].dtype)
+        self.store(layer, self.locate(rows, positions), k, v)
+
+    def locate(self, rows: Tensor, positions: Tensor) -> tuple:
+        """Where ``positions`` of slots ``rows`` lie, as the index :meth:`store` takes: the same for
+        every layer, so a decode step finds it once."""
+        return rows, positions
+
+    def store(self, layer: int, at: tuple, k: Tensor, v: Tensor) -> None:
+        """Store ``k``, ``v`` ``(n, KVH, D)`` at ``at`` (from :meth:`locate`)."""
+        for cache, x in ((self.k[layer], k), (self.v[layer], v)):
+            cache[at] = x if x.dtype == cache.dtype else x.to(cache.dtype)
 
     def read(self, layer: int, rows, span: int) -> tuple:
         """Positions ``0 .. span-1`` of slots ``rows`` (a tensor, or ``B`` for ``0 .. B-1``, a view
@@ -63,6 +72,10 @@ class KVCache:
     def flash_args(self, layer: int, rows: int, span: int) -> dict:
         """What ``flash_attn_with_kvcache`` reads for slots ``0 .. rows-1``."""
         return dict(k_cache=self.k[layer][:rows, :span], v_cache=self.v[layer][:rows, :span])
+
+    def kernel_args(self, layer: int) -> tuple:
+        """What ``decode_attention`` reads: keys, values (row ``b`` in slot ``b``) and no block table."""
+        return self.k[layer], self.v[layer], None
 
     def share(self, src: list, dst: list, lengths: list) -> None:
         """Give slot ``dst[i]`` the first ``lengths[i]`` positions of slot ``src[i]`` (a prompt's

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..windows import UnknownWindows, layer_windows
 from .attention import CacheAttention
 from .decoder import Decoder
-from .flash import FLASH_BLOCK, flash_decode
+from .flash import FLASH_BLOCK, flash_decode, kernel_backend
 from .kv_cache import KVCache
 from .packed import DecoderWeights
 from .paged import DEFAULT_BLOCK, PagedKVCache, block_within, paged_blocks
@@ -118,10 +118,10 @@ class LeanDecoder(Decoder):
 
     def decode(self, tokens: Tensor, positions: Tensor, span: int, live: Tensor = None) -> Tensor:
         # ``live`` is not needed: a slot writes only its own position, which a row rewrites first
-        masks = self.attention.decode_masks(positions, span, set(self.windows), self.dtype)
+        context = self.attention.decode_context(positions)
 
         def attend(layer, q, k, v, scale):
-            return self.attention.decode(layer, q, k, v, positions, span, scale, self.windows[layer], masks)
+            return self.attention.decode(layer, q, k, v, positions, span, scale, self.windows[layer], context)
 
         return self.logits(self.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)[:, -1])
 
@@ -290,13 +290,16 @@ def lean_decoder(
         kv_cache = "paged" if short or block_size is not None else "static"
     projections = DecoderWeights(family.projections(model), weights, slots, layout)
 
+    backend = kernel_backend(attention, param.device)
+
     def decode_attention(block):
         return flash_decode(attention, param.device, param.dtype, dtype, head_dim, block)
 
     if kv_cache == "static":
         flash = decode_attention(None)
+        # head-major unless flash-attn reads it: a head's keys of a row in one run, for SDPA and the kernel alike
         cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device, head_major=flash is None)
-        return family(model, CacheAttention(cache, flash), windows, projections)
+        return family(model, CacheAttention(cache, flash, backend), windows, projections)
     if block_size is None:  # flash-attn's page when it would take one, else vLLM's default
         flash = flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK)
         block_size = FLASH_BLOCK if flash else DEFAULT_BLOCK
@@ -306,4 +309,4 @@ def lean_decoder(
     cache = PagedKVCache(
         layers, slots, kv_heads, max_len, head_dim, dtype, param.device, block_size=block_size, num_blocks=num_blocks
     )
-    return family(model, CacheAttention(cache, flash), windows, projections)
+    return family(model, CacheAttention(cache, flash, backend), windows, projections)

@@ -26,6 +26,12 @@ progress: the cache never deadlocks and no running row is ever evicted. One rule
 admission and growth alike (``_least_free``): a row returns its own blocks when it ends, and a
 group's shared prompt blocks come back with the last of its holders to end. The cost is one cap's
 worth of blocks held back, not one per row.
+
+**The cascade.** The decode kernel can read a group's shared prompt blocks once for all its rows
+(``Cascade``). The cache keeps what it needs beside the table, as fixed tensors rewritten in place
+(so a CUDA graph replays over them): the groups' rows in entries of up to ``CASCADE_MEMBERS``, each
+entry's shared positions, each row's first position of its own. They change when rows are
+admitted, released or moved, never as rows grow.
 """
 
 import math
@@ -35,10 +41,12 @@ import torch
 from torch import Tensor
 
 from ..limits import GiB
+from ..ops.decode_attention import Cascade
 
 TRASH = 0  # the block every unheld table entry points at
 DEFAULT_BLOCK = 16  # positions per block where flash-attn does not decode (vLLM's default too)
 NEW_GROUP = -1  # the group a claim is admitting, in the safety check (block ids are >= 1)
+CASCADE_MEMBERS = 8  # rows of a group the decode kernel attends its shared prompt for at once
 
 
 class KVMemoryError(ValueError):
@@ -115,6 +123,10 @@ class PagedKVCache:
         self.prompt = [0] * slots  # how many of them, at the front, are its group's shared prompt
         self.caps = [0] * slots  # the positions each slot's row may reach (0: no row)
         self.peak_blocks = 0  # the most blocks held at once since the last reset_peak
+        self._members = torch.full((slots, CASCADE_MEMBERS), -1, dtype=torch.int32, device=device)
+        self._shared = torch.zeros(slots, dtype=torch.int32, device=device)
+        self._starts = torch.zeros(slots, dtype=torch.int32, device=device)
+        self._sharing = False  # some prompt's blocks are held by two rows or more
 
     # ---- the storage, for the attention ----------------------------------------------------
 
@@ -124,10 +136,17 @@ class PagedKVCache:
 
     def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``, ``v`` ``(n, KVH, D)`` at ``positions`` ``(n,)`` of slots ``rows`` ``(n,)``."""
-        blocks = self.table[rows, positions // self.block_size].long()
-        offsets = positions % self.block_size
-        self.k[layer][blocks, offsets] = k.to(self.k[layer].dtype)
-        self.v[layer][blocks, offsets] = v.to(self.v[layer].dtype)
+        self.store(layer, self.locate(rows, positions), k, v)
+
+    def locate(self, rows: Tensor, positions: Tensor) -> tuple:
+        """Where ``positions`` of slots ``rows`` lie: their blocks and offsets, the same for every
+        layer (a decode step finds them once)."""
+        return self.table[rows, positions // self.block_size].long(), positions % self.block_size
+
+    def store(self, layer: int, at: tuple, k: Tensor, v: Tensor) -> None:
+        """Store ``k``, ``v`` ``(n, KVH, D)`` at ``at`` (from :meth:`locate`)."""
+        for cache, x in ((self.k[layer], k), (self.v[layer], v)):
+            cache[at] = x if x.dtype == cache.dtype else x.to(cache.dtype)
 
     def read(self, layer: int, rows, span: int) -> tuple:
         """Positions ``0 .. span-1`` of slots ``rows`` (a tensor, or ``B`` for ``0 .. B-1``), gathered
@@ -142,6 +161,18 @@ class PagedKVCache:
     def flash_args(self, layer: int, rows: int, span: int) -> dict:
         """What ``flash_attn_with_kvcache`` reads for slots ``0 .. rows-1``: the pool and their table."""
         return dict(k_cache=self.k[layer], v_cache=self.v[layer], block_table=self.table[:rows])
+
+    def kernel_args(self, layer: int) -> tuple:
+        """What ``decode_attention`` reads: the pool's keys and values, and the block table."""
+        return self.k[layer], self.v[layer], self.table
+
+    def cascade(self, rows: int):
+        """The ``Cascade`` of slots ``0 .. rows-1`` (their shared prompts, each read once per entry),
+        or None while no two rows share one. Its bound on the shared positions is the cap, fixed, so
+        a graph captured with it covers every prompt after."""
+        if not self._sharing:
+            return None
+        return Cascade(self._members, self._shared, self._starts[:rows], self.max_len)
 
     # ---- rows' blocks, for the decoder and the loop --------------------------------------------
 
@@ -224,6 +255,7 @@ class PagedKVCache:
             self.held[s], self.prompt[s] = list(shared), full
             self._take(s, each)
         self._sync_rows(slots)
+        self._sync_cascade()
         return True
 
     def smallest(self, prompt_len: int, n: int, cap: int, positions: int) -> int:
@@ -263,6 +295,7 @@ class PagedKVCache:
                     self.free.append(b)
             self.held[s], self.prompt[s], self.caps[s] = [], 0, 0
         self._sync_rows(slots)
+        self._sync_cascade()
 
     def move(self, order: list, length: int) -> bool:
         """Slot ``i`` takes slot ``order[i]``'s blocks (its table row, no data moved); the slots past
@@ -273,6 +306,7 @@ class PagedKVCache:
         for s in range(k, self.slots):
             self.held[s], self.prompt[s], self.caps[s] = [], 0, 0
         self._sync_rows(range(self.slots))
+        self._sync_cascade()
         return True
 
     @property
@@ -300,3 +334,25 @@ class PagedKVCache:
         for i, s in enumerate(slots):
             rows[i, : len(self.held[s])] = torch.tensor(self.held[s], dtype=torch.int32)
         self.table[torch.tensor(slots, device=self.table.device)] = rows.to(self.table.device)
+
+    def _sync_cascade(self) -> None:
+        """Rewrite the cascade's tensors from ``held`` and ``prompt``: the rows holding a group's
+        shared blocks (named by the first), in entries of up to ``CASCADE_MEMBERS``."""
+        groups = {}
+        for s in range(self.slots):
+            if self.caps[s] and self.prompt[s]:
+                groups.setdefault(self.held[s][0], []).append(s)
+        members = torch.full(self._members.shape, -1, dtype=torch.int32)
+        shared, starts = torch.zeros(self.slots, dtype=torch.int32), torch.zeros(self.slots, dtype=torch.int32)
+        entry = 0
+        for rows in groups.values():
+            positions = self.prompt[rows[0]] * self.block_size
+            starts[rows] = positions
+            for i in range(0, len(rows), CASCADE_MEMBERS):
+                chunk = rows[i : i + CASCADE_MEMBERS]
+                members[entry, : len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
+                shared[entry] = positions
+                entry += 1
+        for tensor, value in ((self._members, members), (self._shared, shared), (self._starts, starts)):
+            tensor.copy_(value)
+        self._sharing = any(len(rows) > 1 for rows in groups.values())

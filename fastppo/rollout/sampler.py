@@ -72,8 +72,10 @@ class Sampler:
         dtype: the KV cache's dtype (default: the model's).
         cuda_graphs: replay the decode step as CUDA graphs (CUDA and the lean path only).
         attention: the lean path's decode attention: ``"flash"`` (flash-attn's
-            ``flash_attn_with_kvcache``), ``"sdpa"`` (PyTorch), or ``"auto"``: flash where it can
-            run (flash-attn installed, CUDA, a float16/bfloat16 model and cache), else SDPA.
+            ``flash_attn_with_kvcache``), ``"triton"`` (fastppo's ``decode_attention`` kernel: each
+            row's live keys read where they lie, a group's shared prompt once), ``"sdpa"`` (that
+            op's PyTorch twin), or ``"auto"``: flash where it can run (flash-attn installed, CUDA, a
+            float16/bfloat16 model and cache), else the kernel on CUDA, else SDPA.
         compact_below: when fewer than this share of the batch's rows are still going (checked
             every 16 steps on an accelerator, every step on the CPU), the live rows move into the
             holes and the batch shrinks to them; 1 packs whenever a row has ended, 0 never moves
@@ -172,10 +174,13 @@ class Sampler:
 
     @property
     def attention(self) -> str:
-        """The decode attention in use: ``"flash"``, ``"sdpa"``, or ``"model"`` (the generic path's own)."""
+        """The decode attention in use: ``"flash"``, ``"triton"`` (fastppo's kernel), ``"sdpa"`` (its
+        PyTorch twin), or ``"model"`` (the generic path's own)."""
         if self.lean is None:
             return "model"
-        return "flash" if self.lean.attention.flash_decode is not None else "sdpa"
+        if self.lean.attention.flash_decode is not None:
+            return "flash"
+        return "triton" if self.lean.attention.backend == "triton" else "sdpa"
 
     def _check_prompts(self, prompts, max_new_tokens, n: int) -> list:
         """Each row's budget, ``n`` rows per prompt, from an int, one per prompt or one per row."""

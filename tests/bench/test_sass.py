@@ -225,6 +225,13 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
         assert max(odd["load_bits"]) == (16 if name == "sample_tokens" else 128), odd
     assert any(r["kernel"] == "sample_tokens combine" for r in report["kernels"])
     assert any(m["default"] for m in report["from_hidden"])
+    # Decode attention at Qwen2.5-7B's heads: 16-byte loads of the keys, at its 80% target; the cascade
+    # reads a group of 8's prompt once (1/8 of the plain kernel's prompt bytes, the target 1/6).
+    decode = next(r for r in report["kernels"] if r["kernel"] == "decode_attention")
+    assert 128 in decode["load_bits"] and decode["copy_share"] >= decode["target"] == 0.8, decode
+    assert {"decode_attention cascade: shared prefix", "decode_attention cascade: combine"} <= names
+    shared = next(d for d in report["decode_bytes"] if d["cascade"])
+    assert shared["prompt_share"] <= 1 / 6 and shared["cascade"] < shared["kernel"] < shared["gather"]
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="without triton --sass refuses before reading the figures")
@@ -287,7 +294,8 @@ def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):
     assert not any(line["name"] == "raised" or line["name"].startswith("skipped") for line in lines)
     names = " ".join(line["name"] for line in lines)
     rows = ("sample_tokens combine", "4097]", "[10, 4096]", "NaN/inf/-inf", "[6, 1]", "chi-square", "paged cache")
-    for row in rows:  # the combine kernel, odd V, the wave probe, poisoned oracles, draws, paged attention
+    rows += ("decode_attention cascade: combine", "the kernel (cascade", "the kernel, paged: against float64")
+    for row in rows:  # combine kernels, odd V, the wave probe, poisoned oracles, draws, paged attention
         assert row in names, row
     assert any("latency_us" in line for line in lines) and any("GBps" in line for line in lines)
     assert "| peaked |" in (tmp_path / "kernel_check.md").read_text()

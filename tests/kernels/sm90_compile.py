@@ -19,8 +19,8 @@ assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
 import torch  # noqa: E402
 
 from fastppo.bench.launches import compile_launch, launches  # noqa: E402
-from fastppo.kernels import gae, logprobs, ppo_loss, sampling  # noqa: E402
-from fastppo.kernels.layout import PARTIALS  # noqa: E402
+from fastppo.kernels import decode_attention, gae, logprobs, ppo_loss, sampling  # noqa: E402
+from fastppo.kernels.layout import PARTIALS, Cascade  # noqa: E402
 
 # 16 bytes per access: a vector load or store of 4 32-bit words, or an asynchronous copy of 16 bytes.
 WIDE_LOAD = r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.\w+\.shared\.global[^;]*, 0x10\b"
@@ -120,7 +120,42 @@ def sampling_kernels():
             assert re.search(WIDE_LOAD, ptx["_sample_kernel"]), "sampling logits loads are not vectorised"
 
 
+def decode_attention_kernels():
+    """Qwen2.5-7B's heads (7 query heads to a KV head, 128 wide) in bf16 and fp32, every variant:
+    paged in one split (the row finished in place), a window and sinks over splits and a combine,
+    a static cache (head-major, as the sampler keeps it), the cascade; and the other head sizes of
+    the lean families with GQA ratios 1 and 4, paged in one split, in bf16."""
+    B, page, blocks = 64, 16, 256
+    lengths = torch.zeros(B, dtype=torch.long)
+    shapes = [(128, 7, 4, "bf16", True), (128, 7, 4, "fp32", True), (64, 1, 12, "bf16", False)]
+    shapes += [(80, 4, 8, "bf16", False), (96, 7, 4, "bf16", False)]
+    for D, G, KVH, dtype, every_variant in shapes:
+        q, out = empty(B, KVH * G, D, dtype=DTYPES[dtype]), empty(B, KVH * G, D, dtype=DTYPES[dtype])
+        pool = [empty(blocks * 64, page, KVH, D, dtype=DTYPES[dtype]) for _ in range(2)]
+        table = torch.zeros(B, blocks, dtype=torch.int32)
+        static = [empty(B, KVH, 4096, D, dtype=DTYPES[dtype]).transpose(1, 2) for _ in range(2)]
+        cascade = Cascade(torch.zeros(B // 8, 8, dtype=torch.int32), torch.zeros(B // 8, dtype=torch.int32),
+                          torch.zeros(B, dtype=torch.int32), 2048)  # fmt: skip
+        variants = [(pool, table, None, None, None, 1)]
+        if every_variant:
+            variants += [
+                (pool, table, 128, empty(KVH * G), None, 4),
+                (static, None, None, None, None, 2),
+                (pool, table, None, None, cascade, 1),
+            ]
+        for (k, v), tab, window, sinks, casc, splits in variants:
+            ptx = build(
+                decode_attention,
+                lambda: decode_attention.decode_attention(
+                    q, k, v, tab, lengths, 4096, 0.1, window, sinks, casc, out, splits=splits
+                ),
+            )
+            if D % 64 == 0:  # a head's keys of a position in whole 16-byte vectors
+                assert re.search(WIDE_LOAD, ptx["_decode_kernel"]), "decode attention's key loads are not vectorised"
+
+
 if __name__ == "__main__":
+    decode_attention_kernels()
     logprob_kernels()
     gae_kernels()
     ppo_loss_kernels()
