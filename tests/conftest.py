@@ -28,6 +28,10 @@ BACKENDS = [
 ]
 
 
+# For a test whose kernel run takes the interpreter many seconds: the twin by default, the kernel with -m slow.
+BACKENDS_KERNEL_SLOW = ["torch", pytest.param("triton", marks=[*BACKENDS[1].marks, pytest.mark.slow])]
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Each op runs on both implementations: the PyTorch twin and the Triton kernels."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastppo
+from tests.conftest import BACKENDS_KERNEL_SLOW
 from tests.ops.inputs import OPTIONS, make_inputs
 from tests.oracles import logprobs_oracle, ppo_loss_oracle, relative_error
 
@@ -144,6 +145,7 @@ def test_from_hidden_without_autograd_gives_the_same_loss(backend):
         torch.testing.assert_close(stats[name], stats_no_grad[name])
 
 
+@pytest.mark.parametrize("backend", BACKENDS_KERNEL_SLOW)  # the interpreter: ~20 s
 def test_from_hidden_memory_is_bounded_by_the_chunk(backend, device):
     from fastppo.bench.measure import LiveBytes
 

@@ -6,6 +6,7 @@ import torch
 import fastppo
 from fastppo.bench.measure import LiveBytes
 from fastppo.ops.token_logprobs_from_hidden import InputGrads, add_matmul_fp32, default_chunk_size
+from tests.conftest import BACKENDS_KERNEL_SLOW
 from tests.ops.inputs import DTYPES, make_labels
 from tests.oracles import assert_grad_close, assert_values_close, logprobs_from_hidden_oracle
 
@@ -89,6 +90,7 @@ def test_per_sequence_temperature(backend, device):
     assert_values_close(logp, ref_logp, torch.float32, logit_scale=50)
 
 
+@pytest.mark.parametrize("backend", BACKENDS_KERNEL_SLOW)  # the interpreter: ~20 s
 def test_memory_is_bounded_by_the_chunk(backend, device):
     if device.type == "cuda":
         pytest.skip("measured with the CUDA allocator in test_gpu.py")

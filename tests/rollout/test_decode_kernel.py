@@ -28,7 +28,10 @@ needs_triton = pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not in
 )
 def test_the_kernel_decodes_greedily_like_generate(family, kv_cache):
     model = tiny(family)
-    sampler = fastppo.Sampler(model, max_batch_size=9, max_seq_len=40, attention="triton", kv_cache=kv_cache)
+    # Blocks of 4: the 7-token prompt's first block is shared by its 3 samples, so the cascade reads it.
+    sampler = fastppo.Sampler(
+        model, max_batch_size=9, max_seq_len=40, attention="triton", kv_cache=kv_cache, kv_block_size=4
+    )
     assert sampler.attention == "triton"
     rollout = sampler.generate(PROMPTS, max_new_tokens=8, temperature=0, stop_token_ids=(), num_samples_per_prompt=3)
     for row in range(len(rollout.prompt_ids)):
@@ -37,6 +40,7 @@ def test_the_kernel_decodes_greedily_like_generate(family, kv_cache):
 
 
 @needs_triton
+@pytest.mark.slow  # the interpreter: ~10 s
 def test_the_kernel_s_logprobs_equal_the_twin_s():
     """Blocks of 4 positions: the 7-token prompt's first block is shared by its three samples, so the
     cascade reads it once for them while the twin gathers it for each."""
