@@ -94,7 +94,7 @@ def search(count: int, longest: int, episodes: bool, seed: int) -> None:
         assert cache.used_blocks == 0 and not any(cache.refs), where
 
 
-@pytest.mark.parametrize("episodes", [False, True])
+@pytest.mark.parametrize("episodes", [False, pytest.param(True, marks=pytest.mark.slow)])  # ~15 s each
 def test_random_schedules_never_livelock_and_equal_the_static_cache(episodes):
     # seeds whose first 60 schedules livelocked the check that counted a group's shared prompt as
     # returned at admission and never at growth

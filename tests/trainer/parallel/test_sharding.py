@@ -134,6 +134,7 @@ def assert_same_weights(got: dict, expected: dict) -> None:
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # two end-to-end runs, ~15 s
 def test_the_consolidated_models_load_with_from_pretrained_and_equal_the_unsharded_run(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -151,6 +152,7 @@ def test_the_consolidated_models_load_with_from_pretrained_and_equal_the_unshard
         assert_same_weights(sharded.state_dict(), single.state_dict())
 
 
+@pytest.mark.slow  # two end-to-end runs, ~15 s
 def test_a_sharded_lora_run_saves_the_adapter_and_the_merged_model_of_the_unsharded_run(tmp_path):
     from transformers import AutoModelForCausalLM
 
