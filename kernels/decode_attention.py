@@ -7,7 +7,8 @@ with a mask over the longest row's span: each byte read, written and read again,
 a program reads exactly its row's live positions, ``[max(start, length - window), length)``, from
 the pool's blocks (``table[row, p // page]``, offset ``p % page``) and nothing else: not the
 positions past the row's length in its last block, not a block it does not hold (which may hold
-anything, NaN included).
+anything, NaN included). Several queries may read one cache row (``rows``), each to its own length:
+a multi-turn continuation's tokens, each attending over the row's keys up to itself.
 
 How the work is laid out:
 
@@ -180,6 +181,7 @@ def _decode_kernel(
     k_ptr,
     v_ptr,
     table_ptr,
+    rows_ptr,
     lengths_ptr,
     starts_ptr,
     sinks_ptr,
@@ -210,14 +212,19 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    # grid (rows, KV heads, splits): one row's keys in [lo + split * split_len, ...) at one KV head.
+    # grid (queries, KV heads, splits): one query's keys in [lo + split * split_len, ...) at one KV head,
+    # read from its cache row (``rows[row]``, or its own index).
     row = tl.program_id(0).to(tl.int64)
+    slot = row
+    if HAS_ROWS:
+        slot = tl.load(rows_ptr + row).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     H = tl.num_programs(1) * G
@@ -238,7 +245,7 @@ def _decode_kernel(
 
     q = _queries(q_ptr, row, heads, stride_qb, stride_qh, d, r_ok, d_ok)  # (BLOCK_R, BLOCK_D)
     m, den, acc = _attend_range(
-        q, k_ptr, v_ptr, table_ptr, stride_t, row, begin, end, lo, length, page,
+        q, k_ptr, v_ptr, table_ptr, stride_t, slot, begin, end, lo, length, page,
         (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2,
         BLOCK_R, BLOCK_D, BLOCK_N, PAGED, False, IEEE,
     )  # fmt: skip
@@ -405,6 +412,7 @@ def decode_attention(
     k_cache,
     v_cache,
     table,
+    rows,
     lengths,
     max_length,
     scale,
@@ -454,12 +462,14 @@ def decode_attention(
         )  # fmt: skip
     starts = None if cascade is None else cascade.starts
     _decode_kernel[(B, KVH, S)](
-        q, k_cache, v_cache, table if paged else lengths, lengths, starts if starts is not None else lengths,
+        q, k_cache, v_cache, table if paged else lengths, rows if rows is not None else lengths, lengths,
+        starts if starts is not None else lengths,
         sinks if sinks is not None else q, out, part_m, part_den, part_o,
         scale2, window or 0, k_cache.shape[1], split_len,
         q.stride(0), q.stride(1), *cache_strides, table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         SP, total,
-        BLOCK_R=_next_power_of_2(G, 16), PAGED=paged, HAS_WINDOW=window is not None, HAS_STARTS=starts is not None,
+        BLOCK_R=_next_power_of_2(G, 16), PAGED=paged, HAS_ROWS=rows is not None, HAS_WINDOW=window is not None,
+        HAS_STARTS=starts is not None,
         HAS_SINKS=sinks is not None, DIRECT=direct, **common,
     )  # fmt: skip
     if not direct:

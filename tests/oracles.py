@@ -241,18 +241,20 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def decode_attention_oracle(q, k_cache, v_cache, lengths, scale, block_table=None, window=None, sinks=None):
-    """float64 decode attention, row by row: row b's query ``q[b]`` ``(H, D)`` over its positions
-    ``[max(0, L - window), L)``, read position by position (through ``block_table`` when paged), query
-    head h on KV head ``h // (H // KVH)``, each head's sink one more logit with no value."""
+def decode_attention_oracle(q, k_cache, v_cache, lengths, scale, block_table=None, window=None, sinks=None, rows=None):
+    """float64 decode attention, query by query: query b's ``q[b]`` ``(H, D)`` over the positions
+    ``[max(0, L - window), L)`` of its cache row (``rows[b]``, else b), read position by position
+    (through ``block_table`` when paged), query head h on KV head ``h // (H // KVH)``, each head's
+    sink one more logit with no value."""
     B, H, D = q.shape
     KVH, page = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty(B, H, D, dtype=torch.float64)
     for b in range(B):
         L = int(lengths[b])
         first = 0 if window is None else max(0, L - window)
+        s = b if rows is None else int(rows[b])
         at = [
-            (int(block_table[b, p // page]), p % page) if block_table is not None else (b, p) for p in range(first, L)
+            (int(block_table[s, p // page]), p % page) if block_table is not None else (s, p) for p in range(first, L)
         ]
         keys = torch.stack([k_cache[i, j] for i, j in at]).double()  # (n, KVH, D)
         values = torch.stack([v_cache[i, j] for i, j in at]).double()

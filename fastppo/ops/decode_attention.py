@@ -22,7 +22,8 @@ from . import checks
 from .dispatch import implementation, resolve_backend
 
 
-def _check_cache(q, k_cache, v_cache, block_table, lengths, max_length) -> None:
+def _check_cache(q, k_cache, v_cache, block_table, lengths, max_length, own_rows: bool) -> None:
+    """``own_rows``: query b reads cache row b, so the cache has at least B rows."""
     checks.check_float(q, "q")
     if q.dim() != 3:
         raise ValueError(f"q must have shape (B, H, D), got {tuple(q.shape)}")
@@ -47,18 +48,18 @@ def _check_cache(q, k_cache, v_cache, block_table, lengths, max_length) -> None:
     if lengths.shape != (B,):
         raise ValueError(f"lengths must have shape (B,) = ({B},), got {tuple(lengths.shape)}")
     checks.check_same_device(q.device, "q", k_cache=k_cache, v_cache=v_cache, lengths=lengths, block_table=block_table)
-    page = k_cache.shape[1]
+    page, least = k_cache.shape[1], B if own_rows else 1
     if block_table is None:
-        if k_cache.shape[0] < B or max_length > page:
+        if k_cache.shape[0] < least or max_length > page:
             raise ValueError(
-                f"a static k_cache of {k_cache.shape[0]} slots of {page} positions cannot hold {B} rows of "
+                f"a static k_cache of {k_cache.shape[0]} slots of {page} positions cannot hold {least} rows of "
                 f"max_length {max_length}"
             )
         return
     checks.check_tensor(block_table, "block_table")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < B:
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < least:
         raise ValueError(
-            f"block_table must be int32 (rows >= {B}, blocks per row), got {block_table.dtype} "
+            f"block_table must be int32 (rows >= {least}, blocks per row), got {block_table.dtype} "
             f"{tuple(block_table.shape)}"
         )
     if block_table.shape[1] * page < max_length:
@@ -95,6 +96,7 @@ def decode_attention(
     *,
     scale: float,
     block_table: Optional[Tensor] = None,
+    rows: Optional[Tensor] = None,
     max_length: Optional[int] = None,
     window: Optional[int] = None,
     sinks: Optional[Tensor] = None,
@@ -108,7 +110,9 @@ def decode_attention(
             ``block_table``, a pool ``(num_blocks, block_size, KVH, D)``. H is a multiple of KVH
             (query head h reads KV head ``h // (H // KVH)``). A cache of another dtype is cast.
         lengths: ``(B,)`` each row's cached positions (>= 1), its new key included.
-        block_table: ``(rows >= B, blocks)`` int32: row b's i-th block of positions.
+        block_table: ``(slots, blocks)`` int32: cache row s's i-th block of positions.
+        rows: ``(B,)`` integer, the cache row (slot) each query reads, several queries may read one
+            (a continuation's tokens, each with its own length); None: query b reads row b.
         max_length: an int at least every length (the decoder knows it); None reads it from
             ``lengths``, a host sync.
         window: a sliding window: a row sees its last ``window`` positions only.
@@ -123,7 +127,7 @@ def decode_attention(
         max_length = int(lengths.max()) if lengths.numel() else 1
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    _check_cache(q, k_cache, v_cache, block_table, lengths, max_length)
+    _check_cache(q, k_cache, v_cache, block_table, lengths, max_length, own_rows=rows is None)
     if not checks.is_real(scale):
         raise ValueError(f"scale must be a real number, got {scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -134,8 +138,18 @@ def decode_attention(
         checks.check_same_device(q.device, "q", sinks=sinks)
         if sinks.shape != (H,):
             raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+    slots = k_cache.shape[0] if block_table is None else block_table.shape[0]
+    if rows is not None:
+        checks.check_integer(rows, "rows")
+        checks.check_same_device(q.device, "q", rows=rows)
+        if rows.shape != (B,):
+            raise ValueError(f"rows must have shape (B,) = ({B},), got {tuple(rows.shape)}")
+        if cascade is not None:
+            raise ValueError("cascade reads rows 0 .. B-1 of the cache: it cannot be given with rows")
     if cascade is not None:
         _check_cascade(cascade, block_table, B, q.device)
+    if checks.value_checks_enabled() and rows is not None and B and not bool(((rows >= 0) & (rows < slots)).all()):
+        raise ValueError(f"rows must be cache rows in [0, {slots}), got {rows.tolist()}")
     if checks.value_checks_enabled() and B and not bool(((lengths >= 1) & (lengths <= max_length)).all()):
         raise ValueError(f"lengths must be in [1, max_length={max_length}], got {lengths.tolist()}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -144,7 +158,7 @@ def decode_attention(
     resolved = resolve_backend(backend, q.device)
     with torch.no_grad():
         implementation(resolved, "decode_attention").decode_attention(
-            q.detach(), k_cache, v_cache, block_table, lengths, max_length, float(scale), window,
+            q.detach(), k_cache, v_cache, block_table, rows, lengths, max_length, float(scale), window,
             None if sinks is None else sinks.float().contiguous(), cascade, out,
         )  # fmt: skip
     return out

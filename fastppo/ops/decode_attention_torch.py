@@ -22,15 +22,17 @@ import torch
 import torch.nn.functional as F
 
 
-def read_rows(cache, table, rows: int, span: int):
-    """Positions ``0 .. span-1`` of rows ``0 .. rows-1``: ``(rows, span, KVH, D)``, a view of a static
-    cache (``table`` None) or gathered from a paged pool's blocks."""
+def read_rows(cache, table, rows, span: int):
+    """Positions ``0 .. span-1`` of the cache rows ``rows`` (an int ``B``: rows ``0 .. B-1``, read from
+    a static cache as a view; or an index tensor ``(B,)``): ``(B, span, KVH, D)``, from a static cache
+    (``table`` None) or gathered from a paged pool's blocks."""
     if table is None:
-        return cache[:rows, :span]
+        return cache[:rows, :span] if isinstance(rows, int) else cache[rows, :span]
     page = cache.shape[1]
-    blocks = table[:rows, : math.ceil(span / page)]  # (rows, nb)
+    table = table[:rows] if isinstance(rows, int) else table[rows]
+    blocks = table[:, : math.ceil(span / page)]  # (B, nb)
     gathered = cache.index_select(0, blocks.flatten().long())
-    return gathered.view(rows, blocks.shape[1] * page, *cache.shape[2:])[:, :span]
+    return gathered.view(blocks.shape[0], blocks.shape[1] * page, *cache.shape[2:])[:, :span]
 
 
 def live_keys(lengths, span: int, window):
@@ -78,13 +80,14 @@ def _exact(grouped, keys, values, live, scale, sinks):
     return weights @ torch.where(live[:, None, :, None], values.float(), 0.0)
 
 
-def decode_attention(q, k_cache, v_cache, table, lengths, max_length, scale, window, sinks, cascade, out):
+def decode_attention(q, k_cache, v_cache, table, rows, lengths, max_length, scale, window, sinks, cascade, out):
     """The launcher of ``fastppo/ops/launchers.py``. On the CPU, SDPA first, and only where it gives
     NaN (a NaN in a masked position, or in a live one) the exact softmax (the check costs no sync
     there); on another device, the exact softmax."""
     (B, H, D), KVH = q.shape, k_cache.shape[2]
     # (B, KVH, span, D) each; a cache in another dtype than q's is cast, as the kernel casts its tiles
-    keys, values = (read_rows(c, table, B, max_length).transpose(1, 2) for c in (k_cache, v_cache))
+    rows = B if rows is None else rows.long()
+    keys, values = (read_rows(c, table, rows, max_length).transpose(1, 2) for c in (k_cache, v_cache))
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     grouped = q.view(B, KVH, H // KVH, D)  # (B, KVH, G, D)

@@ -12,7 +12,8 @@ the paged cache's cascade), on the CPU its twin, SDPA over ``[:span]`` with a ma
 static cache through a transposed view (no copy) or gathering a paged row's blocks. ``flash.py``
 chooses.
 Extend (a multi-turn row's continuation) stores a few rows' new keys after the ones they hold and
-attends over each row's prefix so far with SDPA.
+attends over each row's prefix so far: on CUDA by the same kernel, each of a continuation's tokens
+a query of its row up to its own position (no gather), elsewhere with SDPA.
 """
 
 from typing import Callable, Optional
@@ -70,6 +71,15 @@ class CacheAttention:
         row = slots[:, None].expand(n, C)[real]
         self.cache.write(layer, row, positions[real], k.transpose(1, 2)[real], v.transpose(1, 2)[real])
         span = int(positions.max()) + 1
+        if self.backend == "triton":  # each real token a query of its row, to its own position
+            out = torch.zeros_like(q.transpose(1, 2))  # (n, C, H, D); the pads' stay 0, never read
+            attended = torch.empty_like(out[real])  # (N, H, D)
+            implementation("triton", "decode_attention").decode_attention(
+                q.transpose(1, 2)[real], *self.cache.kernel_args(layer), row, positions[real] + 1, span, scale,
+                window, None, None, attended,
+            )  # fmt: skip
+            out[real] = attended
+            return out.transpose(1, 2)
         keys = torch.arange(span, device=q.device)
         mask = keys[None, None, :] <= positions[:, :, None]  # (n, C, span)
         if window is not None:
@@ -115,7 +125,7 @@ class CacheAttention:
         # The op's launcher, not the op: these arguments are right by construction, and the op's
         # checks would cost ~2% of a CPU decode step, called for every layer.
         implementation(self.backend, "decode_attention").decode_attention(
-            q[:, :, 0], *self.cache.kernel_args(layer), lengths, span, scale, window, None, cascade, out[:, :, 0]
+            q[:, :, 0], *self.cache.kernel_args(layer), None, lengths, span, scale, window, None, cascade, out[:, :, 0]
         )
         return out
 

@@ -121,7 +121,9 @@ def kernel(q, k, v, lengths, table, **options):
 
     out = torch.empty_like(q)
     window, cascade = options.pop("window", None), options.pop("cascade", None)
-    kernels.decode_attention(q, k, v, table, lengths, int(lengths.max()), 0.3, window, None, cascade, out, **options)
+    kernels.decode_attention(
+        q, k, v, table, None, lengths, int(lengths.max()), 0.3, window, None, cascade, out, **options
+    )
     return out
 
 
@@ -192,6 +194,9 @@ def _arguments():
         (dict(cascade=(1, 2)), "cascade must be a fastppo.kernels.layout.Cascade"),
         (dict(block_table=None, cascade=Cascade(*[torch.zeros(1, dtype=torch.int32)] * 3, 0)), "needs a paged cache"),
         (dict(cascade=Cascade(torch.zeros(1, 2), torch.zeros(1), torch.zeros(2), 0)), "cascade.members must be int32"),
+        (dict(rows=torch.tensor([0.0, 1.0])), "rows must be an integer tensor"),
+        (dict(rows=torch.tensor([0, 1, 1])), r"rows must have shape \(B,\)"),
+        (dict(rows=torch.tensor([0, 1]), cascade=Cascade(*[torch.zeros(1, dtype=torch.int32)] * 3, 0)), "with rows"),
         (dict(backend="cuda"), "backend must be one of"),
     ],
 )
@@ -223,3 +228,19 @@ def test_8192_rows_over_a_pool_past_2_31_elements():
     rows = [0, 15, 4097, B - 1]
     ref = decode_attention_oracle(q[rows], k, v, lengths[rows], D**-0.5, table[rows])
     assert (out[rows].double() - ref.to(out.device)).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_queries_naming_their_rows_each_read_to_their_own_length(backend, paged):
+    """A continuation's tokens: several queries on one cache row, each to its own position, rows in
+    any order and some not read at all."""
+    held = [9, 30, 17]
+    if paged:
+        k, v, table = paged_cache(held, 2, 16, 16, torch.float32)
+    else:
+        (k, v), table = static_cache(held, 2, 16, torch.float32, head_major=True), None
+    rows = torch.tensor([1, 1, 1, 2, 0, 2])
+    lengths = torch.tensor([28, 29, 30, 17, 1, 16])
+    q = torch.randn(6, 4, 16)
+    out = decode_attention(q, k, v, lengths, scale=0.3, block_table=table, rows=rows, window=12, backend=backend)
+    check(out, q, k, v, lengths, 0.3, block_table=table, rows=rows, window=12)

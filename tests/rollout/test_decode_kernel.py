@@ -1,6 +1,7 @@
 """The sampler's decode attention through fastppo's own Triton kernel (in the interpreter here): greedy
 rollouts equal generate() over the paged cache (a group's prompt read once, by the cascade) and the
-static one, log-probs equal the twin's; the paged cache keeps the cascade's tensors in place as rows
+static one, log-probs equal the twin's, multi-turn episodes (their continuations through the kernel
+too) equal a re-prefilling reference; the paged cache keeps the cascade's tensors in place as rows
 come and go; and the choice of the kernel, which a fake CUDA device pins."""
 
 import pytest
@@ -11,6 +12,7 @@ from fastppo.ops.dispatch import TRITON_INSTALLED
 from fastppo.rollout import flash
 from fastppo.rollout.paged import CASCADE_MEMBERS, PagedKVCache
 from tests.rollout.models import PROMPTS, hf_greedy, tiny
+from tests.rollout.test_turns import check_greedy_episodes
 
 needs_triton = pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 
@@ -58,6 +60,15 @@ def test_the_kernel_s_logprobs_equal_the_twin_s():
     kernel, twin = rollouts
     assert torch.equal(kernel.response_ids, twin.response_ids)
     torch.testing.assert_close(kernel.logprobs, twin.logprobs, rtol=0, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.slow  # the interpreter: ~15 s each (the op's own test of queries naming their rows is quick)
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_greedy_episodes_on_the_kernel_equal_a_re_prefilling_reference(kv_cache):
+    """Multi-turn episodes: each continuation's tokens attend over their row's keys through the kernel
+    too, each as a query of its row up to its own position."""
+    check_greedy_episodes("llama", 4, sampler_options=dict(attention="triton", kv_cache=kv_cache, kv_block_size=4))
 
 
 def test_the_paged_cache_keeps_its_cascade_in_place():

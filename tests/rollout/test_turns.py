@@ -94,10 +94,10 @@ def test_greedy_episodes_are_the_reference_s_on_every_tool_schedule(schedule):
     check_greedy_episodes("llama", 2, **schedule)
 
 
-def check_greedy_episodes(family, slots, **schedule):
+def check_greedy_episodes(family, slots, sampler_options=(), **schedule):
     model = tiny(family)
     max_new, max_len = 20, 48
-    sampler = fastppo.Sampler(model, max_batch_size=slots, max_seq_len=max_len)
+    sampler = fastppo.Sampler(model, max_batch_size=slots, max_seq_len=max_len, **dict(sampler_options))
     turns = Scripted()
     rollout = sampler.generate(
         RAGGED_PROMPTS, max_new_tokens=max_new, temperature=0, stop_token_ids=STOP, turns=turns, **schedule
