@@ -90,14 +90,14 @@ def _finish(m, den, acc, heads, sinks_ptr, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def _kv_offsets(table_ptr, stride_t, row, pos, ok, page, stride_b, stride_p, PAGED: tl.constexpr):
-    # Positions pos (BLOCK_N,) of ``row`` -> their int64 offsets in the pool (head and dimension added
-    # by the caller): through the block table, or a static cache's own slot.
+def _where_in_pool(table_ptr, stride_t, row, pos, ok, page, PAGED: tl.constexpr):
+    # Positions pos (BLOCK_N,) of ``row`` -> (block, position in it), int64 each: through the block
+    # table (one load for keys and values alike), or a static cache's own slot.
     if PAGED:
         block = tl.load(table_ptr + row * stride_t + pos // page, mask=ok, other=0).to(tl.int64)
-        return block * stride_b + (pos % page).to(tl.int64) * stride_p
+        return block, (pos % page).to(tl.int64)
     else:
-        return row * stride_b + pos.to(tl.int64) * stride_p
+        return row + tl.zeros_like(pos).to(tl.int64), pos.to(tl.int64)
 
 
 @triton.jit
@@ -109,8 +109,8 @@ def _keys(
     kb, kp, kh = k_strides
     vb, vp, vh = v_strides
     at = ok[:, None] & d_ok[None, :]
-    k_at = _kv_offsets(table_ptr, stride_t, row, pos, ok, page, kb, kp, PAGED)
-    v_at = _kv_offsets(table_ptr, stride_t, row, pos, ok, page, vb, vp, PAGED)
+    block, offset = _where_in_pool(table_ptr, stride_t, row, pos, ok, page, PAGED)
+    k_at, v_at = block * kb + offset * kp, block * vb + offset * vp  # (BLOCK_N,) each
     k = tl.load(k_ptr + k_at[:, None] + kv_head.to(tl.int64) * kh + d[None, :], mask=at, other=0.0)
     v = tl.load(v_ptr + v_at[:, None] + kv_head.to(tl.int64) * vh + d[None, :], mask=at, other=0.0)
     return k, v
@@ -150,6 +150,12 @@ def _attend_range(
 
 
 @triton.jit
+def _partial_at(rows, heads, H, slot, total_splits):
+    # The index of (row, query head, split slot) in the partials (rows, H, total_splits), int64.
+    return (rows * H + heads.to(tl.int64)) * total_splits + slot
+
+
+@triton.jit
 def _store_partial(
     part_m_ptr,
     part_den_ptr,
@@ -169,7 +175,7 @@ def _store_partial(
 ):
     # One split's state of each tile row (head ``heads`` of row ``rows``) into the partials: m and den
     # (rows, H, total_splits), acc (rows, H, total_splits, D), contiguous fp32.
-    at = (rows * H + heads.to(tl.int64)) * total_splits + slot  # (BLOCK_R,)
+    at = _partial_at(rows, heads, H, slot, total_splits)  # (BLOCK_R,)
     tl.store(part_m_ptr + at, m, mask=r_ok)
     tl.store(part_den_ptr + at, den, mask=r_ok)
     tl.store(part_o_ptr + at[:, None] * D + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
@@ -371,7 +377,7 @@ def _combine_kernel(
     den = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     for slot in range(first, total_splits):
-        at = (row * H + heads.to(tl.int64)) * total_splits + slot  # (BLOCK_R,), as _store_partial wrote
+        at = _partial_at(row, heads, H, slot, total_splits)  # (BLOCK_R,)
         m_s = tl.load(part_m_ptr + at, mask=r_ok, other=float("-inf"))
         den_s = tl.load(part_den_ptr + at, mask=r_ok, other=0.0)
         acc_s = tl.load(part_o_ptr + at[:, None] * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.decode_attention_torch import live_keys
 from ..ops.dispatch import implementation
 
 
@@ -80,10 +81,8 @@ class CacheAttention:
             )  # fmt: skip
             out[real] = attended
             return out.transpose(1, 2)
-        keys = torch.arange(span, device=q.device)
-        mask = keys[None, None, :] <= positions[:, :, None]  # (n, C, span)
-        if window is not None:
-            mask &= keys[None, None, :] > positions[:, :, None] - window
+        # Not the twin (which would gather a row's keys once per token): its mask of live keys, per token.
+        mask = live_keys(positions.flatten() + 1, span, window).view(n, C, span)
         cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, slots, span))
         return F.scaled_dot_product_attention(
             q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
