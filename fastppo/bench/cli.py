@@ -62,6 +62,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="also run TRL with its gradient checkpointing off; the speed-up is against its faster run",
     )
+    parser.add_argument(
+        "--async",
+        dest="streamed",
+        action="store_true",
+        help="rollouts that never drain (--max-staleness K) at K = 0, 1 and 2 side by side: a long-tail "
+        "workload and slow tools on SmolLM2-135M, and the learning curve of the shipped task",
+    )
     sharded = parser.add_argument_group("sharded against replicated data parallelism (--sharding)")
     sharded.add_argument(
         "--sharding",
@@ -100,6 +107,8 @@ def main(argv=None) -> int:
         return _versus_trl(args)
     if args.sharding:
         return _sharding(args)
+    if args.streamed:
+        return _streamed(args)
 
     def write(meta, rows):
         for path, render in ((args.json, to_json), (args.markdown, markdown)):
@@ -157,6 +166,16 @@ def _sharding(args) -> int:
 
     result = compare(hidden=args.hidden, layers=args.layers, iterations=args.iterations or 3)
     return _report(args, result, sharding_markdown(result, machine(torch.device("cpu"))))
+
+
+def _streamed(args) -> int:
+    from .runner import machine
+    from .staleness import compare
+    from .staleness import markdown as staleness_markdown
+
+    device = torch.device(args.device)
+    result = compare(device, args.quick)
+    return _report(args, result, staleness_markdown(result, machine(device)))
 
 
 def _sass(args, parser) -> int:

@@ -49,8 +49,12 @@ class TimedTools(Turns):
         self.turns[row] = self.turns.get(row, 0) + 1
         if not may_continue or self.turns[row] >= TURNS:
             return False
-        self.due[row] = time.monotonic() + self.latency
+        self.due[row] = time.monotonic() + self.delay(row)
         return True
+
+    def delay(self, row: int) -> float:
+        """Seconds row ``row``'s tool takes to answer its current turn."""
+        return self.latency
 
     def ready(self, row):
         return time.monotonic() >= self.due[row]
@@ -63,7 +67,7 @@ class TimedTools(Turns):
         return None
 
 
-def _chat(tokenizer) -> tuple:
+def chat_episodes(tokenizer) -> tuple:
     """The questions' prompts, the tool's answer after a turn (up to the next assistant header) and
     the end-of-turn id."""
 
@@ -95,7 +99,7 @@ def tool_latency_cases(device: torch.device, quick: bool) -> list:
             model, tokenizer = load_smollm2(device)
         except Unavailable as why:
             return [unavailable("tools", "SmolLM2-135M-Instruct", names, why)]
-        (prompts, answer, stop), latencies = _chat(tokenizer), LATENCIES
+        (prompts, answer, stop), latencies = chat_episodes(tokenizer), LATENCIES
     longest = max(map(len, prompts)) + MAX_NEW + (TURNS - 1) * len(answer)
     sampler = fastppo.Sampler(model, max_batch_size=len(prompts), max_seq_len=longest)
     cases = []

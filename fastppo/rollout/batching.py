@@ -47,8 +47,12 @@ and column, so a ``Rollout`` comes out in the order of the prompts whatever the 
 schedule depends on the rows' lengths only, so a seed reproduces a rollout; a row's random draws
 depend on where it sits in the batch, so changing the number of slots or ``compact_below``
 changes sampled (not greedy) tokens.
+
+A stream (``stream.py``) runs this loop over batches queued one after another, stopping at a look
+once a batch's rows have all ended, and records each token's weights' version (``versions_out``).
 """
 
+import contextlib
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -71,6 +75,18 @@ STUCK_LOOKS = 4  # looks in a row that draw no token and leave no row decoding: 
 class RolloutStuck(RuntimeError):
     """The rollout loop cannot go on (no progress for ``STUCK_LOOKS`` looks, or an empty cache that
     refuses a prompt): a scheduling bug, not bad input."""
+
+
+@contextlib.contextmanager
+def sampling_mode(model):
+    """No autograd and no dropout while sampling; the model's training flag is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def row_cap(prompt_len: int, budgets: list, max_len: int, episodes: bool) -> int:
@@ -119,19 +135,12 @@ class RolloutLoop:
         self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
         device = decoder.device
         # an episode's columns hold its tool tokens too: as many as its context allows
-        B, steps = len(prompts) * n, max(max_new) if turns is None else max_len
-        self.trash = B  # the output row of free slots
-        # Outputs with one spare row (free slots write there) and one spare column (an ended row
-        # writes pad, 0 and False at its length, which may be the budget).
-        self.tokens_out = torch.full((B + 1, steps + 1), pad, dtype=torch.long, device=device)
-        self.logprobs_out = torch.zeros(B + 1, steps + 1, dtype=torch.float32, device=device)
-        self.mask_out = torch.zeros(B + 1, steps + 1, dtype=torch.bool, device=device)
-        self.stopped_out = torch.zeros(B + 1, dtype=torch.bool, device=device)
+        self._allocate(len(prompts) * n, (max(max_new) if max_new else 0) if turns is None else max_len)
         self.stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
         # Per slot, on the device: its output row, prompt length, ``drawn`` the response columns
         # written (its drawn tokens, and an episode's continuations too), ``generated`` the tokens
         # it drew, its budget of those, its last token, live.
-        self.row = torch.full((slots,), B, dtype=torch.long, device=device)
+        self.row = torch.full((slots,), self.trash, dtype=torch.long, device=device)
         self.prompt_len = torch.ones(slots, dtype=torch.long, device=device)
         self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
         self.generated = torch.zeros(slots, dtype=torch.long, device=device)
@@ -146,6 +155,10 @@ class RolloutLoop:
         self.continued = {}  # output row -> a continuation taken but waiting for memory
         self.turn_start = {}  # output row -> the column its current turn starts at
         self.pending = deque(range(len(prompts)))
+        #: Whether a prompt's samples may enter in parts, as slots free up (each part prefills the
+        #: prompt again); else a prompt waits for as many free slots as it has samples.
+        self.split_groups = False
+        self.admitted = {}  # prompt -> its samples admitted, while some wait (split_groups)
         self.b = 0  # slots 0 .. b-1 are decoded
         self.steps_run = 0
         self.rows_decoded = 0  # slots run, summed over the decode steps
@@ -154,22 +167,45 @@ class RolloutLoop:
         self.barren_looks = 0  # looks in a row that drew nothing, after which no row was decoding
         self.drew = False  # whether this look drew a token (a prefill's or a continuation's)
         self.tool_wait = 0.0  # seconds spent waiting for tools
+        self.live_steps = 0  # rows decoding, summed over the decode steps (as seen at each look)
+        self.sparse_steps = 0  # decode steps with under a quarter of the slots decoding
         self.sync_every = sync_every(device)
+        self.version = 0  # the weights' version, recorded per token where ``versions_out`` is kept
+        self.versions_out = None
+
+    def _allocate(self, B: int, steps: int) -> None:
+        """Outputs for ``B`` rows of ``steps`` columns, with one spare row (free slots write there,
+        the *trash* row) and one spare column (an ended row writes pad, 0 and False at its length,
+        which may be the budget)."""
+        device = self.decoder.device
+        self.trash = B
+        self.tokens_out = torch.full((B + 1, steps + 1), self.pad, dtype=torch.long, device=device)
+        self.logprobs_out = torch.zeros(B + 1, steps + 1, dtype=torch.float32, device=device)
+        self.mask_out = torch.zeros(B + 1, steps + 1, dtype=torch.bool, device=device)
+        self.stopped_out = torch.zeros(B + 1, dtype=torch.bool, device=device)
 
     def run(self) -> Rollout:
         self._admit(list(range(self.capacity)))
+        self._advance(lambda: True)
+        return self._rollout()
+
+    def _advance(self, going: Callable, looked: bool = False) -> None:
+        """Decode steps until every row has ended, or until ``going()`` is false at a look;
+        ``looked``: the loop has just looked (it stopped at a look), so the first step goes at once."""
         while True:
-            if self.steps_run % self.sync_every == 0:
+            if self.steps_run % self.sync_every == 0 and not looked:
                 if not self._check():
                     break
                 self._count_progress()
+                if not going():
+                    break
+            looked = False
             rows = min(self.bucket(self.b), self.capacity)
             positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
             logits = self.decode(self.token[:rows], positions, self._span(), self.active[:rows])
             self._record(slice(0, self.b), logits[: self.b])
             self.steps_run += 1
             self.rows_decoded += rows
-        return self._rollout()
 
     def _span(self) -> int:
         """One past the largest position any slot of the batch feeds at this step."""
@@ -184,6 +220,8 @@ class RolloutLoop:
         self.tokens_out[row, drawn] = tokens
         self.logprobs_out[row, drawn] = torch.where(live, logprobs, 0.0)
         self.mask_out[row, drawn] = live
+        if self.versions_out is not None:
+            self.versions_out[row, drawn] = self.version
         hit = live & torch.isin(tokens, self.stop_ids)
         self.stopped_out[row] |= hit
         drawn, generated = drawn + live, self.generated[slots] + live
@@ -197,6 +235,8 @@ class RolloutLoop:
         state = torch.stack([self.active[: self.b], self.prompt_len[: self.b] + self.drawn[: self.b] - 1])
         live, positions = state.tolist() if self.b else ([], [])  # one host copy
         active = [s for s, a in enumerate(live) if a]
+        self.live_steps += len(active) * self.sync_every
+        self.sparse_steps += self.sync_every if 4 * len(active) < self.capacity else 0
         waiting = len(self.paused) + len(self.stalled)
         if self.offset and len(active) + waiting == len(self.offset) and not self._any_due(active):
             self._hold(active, positions)
@@ -401,40 +441,51 @@ class RolloutLoop:
         self.active[: self.b][slots] = False
 
     def _admit(self, free: list) -> None:
-        """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together)
-        and draw their first tokens."""
-        chosen = []
-        while self.pending and len(free) >= self.n:
+        """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together,
+        or with ``split_groups`` as many of them as there are slots) and draw their first tokens."""
+        chosen = []  # (prompt, its first sample admitted now, their slots)
+        while self.pending and free:
             j = self.pending[0]
+            first = self.admitted.get(j, 0)
+            take = min(self.n - first, len(free)) if self.split_groups else self.n
             P = len(self.prompts[j])
-            if not self.decoder.claim(free[: self.n], P, self.cap(j), P + self.sync_every):
-                self.memory_waits += 1
+            if take > len(free) or not self.decoder.claim(free[:take], P, self.cap(j), P + self.sync_every):
+                self.memory_waits += take <= len(free)
                 break
-            chosen.append((self.pending.popleft(), free[: self.n]))
-            free = free[self.n :]
+            chosen.append((j, first, free[:take]))
+            free = free[take:]
+            if first + take == self.n:
+                self.pending.popleft()
+                self.admitted.pop(j, None)
+            else:
+                self.admitted[j] = first + take
         if not chosen:
             return
-        logits = self.decoder.prefill([s for _, s in chosen], [self.prompts[j] for j, _ in chosen])  # (G, V)
+        logits = self.decoder.prefill([s for _, _, s in chosen], [self.prompts[j] for j, _, _ in chosen])  # (G, V)
         self.drew = True
         device = logits.device
-        slots = torch.tensor([s for _, ss in chosen for s in ss], device=device)
-        self.row[slots] = torch.tensor([j * self.n + k for j, _ in chosen for k in range(self.n)], device=device)
-        self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, ss in chosen for _ in ss], device=device)
-        self.limit[slots] = torch.tensor(
-            [self.max_new[j * self.n + k] for j, ss in chosen for k in range(len(ss))], device=device
-        )
+        samples = [(j, first + k) for j, first, ss in chosen for k in range(len(ss))]
+        slots = torch.tensor([s for _, _, ss in chosen for s in ss], device=device)
+        self.row[slots] = torch.tensor([self._out_row(j, k) for j, k in samples], device=device)
+        self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, _ in samples], device=device)
+        self.limit[slots] = torch.tensor([self.max_new[j * self.n + k] for j, k in samples], device=device)
         self.drawn[slots] = 0
         self.generated[slots] = 0
         self.active[slots] = True
-        self._record(slots, logits.repeat_interleave(self.n, dim=0))
-        for j, ss in chosen:
+        counts = torch.tensor([len(ss) for _, _, ss in chosen], device=device)
+        self._record(slots, logits.repeat_interleave(counts, dim=0))
+        for j, _, ss in chosen:
             for s in ss:
                 self.offset[s] = len(self.prompts[j]) - self.steps_run
-        self.b = max(self.b, max(s for _, ss in chosen for s in ss) + 1)
+        self.b = max(self.b, int(slots.max()) + 1)
+
+    def _out_row(self, prompt: int, sample: int) -> int:
+        """The output row of sample ``sample`` of prompt ``prompt``."""
+        return prompt * self.n + sample
 
     def cap(self, prompt: int) -> int:
         """The most positions a row of prompt ``prompt`` reaches (``row_cap``)."""
-        budgets = self.max_new[prompt * self.n : (prompt + 1) * self.n]
+        budgets = [self.max_new[prompt * self.n + k] for k in range(self.n)]
         return row_cap(len(self.prompts[prompt]), budgets, self.max_len, self.turns is not None)
 
     def _pack(self, live: list) -> None:
@@ -458,17 +509,22 @@ class RolloutLoop:
         self.b = k
 
     def _rollout(self) -> Rollout:
-        B = self.trash
-        lens = self.mask_out[:B].sum(dim=1)
+        return self._rows_out(slice(0, self.trash), [self.prompts[r // self.n] for r in range(self.trash)])
+
+    def _rows_out(self, rows: slice, prompt_ids: list) -> Rollout:
+        """The ``Rollout`` of output rows ``rows`` (views of the outputs where they can be)."""
+        mask = self.mask_out[rows]
+        lens = mask.sum(dim=1)
         if self.turns is not None:  # an episode's length is its last drawn token's column, plus one
-            columns = torch.arange(self.mask_out.shape[1], device=lens.device)
-            lens = torch.where(self.mask_out[:B], columns + 1, 0).amax(dim=1)
+            columns = torch.arange(mask.shape[1], device=lens.device)
+            lens = torch.where(mask, columns + 1, 0).amax(dim=1)
         R = int(lens.max())
         return Rollout(
-            prompt_ids=[self.prompts[r // self.n] for r in range(B)],
-            response_ids=self.tokens_out[:B, :R].contiguous(),
-            response_mask=self.mask_out[:B, :R].contiguous(),
+            prompt_ids=prompt_ids,
+            response_ids=self.tokens_out[rows, :R].contiguous(),
+            response_mask=mask[:, :R].contiguous(),
             response_lens=lens,
-            logprobs=self.logprobs_out[:B, :R].contiguous(),
-            finish_reason=["stop" if s else "length" for s in self.stopped_out[:B].tolist()],
+            logprobs=self.logprobs_out[rows, :R].contiguous(),
+            finish_reason=["stop" if s else "length" for s in self.stopped_out[rows].tolist()],
+            versions=None if self.versions_out is None else self.versions_out[rows, :R].contiguous(),
         )

@@ -95,3 +95,12 @@ class KVCache:
         for k, v in zip(self.k, self.v):
             k[dst, :length] = k[src, :length]
             v[dst, :length] = v[src, :length]
+
+    def state_dict(self, length: int) -> dict:
+        """Every slot's first ``length`` positions (a stream's rows in flight, saved)."""
+        return {"k": [k[:, :length].clone() for k in self.k], "v": [v[:, :length].clone() for v in self.v]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for cache, saved in ((self.k, state["k"]), (self.v, state["v"])):
+            for layer, x in zip(cache, saved):
+                layer[:, : x.shape[1]] = x

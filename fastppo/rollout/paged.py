@@ -309,6 +309,29 @@ class PagedKVCache:
         self._sync_cascade()
         return True
 
+    def state_dict(self, length: int = 0) -> dict:
+        """The blocks held and who holds them (a stream's rows in flight, saved); ``length`` is the
+        static cache's argument: a row holds no block past its positions anyway."""
+        held = [b for b in range(1, self.num_blocks) if self.refs[b]]
+        index = torch.tensor(held, dtype=torch.long, device=self.table.device)
+        return {
+            "blocks": held,
+            "k": [k[index].clone() for k in self.k],
+            "v": [v[index].clone() for v in self.v],
+            **{name: list(getattr(self, name)) for name in ("free", "refs", "prompt", "caps")},
+            "held": [list(blocks) for blocks in self.held],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        index = torch.tensor(state["blocks"], dtype=torch.long, device=self.table.device)
+        for cache, saved in ((self.k, state["k"]), (self.v, state["v"])):
+            for layer, x in zip(cache, saved):
+                layer[index] = x
+        for name in ("free", "refs", "prompt", "caps", "held"):
+            setattr(self, name, [list(x) if isinstance(x, list) else x for x in state[name]])
+        self._sync_rows(range(self.slots))
+        self._sync_cascade()
+
     @property
     def used_blocks(self) -> int:
         return len(self.refs) - 1 - len(self.free)

@@ -1,6 +1,7 @@
 """``Rollout``: what one call of :meth:`fastppo.Sampler.generate` returns."""
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -19,6 +20,9 @@ class Rollout:
         logprobs: ``(B, R)`` fp32, ``log_softmax(logits / temperature)[token]`` over the full
             vocabulary (temperature 1 for greedy decoding), 0 where masked.
         finish_reason: ``"stop"`` (a stop token was sampled) or ``"length"`` per row.
+        versions: ``(B, R)`` int64 from a :class:`~fastppo.rollout.stream.RolloutStream`: the version of
+            the weights that drew each token (the stream's count of weight changes), 0 where masked;
+            None from ``generate``, whose tokens are all drawn by the weights of the call.
     """
 
     prompt_ids: list
@@ -27,3 +31,4 @@ class Rollout:
     response_lens: torch.Tensor
     logprobs: torch.Tensor
     finish_reason: list
+    versions: Optional[torch.Tensor] = None

@@ -14,7 +14,6 @@ rows are multi-turn episodes: a row pauses between turns in its slot and its con
 prefilled onto its cache (``turns.py``).
 """
 
-import contextlib
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -23,7 +22,7 @@ from ..limits import GiB
 from ..ops import checks
 from ..ops.sampling import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
-from .batching import TOOL_SCHEDULES, TOOL_WINDOW, RolloutLoop, row_cap, sync_every
+from .batching import TOOL_SCHEDULES, TOOL_WINDOW, RolloutLoop, row_cap, sampling_mode, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
@@ -32,6 +31,7 @@ from .lean import FAMILIES, lean_decoder
 from .packed import WEIGHTS
 from .paged import KVMemoryError
 from .rollout import Rollout
+from .stream import RolloutStream, StreamLoop
 from .turns import Turns
 
 KV_CACHES = ("auto", "paged", "static")
@@ -49,16 +49,18 @@ def _token_ids(x) -> tuple:
     return (x,) if isinstance(x, int) else tuple(x)
 
 
-@contextlib.contextmanager
-def _sampling_mode(model):
-    """No autograd and no dropout while sampling; the model's training flag is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
+class Draw:
+    """A decode step's draw: ``sample_tokens`` with one seed per step, drawn on the CPU (no device
+    sync) from a generator seeded with ``seed``, else from torch's global one, so a seeded trainer
+    run reproduces either way."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: Optional[int]):
+        self.options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits):
+        step_seed = int(torch.randint(1 << 62, (1,), generator=self.generator))
+        return sample_tokens(logits, **self.options, seed=step_seed)
 
 
 class Sampler:
@@ -155,6 +157,10 @@ class Sampler:
         self.memory_waits = 0
         #: Seconds the last ``generate`` waited for tools (an episode's ``Turns.ready``).
         self.tool_wait_seconds = 0.0
+        #: The last ``generate``'s decode steps, its rows decoding summed over them (what the steps
+        #: did: against ``steps * max_batch_size``, the batch's occupancy), and its steps with under a
+        #: quarter of the slots decoding.
+        self.steps = self.live_rows = self.sparse_steps = 0
 
     @property
     def kv_cache(self):
@@ -279,37 +285,12 @@ class Sampler:
         """
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
         max_new = self._check_prompts(prompts, max_new_tokens, n)
-        if n > self.max_batch_size:
-            raise ValueError(
-                f"num_samples_per_prompt={n} exceeds max_batch_size={self.max_batch_size}: a prompt's "
-                "samples are decoded together"
-            )
-        check_sampling_options(temperature, top_k, top_p)
-        if tool_schedule not in TOOL_SCHEDULES:
-            raise ValueError(f"tool_schedule must be one of {TOOL_SCHEDULES}, got {tool_schedule!r}")
-        if isinstance(tool_window, bool) or not isinstance(tool_window, int) or tool_window < 0:
-            raise ValueError(f"tool_window must be an int >= 0, got {tool_window!r}")
-        stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
-        # One seed per draw, drawn on the CPU (no device sync): from a generator seeded with
-        # ``seed``, else from torch's global one, so a seeded trainer run reproduces either way.
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-
-        def draw(logits):
-            step_seed = int(torch.randint(1 << 62, (1,), generator=generator))
-            return sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=step_seed)
-
-        if turns is not None and self.lean is None:
-            self._check_generic_turns()
-        cache = self.kv_cache
-        if cache is not None and cache.paged:
+        draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
+        self._check_turns(turns, tool_schedule, tool_window)
+        if self.kv_cache is not None and self.kv_cache.paged:
             self._check_kv_memory(prompts, n, max_new, turns is not None)
-            cache.reset_peak()
-        if self.lean is not None:
-            self.lean.weights.refresh()  # the packed copy catches up with the parameters, once
-            decoder, decode = self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
-        else:
-            decoder = GenericDecoder(self.model)
-            decode = decoder.decode
+            self.kv_cache.reset_peak()
+        decoder, decode = self._decoder()
         decoder.prefilled = 0
         loop = RolloutLoop(
             decoder,
@@ -323,18 +304,102 @@ class Sampler:
             stop,
             pad,
             self.compact_below,
-            graph_rows if self.graphs is not None else None,
+            self._bucket(),
             on_rows_ended,
             turns,
             tool_schedule,
             tool_window,
         )
-        with _sampling_mode(self.model):
+        with sampling_mode(self.model):
             rollout = loop.run()
         self.rows_decoded, self.prefill_tokens = loop.rows_decoded, decoder.prefilled
         self.peak_rows, self.memory_waits = loop.peak_rows, loop.memory_waits
         self.tool_wait_seconds = loop.tool_wait
+        self.steps, self.live_rows, self.sparse_steps = loop.steps_run, loop.live_steps, loop.sparse_steps
         return rollout
+
+    def stream(
+        self,
+        *,
+        prompts_per_batch: int,
+        ahead: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Optional[Union[int, Sequence[int]]] = None,
+        pad_token_id: Optional[int] = None,
+        num_samples_per_prompt: int = 1,
+        seed: Optional[int] = None,
+        episodes: bool = False,
+        tool_schedule: str = "fixed",
+        tool_window: int = TOOL_WINDOW,
+    ) -> RolloutStream:
+        """A :class:`~fastppo.rollout.stream.RolloutStream` over this sampler's cache: batches of
+        ``prompts_per_batch`` prompts, up to ``ahead`` of them entering the batch while an earlier one
+        finishes. The options are :meth:`generate`'s; ``episodes``: each batch comes with its
+        ``Turns``. While the stream has rows in flight its cache is theirs: ``generate`` would
+        overwrite it."""
+        n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
+        _positive_int(prompts_per_batch, "prompts_per_batch")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead must be an int >= 0, got {ahead!r}")
+        budget = _positive_int(max_new_tokens, "max_new_tokens")
+        draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
+        if episodes and self.lean is None:
+            self._check_generic_turns()
+        self._check_turns(None, tool_schedule, tool_window)
+        decoder, decode = self._decoder()
+        loop = StreamLoop(
+            decoder,
+            decode,
+            self.max_batch_size,
+            self.max_seq_len,
+            n,
+            prompts_per_batch,
+            ahead,
+            budget,
+            draw,
+            stop,
+            pad,
+            self.compact_below,
+            self._bucket(),
+            episodes,
+            tool_schedule,
+            tool_window,
+        )
+        return RolloutStream(self, loop, draw)
+
+    def _check_options(self, n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed) -> tuple:
+        """``(draw, stop ids, pad id)``: the sampling options checked, and the step's draw."""
+        if n > self.max_batch_size:
+            raise ValueError(
+                f"num_samples_per_prompt={n} exceeds max_batch_size={self.max_batch_size}: a prompt's "
+                "samples are decoded together"
+            )
+        check_sampling_options(temperature, top_k, top_p)
+        stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
+        return Draw(temperature, top_k, top_p, seed), stop, pad
+
+    def _check_turns(self, turns, tool_schedule: str, tool_window: int) -> None:
+        if tool_schedule not in TOOL_SCHEDULES:
+            raise ValueError(f"tool_schedule must be one of {TOOL_SCHEDULES}, got {tool_schedule!r}")
+        if isinstance(tool_window, bool) or not isinstance(tool_window, int) or tool_window < 0:
+            raise ValueError(f"tool_window must be an int >= 0, got {tool_window!r}")
+        if turns is not None and self.lean is None:
+            self._check_generic_turns()
+
+    def _decoder(self) -> tuple:
+        """``(decoder, decode)`` for a rollout: the lean decoder with its packed copy caught up with the
+        parameters (once) and its CUDA graphs' step where it has them, else a generic decoder."""
+        if self.lean is not None:
+            self.lean.weights.refresh()
+            return self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
+        decoder = GenericDecoder(self.model)
+        return decoder, decoder.decode
+
+    def _bucket(self) -> Optional[Callable]:
+        return graph_rows if self.graphs is not None else None
 
     def _check_kv_memory(self, prompts, n: int, max_new: list, episodes: bool) -> None:
         """Refuse a rollout a prompt of which the paged cache could never admit, even empty."""

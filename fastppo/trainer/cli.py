@@ -4,7 +4,7 @@ Every config field is an option; ``--config FILE`` sets many at once; ``--resume
 continues a run exactly; ``--plan`` prints the memory plan instead (``memory/printout.py``).
 
 What the user gave being wrong (a config, a data file, a model, a run directory) is one line,
-``fastppo train: error: ...``, and exit code 2, as argparse does for its own errors; a reward
+``fastppo train: error: ...``, and exit code 2, argparse's own errors too; a reward
 function that raised (or called ``sys.exit``), a run that trained nothing (every step skipped) or
 reached non-finite weights is one line, ``fastppo train: failed: ...``, and exit code 1; anything
 else is a bug and keeps its traceback. ``--debug`` shows the traceback of every error.
@@ -22,8 +22,16 @@ from .run.signals import StoppedAtOnce
 from .run.summaries import end_summary
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown option, a value of the wrong type) as one line too, without
+    the usage block of every option."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (the options: {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastppo train", description=__doc__.splitlines()[0].replace("``", ""))
+    parser = OneLineParser(prog="fastppo train", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument(
         "--resume",
         metavar="RUN_DIR",

@@ -36,7 +36,9 @@ from ..rewards.model import RewardModel
 from .build import build_models, configured_agent, configured_rewards
 from .configuration.config import TrainConfig
 from .experience import evaluation
-from .experience.rollouts import Rollouts, Scored
+from .experience.rollouts import Rollouts
+from .experience.sampled import Scored
+from .experience.streaming import resume_in_flight
 from .memory.plan import device_memory, fitting_microbatch, kv_memory
 from .modeling.loading import context_length
 from .parallel.distributed import Ranks
@@ -283,10 +285,12 @@ class PPOTrainer:
         """``out/checkpoint-{done}`` from rank 0 (and every rank's shards), with every rank's random
         states; the oldest pruned beyond ``keep_checkpoints``."""
         rng = self.ranks.gather(random_states(self.device))
+        streaming = self.rollouts.streaming
+        in_flight = None if streaming is None else self.ranks.gather(streaming.state_dict())
         if self.models.sharded or self.ranks.main:  # sharded: every rank writes its shards
             writers = self.ranks if self.models.sharded else None
             run_directory.save_atomically(
-                out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng), writers
+                out / f"checkpoint-{done}", lambda d: self.save_checkpoint(d, done, rng, in_flight), writers
             )
         if self.ranks.main:
             run_directory.prune_checkpoints(out, self.config.run.keep_checkpoints)
@@ -298,14 +302,21 @@ class PPOTrainer:
         dtype = self.models.precision.save
         checkpoint.save_models(Path(out), self.models, self.ranks, dtype, self.config.lora.merge_lora)
 
-    def save_checkpoint(self, directory: Path, next_iteration: int, rng: list = None) -> None:
-        """Models, optimizers and the trainer state into ``directory`` (``checkpoint.py``)."""
+    def save_checkpoint(self, directory: Path, next_iteration: int, rng: list = None, in_flight: list = None) -> None:
+        """Models, optimizers, the trainer state and the rollouts in flight into ``directory``
+        (``checkpoint.py``)."""
         rng = rng or [random_states(self.device)]
-        checkpoint.save_state(directory, next_iteration, self.models, self.optimizers, self.state, self.ranks, rng)
+        if in_flight is None and self.rollouts.streaming is not None:
+            in_flight = [self.rollouts.streaming.state_dict()]
+        models, optimizers, state, ranks = self.models, self.optimizers, self.state, self.ranks
+        checkpoint.save_state(directory, next_iteration, models, optimizers, state, ranks, rng, in_flight)
 
     def load_checkpoint(self, directory: Path) -> int:
         """Load what :meth:`save_checkpoint` wrote; return the iteration to continue at."""
-        self.state, next_iteration = checkpoint.load_state(directory, self.models, self.optimizers, self.ranks)
+        self.state, next_iteration, in_flight = checkpoint.load_state(
+            directory, self.models, self.optimizers, self.ranks
+        )
+        resume_in_flight(in_flight, self.rollouts)
         return next_iteration
 
     @classmethod

@@ -148,3 +148,21 @@ def test_resume_with_tools_is_exact(tmp_path, every_turn_calls):
     assert sum(row["tools/calls"] for row in metrics) > 0
     for a, b in zip(straight.policy.state_dict().values(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "eager"])
+def test_episodes_stream_at_staleness_1(tmp_path, every_turn_calls, schedule):
+    """Episodes of the next iteration enter while this one's finish: each batch's episodes are its
+    own (their tool messages read by its reward), and stale tokens are reported."""
+    trainer = agent_trainer(tmp_path, max_staleness=1, iterations=3, tool_schedule=schedule)
+    history = trainer.train()
+    for h in history:
+        assert h["tools/calls"] > 0 and h["reward_mean"] == pytest.approx(h["tools/calls"])
+    assert any(h["staleness_max"] == 1 for h in history[1:])
+
+
+def test_an_environment_is_refused_at_staleness_1(tmp_path):
+    from fastppo.errors import UsageError
+
+    with pytest.raises(UsageError, match="max_staleness must be at most iterations, and without"):
+        agent_trainer(tmp_path, max_staleness=1, environment="tests.agents.runs:Counter", tools=None)

@@ -229,3 +229,18 @@ def test_versus_trl_runs_the_tools_workload(tmp_path, capsys):
     assert "tools workload" in printed and "| TRL GRPOTrainer |" in printed and "prefill tokens per episode" in printed
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert all(r["prefill_per_episode"] > 0 for r in rows)
+
+
+def test_async_runs_each_staleness_side_by_side(tmp_path, capsys):
+    """``--async --quick``: every K's row in each table, stale tokens only ahead of K = 0."""
+    assert bench_main(["--async", "--device", "cpu", "--quick", "--json", str(tmp_path / "a.json")]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "a.json").read_text())
+    runs = result["long_tail"]["runs"]
+    assert [r["ahead"] for r in runs] == [0, 1, 2]
+    assert runs[0]["stale_share"] == 0 and runs[1]["stale_share"] > 0
+    assert len({r["tokens"] for r in runs}) == 1  # the same work at every K
+    tools = result["tools"]["spreads"][0]["runs"]
+    assert [(r["schedule"], r["ahead"]) for r in tools] == [("fixed", 0), ("eager", 0), ("eager", 1), ("eager", 2)]
+    assert set(result["learning"]["curves"]) == {"0", "1"}
+    assert "## Long tail" in printed and "## Tools answering after 0.02 s" in printed and "## Learning" in printed

@@ -27,7 +27,7 @@ from .fields import (
 
 # Fields a resumed run may change: how long it runs, how it saves and evaluates, how many rows its
 # sampler decodes at once and in how much KV memory (memory bounds, which move where rows draw but not
-# the math); nothing that changes the math.
+# the math), and how far its rollouts run ahead; nothing else that changes the math.
 RESUMABLE = {
     "iterations",
     "save",
@@ -45,7 +45,10 @@ RESUMABLE = {
     "rollout_kv_block_size",
     "tool_schedule",
     "tool_window",
+    "max_staleness",
 }
+
+STALE_IS_CAP = 2.0  # the importance weights' cap with max_staleness >= 1 and no rollout_is_cap given
 
 
 def _base_type(f: dataclasses.Field):
@@ -181,7 +184,8 @@ class TrainConfig:
     def old_logprobs_from_update(self) -> bool:
         """Whether the old log-probs are the update's own (detached): true when the update is exactly
         on-policy (one epoch, one optimizer step per rollout, so the policy the update sees is the
-        one that sampled) and nothing needs them before it (KL-shaped token rewards do)."""
+        one that sampled, or with ``max_staleness`` the policy at the update's start that decoupled
+        PPO clips against) and nothing needs them before it (KL-shaped token rewards do)."""
         a = self.algo
         return (
             not a.recompute_old_logprobs
@@ -189,6 +193,13 @@ class TrainConfig:
             and a.minibatches == a.grad_accumulation
             and not (self.estimator.kl_in_reward and a.kl_coef > 0)
         )
+
+    @property
+    def rollout_is_cap(self):
+        """The cap of the truncated importance weights of old over sampler log-probs, or None (off):
+        ``rollout_is_cap``, else ``STALE_IS_CAP`` when tokens may be stale (``max_staleness``)."""
+        r = self.rollout
+        return r.rollout_is_cap if r.rollout_is_cap is not None or not r.max_staleness else STALE_IS_CAP
 
     def check_device_here(self) -> None:
         """Refuse a ``device`` this machine lacks (a memory plan may name one; a run may not)."""

@@ -336,8 +336,17 @@ class RolloutConfig:
     rollout_is_cap: Optional[float] = _doc(
         "weight each token's policy-gradient term by min(pi_old / pi_sampler, "
         "this cap), correcting for the sampler's other precision (truncated "
-        "importance sampling); must be > 1; default: off",
+        "importance sampling); must be > 1; default: off, and 2 with max_staleness >= 1",
         bound=above(1),
+    )
+    max_staleness: int = _doc(
+        "rollouts that never drain: the prompts of up to this many later iterations enter the "
+        "sampler's free slots while an iteration's last rows finish, and rows in flight go on "
+        "with the new weights after an update; each token's policy-gradient term is then weighted "
+        "by the truncated importance weight of the policy at the update's start over the weights "
+        "that drew it (decoupled PPO). 0: each rollout drains before its update",
+        0,
+        bound=at_least(0),
     )
 
 

@@ -75,6 +75,18 @@ def check(config) -> None:
             "or rollout_is_cap",
         ),
         (
+            "max_staleness",
+            not r.max_staleness
+            or (
+                r.max_staleness <= config.run.iterations
+                and not r.filter_groups
+                and not a.sequence_ratio
+                and not config.tools.environment
+            ),
+            "must be at most iterations, and without filter_groups (whose batches vary), sequence_ratio "
+            "(no importance weights) or an environment (whose resets may change the batch's shape)",
+        ),
+        (
             "samples_per_prompt",
             r.samples_per_prompt >= estimator.min_samples,
             f"must be >= {estimator.min_samples} for estimator={a.estimator}",

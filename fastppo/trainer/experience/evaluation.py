@@ -51,7 +51,7 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     ) as bar:
         for temperature, n in ((0.0, 1), (config.rollout.temperature, samples)):
             if mine:  # the sampler takes all of them, through as many of its slots as it has
-                rolled = rollouts.roll(prompts, mine, temperature, n, seed + n, bar.update)
+                rolled = rollouts.roll(prompts, mine, temperature, n, seed + n, bar.update, held_out=True)
                 scores, each = rollouts.score(prompts, mine, rolled, n)
                 if rolled.episodes is not None and temperature != 0:
                     tools += torch.tensor(

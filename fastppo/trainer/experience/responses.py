@@ -55,6 +55,7 @@ def cut_at_stop_strings(rollout, tokenizer, stops: list):
         logprobs=rollout.logprobs * mask,
         response_ids=rollout.response_ids.masked_fill(~mask, _pad(rollout)),
         finish_reason=reasons,
+        versions=None if rollout.versions is None else rollout.versions * mask,
     )
 
 

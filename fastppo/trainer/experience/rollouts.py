@@ -12,14 +12,13 @@ With tools (an :class:`~fastppo.agents.Agent`) every row is an episode: its envi
 with its fields, the sampler runs its turns, and the rewards read its messages (a chat prompt's
 completion is the episode's assistant and tool messages, as TRL passes them; a string prompt's
 is the episode's text) and, with an environment, each row's instance (``environments``).
+
+With ``max_staleness`` the batches go through one stream that never drains (``streaming.py``).
 """
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from collections import deque
 
 import torch
-from torch import Tensor
 
 from ...agents.episodes import episode_metrics
 from ...errors import UsageError
@@ -28,32 +27,8 @@ from ...rollout import Sampler
 from ...rollout.paged import KVMemoryError
 from ..prompts.order import EpochOrder
 from . import responses
-
-
-@dataclass
-class Scored:
-    """A rollout and its scores: ``raw`` the rewards' weighted sum, ``scores`` with the no-stop and
-    overlong penalties added (what the advantages see); ``each_reward`` each function's scores,
-    and ``stats`` what dynamic sampling did."""
-
-    rollout: object
-    scores: Tensor  # (B,) fp32
-    raw: Tensor  # (B,)
-    no_stop: Tensor  # (B,) bool: the response hit max_new_tokens
-    each_reward: dict  # name -> (B,)
-    stats: dict = dataclasses.field(default_factory=dict)
-    episodes: Optional[list] = None  # each row's Episode (fastppo.agents) when there are tools
-
-
-@dataclass
-class Sampled:
-    """Rows of some prompts, sampled: the rollout, each row's prompt as the sampler saw it and, with
-    tools, its episode."""
-
-    rollout: object
-    texts: list
-    episodes: Optional[list] = None
-    tool_wait: float = 0.0  # seconds the rollout waited for tools
+from .sampled import Sampled, Scored
+from .streaming import Streaming, decode_metrics
 
 
 class Rollouts:
@@ -69,28 +44,49 @@ class Rollouts:
         self.config, self.rewards, self.prompts, self.fields, self.ranks = config, rewards, prompts, fields, ranks
         self.tokenizer, self.weights, self.device = models.tokenizer, models.rollout_weights, models.device
         self.agent = agent
-        r = config.rollout
+        self.sharded, self.longest_prompt, self.kv_memory = models.sharded, longest_prompt, kv_memory
+        self.sampler = self._sampler(config.rollout.rollout_weights)
+        self._held_out = None  # the held-out evaluation's own sampler, while the stream holds this one's cache
+        self.order = EpochOrder(len(prompts), config.run.seed)
+        self.waiting = deque()  # this rank's prompts of batches drawn before a resume, to sample again
+        self.streaming = Streaming(self, config.rollout.max_staleness) if config.rollout.max_staleness else None
+
+    def _sampler(self, weights: str) -> Sampler:
+        r = self.config.rollout
         try:
-            self.sampler = Sampler(
-                models.rollout_weights.model,
-                max_batch_size=config.sampler_slots,
-                max_seq_len=longest_prompt + config.response_tokens,
-                cuda_graphs=not models.sharded,
+            return Sampler(
+                self.weights.model,
+                max_batch_size=self.config.sampler_slots,
+                max_seq_len=self.longest_prompt + self.config.response_tokens,
+                cuda_graphs=not self.sharded,
                 kv_block_size=r.rollout_kv_block_size or None,
-                kv_memory=kv_memory,
+                kv_memory=self.kv_memory,
                 # a sharded run's copy is whole only during the rollout; a packed one would stay
-                weights="live" if models.sharded else r.rollout_weights,
+                weights="live" if self.sharded else weights,
             )
         except KVMemoryError as error:
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
-        self.order = EpochOrder(len(prompts), config.run.seed)
 
-    def sample(self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None, turns=None):
-        """The sampler's rollout of ``n`` responses per prompt with the run's sampling options, cut at
-        the ``--stop`` strings; episodes of ``turns``, if given. The rollout copy must be refreshed."""
+    @property
+    def held_out_sampler(self) -> Sampler:
+        """The sampler of the held-out evaluation: the rollouts' own, or with rollouts streaming (whose
+        rows in flight hold its cache) one of its own, decoding the rollout weights as they are."""
+        if self.streaming is None:
+            return self.sampler
+        if self._held_out is None:
+            self._held_out = self._sampler("live")
+        return self._held_out
+
+    def sample(
+        self, prompt_ids: list, temperature: float, n: int, seed: int, on_rows_ended=None, turns=None, sampler=None
+    ):
+        """The ``sampler``'s (default: the rollouts') rollout of ``n`` responses per prompt with the
+        run's sampling options, cut at the ``--stop`` strings; episodes of ``turns``, if given. The
+        rollout copy must be refreshed."""
         r, t, tok = self.config.rollout, self.config.tools, self.tokenizer
+        sampler = sampler or self.sampler
         try:
-            rollout = self.sampler.generate(
+            rollout = sampler.generate(
                 prompt_ids,
                 max_new_tokens=r.max_new_tokens,
                 temperature=temperature,
@@ -109,13 +105,16 @@ class Rollouts:
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
         return responses.cut_at_stop_strings(rollout, tok, r.stop)
 
-    def roll(self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None) -> Sampled:
+    def roll(
+        self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None, held_out=False
+    ) -> Sampled:
         """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
-        whose environments are reset with their rows' fields."""
+        whose environments are reset with their rows' fields. ``held_out``: by the held-out sampler."""
         texts = [prompts.texts[i] for i in chosen for _ in range(n)]
         ids = [prompts.ids[i] for i in chosen]
+        sampler = self.held_out_sampler if held_out else self.sampler
         if self.agent is None:
-            return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended), texts)
+            return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler), texts)
         rows = [i for i in chosen for _ in range(n)]
         instances, observations = self.agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
         per_prompt = n
@@ -129,8 +128,8 @@ class Rollouts:
                     f"tokens, more than the {room} the sampler has room for"
                 )
         turns = self.agent.episodes(instances)
-        rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns)
-        return Sampled(rollout, texts, turns.rows, self.sampler.tool_wait_seconds)
+        rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns, sampler)
+        return Sampled(rollout, texts, turns.rows, sampler.tool_wait_seconds)
 
     def _observed(self, prompts, i: int, observation, text: str) -> str:
         """Row ``i``'s prompt with ``observation`` (an environment's reset) added to its last message."""
@@ -166,6 +165,8 @@ class Rollouts:
         ``filter_groups``, only groups whose scores differ."""
         self.weights.refresh()  # the sampler's copy catches up with the optimizer steps, once
         try:
+            if self.streaming is not None:
+                return self.streaming.next_batch(iteration, state)
             if self.config.rollout.filter_groups:
                 return self._filtered(iteration, state)
             return self._scored_batch(iteration, state, 0)
@@ -202,12 +203,27 @@ class Rollouts:
     def _scored_batch(self, iteration: int, state, attempt: int) -> Scored:
         """The next batch of prompts in the epoch order, sampled out and scored."""
         c = self.config
-        r, ranks = c.rollout, self.ranks
-        world, rank, per_rank, n = ranks.world, ranks.rank, r.prompts_per_iteration, r.samples_per_prompt
-        chosen = self.order.take(state.prompts_drawn, per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
-        state.prompts_drawn += per_rank * world
-        seed = (c.run.seed * 100_003 + iteration) * world + rank + attempt * 1_000_000_007
-        sampled = self.roll(self.prompts, chosen, r.temperature, n, seed)
+        chosen = self.draw(state)
+        seed = (c.run.seed * 100_003 + iteration) * self.ranks.world + self.ranks.rank + attempt * 1_000_000_007
+        sampled = self.roll(self.prompts, chosen, c.rollout.temperature, c.rollout.samples_per_prompt, seed)
+        s = self.sampler
+        return self.scored(chosen, sampled, decode_metrics(s.steps, s.live_rows, s.sparse_steps))
+
+    def draw(self, state) -> list:
+        """This rank's share of the next global batch of the epoch order, ``state``'s cursor moved on
+        (first, those of a checkpoint's batches in flight that are sampled again)."""
+        if self.waiting:
+            return self.waiting.popleft()
+        ranks, per_rank = self.ranks, self.config.rollout.prompts_per_iteration
+        chosen = self.order.take(state.prompts_drawn, per_rank * ranks.world)
+        state.prompts_drawn += per_rank * ranks.world
+        return chosen[ranks.rank * per_rank : (ranks.rank + 1) * per_rank]
+
+    def scored(self, chosen: list, sampled: Sampled, stats: dict) -> Scored:
+        """``sampled``, the responses to the training prompts ``chosen``, scored; ``stats`` the
+        sampler's, for the logs."""
+        c = self.config
+        r, n = c.rollout, c.rollout.samples_per_prompt
         raw, each = self.score(self.prompts, chosen, sampled, n)
         raw = torch.tensor(raw, device=self.device)
         rollout = sampled.rollout
@@ -222,9 +238,11 @@ class Rollouts:
             raw,
             no_stop,
             {name: torch.tensor(values) for name, values in each.items()},
-            stats={}
-            if sampled.episodes is None
-            else {**episode_metrics(sampled.episodes), "time_tools_wait": sampled.tool_wait},
+            stats={
+                **stats,
+                **({} if sampled.episodes is None else episode_metrics(sampled.episodes)),
+                **({} if sampled.episodes is None else {"time_tools_wait": sampled.tool_wait}),
+            },
             episodes=sampled.episodes,
         )
 

@@ -207,6 +207,8 @@ def memory_plan(
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
     rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots
     lines.append(kv_line(config, m, prompt_tokens, rollout, kv_memory, mean_response_tokens, device_type))
+    if r.max_staleness:
+        lines += in_flight_lines(config, m, prompt_tokens, rollout)
     lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
     mb_rows = rows // a.minibatches
     tokens, laid_out = forward_tokens(config, model_config, mb_rows, prompt_tokens)
@@ -283,6 +285,35 @@ def kv_line(
         f"{prompt_tokens + mean:,} (mean response {mean:,}, assumed); rows in flight it allows: {static:,} "
         f"static, ~{paged:,} paged (the sampler takes {slots})",
     )
+
+
+def in_flight_lines(config, m: ModelShape, prompt_tokens: int, size: int) -> list:
+    """What rollouts that never drain (``max_staleness`` K) hold beyond the KV cache: the outputs of
+    the K + 1 batches in flight (each token's id, log-prob, version and mask; the rows in flight hold
+    the cache's slots, counted above), and with a held-out evaluation its own sampler's cache (the
+    stream's rows keep theirs), static at the cap."""
+    r = config.rollout
+    rows, batches = r.prompts_per_iteration * r.samples_per_prompt, r.max_staleness + 1
+    token = 8 + 4 + 8 + 1
+    lines = [
+        Line(
+            "rollouts in flight",
+            batches * rows * (config.response_tokens + 1) * token,
+            f"{batches} batches of {rows} rows x {config.response_tokens + 1} tokens: id, log-prob, version, mask "
+            f"(--max-staleness {r.max_staleness}; their rows hold the KV cache's slots)",
+        )
+    ]
+    if config.eval.evaluate:
+        slots, cap = config.sampler_slots, prompt_tokens + config.response_tokens
+        position = 2 * m.layers * m.kv_dim * size
+        lines.append(
+            Line(
+                "held-out KV cache",
+                slots * cap * position,
+                f"the held-out sampler's own, {slots} slots at the cap ({cap:,}): the stream's rows keep theirs",
+            )
+        )
+    return lines
 
 
 def given_kv_bytes(gib: float) -> int:

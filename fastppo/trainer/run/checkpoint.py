@@ -92,9 +92,12 @@ def _sharded_state(models, optimizers) -> dict:
     return state
 
 
-def save_state(directory: Path, next_iteration: int, models, optimizers, state, ranks, rng: list) -> None:
+def save_state(
+    directory: Path, next_iteration: int, models, optimizers, state, ranks, rng: list, in_flight: list = None
+) -> None:
     """The models (fp32 masters), the optimizers and ``state`` (:class:`~fastppo.trainer.run.state.TrainerState`)
-    into ``directory``, so a resumed run is the same run; ``rng`` holds every rank's random states. A
+    into ``directory``, so a resumed run is the same run; ``rng`` holds every rank's random states and
+    ``in_flight`` every rank's rollout batches in flight (``streaming.py``; None: rollouts drain). A
     sharded run's models and optimizers go to ``SHARDS``, each rank writing its own (every rank calls this)."""
     directory = Path(directory)
     if models.sharded:
@@ -114,6 +117,7 @@ def save_state(directory: Path, next_iteration: int, models, optimizers, state, 
             "optimizers": None if models.sharded else [opt.state_dict() for opt in optimizers.each()],
             "schedules": [s.state_dict() for s in optimizers.schedules],
             "rng": rng,
+            "in_flight": in_flight,
         },
         directory / STATE_FILE,
     )
@@ -145,7 +149,7 @@ def check_world_size(directory: Path, world: int) -> None:
 def load_state(directory: Path, models, optimizers, ranks) -> tuple:
     """Load what :func:`save_state` wrote into the models and optimizers, in place (the optimizer
     and the sampler keep their tensors); put back this rank's random states; return ``(trainer
-    state, the iteration to continue at)``."""
+    state, the iteration to continue at, this rank's rollout batches in flight or None)``."""
     from transformers import AutoModelForCausalLM
 
     from ..modeling.critic import Critic
@@ -179,7 +183,8 @@ def load_state(directory: Path, models, optimizers, ranks) -> tuple:
             optimizer.load_state_dict(optimizer_state)
     optimizers.restore_schedules(saved["schedules"])
     restore_random_states(saved["rng"][ranks.rank], models.device)
-    return TrainerState(**saved["trainer_state"]), saved["iteration"]
+    in_flight = saved.get("in_flight")
+    return TrainerState(**saved["trainer_state"]), saved["iteration"], in_flight and in_flight[ranks.rank]
 
 
 def resumable(run_dir, overrides: dict = None) -> tuple:
@@ -252,6 +257,7 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
             ("rollout_kv_block_size", "may make rows wait for KV memory at other steps, in other slots"),
             ("tool_schedule", "resumes rows after their tools at other steps"),
             ("tool_window", "resumes rows after their tools at other steps"),
+            ("max_staleness", "samples the batches in flight again and draws tokens with other weights"),
         )
         if field in overrides and overrides[field] != saved.get(field)
     ]

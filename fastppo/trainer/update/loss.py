@@ -22,8 +22,10 @@ def minibatch_loss(
     minibatch and rank); ``whole``: the step's :func:`~fastppo.ops.aggregation.denominator` of
     the aggregation (default: ``tokens`` for token-mean, else the minibatch's own).
     ``on_policy``: the old log-probs are this forward's own, detached, and are written into ``mb``.
-    With ``rollout_is_cap`` each token's policy-gradient term is weighted by the truncated
-    importance weight of old over sampler log-probs."""
+    With ``rollout_is_cap`` (the config's, which stale tokens turn on) each token's policy-gradient
+    term is weighted by the truncated importance weight of old over sampler log-probs: with
+    ``max_staleness`` this is decoupled PPO, the ratio clipped against the policy at the update's
+    start and the weight correcting from the weights that drew the token to it."""
     c, agg, a = config, config.agg, config.algo
     kl_in_loss = not c.estimator.kl_in_reward and mb.ref_logprobs is not None
     kl = dict(
@@ -33,7 +35,7 @@ def minibatch_loss(
     )
     if whole is None:
         whole = tokens if agg == "token-mean" else denominator(mb.mask, agg, c.rollout.max_new_tokens)
-    cap = c.rollout.rollout_is_cap
+    cap = c.rollout_is_cap
     layout = mb.layout(models.shared_prefix)
     if a.sequence_ratio and not on_policy:  # on-policy every sequence ratio is 1: GSPO is the token loss
         loss, stats = sequence_loss(mb, layout, models, config, kl)

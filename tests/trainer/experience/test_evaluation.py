@@ -33,7 +33,7 @@ def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkey
     )
     calls = []
 
-    def sample(prompt_ids, temperature, n, seed, on_rows_ended=None):
+    def sample(prompt_ids, temperature, n, seed, on_rows_ended=None, sampler=None):
         prompts = [trainer.tokenizer.decode(ids) for ids in prompt_ids]
         calls.append((len(prompts), n))
         texts = [OUTCOMES[p][0] if temperature == 0 else OUTCOMES[p][1][j] for p in prompts for j in range(n)]
@@ -97,9 +97,9 @@ def test_evaluation_draws_apart_from_the_training_of_its_iteration(tmp_path):
     seeds, sample = {"train": set(), "eval": set()}, trainer.rollouts.sample
     phase = []
 
-    def recording(prompt_ids, temperature, n, seed, on_rows_ended=None):
+    def recording(prompt_ids, temperature, n, seed, on_rows_ended=None, sampler=None):
         seeds[phase[-1]].add(seed)
-        return sample(prompt_ids, temperature, n, seed, on_rows_ended)
+        return sample(prompt_ids, temperature, n, seed, on_rows_ended, sampler=sampler)
 
     trainer.rollouts.sample = recording
     for iteration in range(3):
@@ -116,7 +116,7 @@ def test_the_evaluation_shows_its_progress_row_by_row(tmp_path, capsys):
     trainer = untrained(tmp_path, save=False, evaluate=True, eval_samples=2)
     ended = []
     sample = trainer.rollouts.sample
-    trainer.rollouts.sample = lambda *args: sample(*args[:4], lambda k: (ended.append(k), args[4](k)))
+    trainer.rollouts.sample = lambda *args, **kwargs: sample(*args[:4], lambda k: (ended.append(k), args[4](k)))
     capsys.readouterr()
     trainer.evaluate(0)
     rows = len(trainer.eval_prompts) * 3  # one greedy and two sampled per prompt

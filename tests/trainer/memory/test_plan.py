@@ -326,3 +326,14 @@ def test_the_shared_prefix_and_a_micro_batch_budget_shrink_the_activations_and_t
         )
         is None
     )
+
+
+def test_the_plan_counts_the_batches_in_flight_and_the_held_out_cache(tmp_path, capsys):
+    argv = ["train", "--plan", "--out", str(tmp_path / "run"), "--plan-device-memory", "16", "--max-staleness", "2"]
+    assert fastppo_main(argv) == 0
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if "rollouts in flight" in line)
+    assert "3 batches of 128 rows x 9 tokens" in line and "--max-staleness 2" in line
+    assert "held-out KV cache" in printed
+    assert fastppo_main([*argv[:-2], "--max-staleness", "0"]) == 0
+    assert "in flight" not in capsys.readouterr().out

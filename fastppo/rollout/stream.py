@@ -1,0 +1,277 @@
+"""``RolloutStream``: rollouts that never drain, the sampler's batch kept full across iterations.
+
+An RL iteration waits for its slowest row, and a decode step costs about as much for 2 rows as for
+16 (it reads every weight either way). A stream lets the prompts of the next batches enter the
+slots that the current batch's finished rows leave, so the tail of one batch decodes beside the
+start of the next. Batches are *added* (the prompts of an iteration, up to ``ahead`` batches before
+they are needed) and *taken* in order: :meth:`RolloutStream.next` decodes until every row of the
+oldest batch has ended and returns its ``Rollout``. The rows of later batches stay in flight, in
+their slots with their KV cache, and go on decoding at the next call, with whatever weights the
+model has then: the caller refreshes them between calls and names their ``version``, and every
+token records the version that drew it (``Rollout.versions``), so an update can correct for it.
+
+The schedule is the loop's (``batching.py``): prompts enter in the order they were added, and when
+a call stops depends on step counts only. Running ahead, a prompt's samples may enter in parts as
+slots free up (each part prefills the prompt: a few finished rows are enough for the next
+batch to start), where ``generate`` waits for as many free slots as a prompt has samples. A stream is therefore exact:
+the same seed and the same calls give the same tokens, and :meth:`RolloutStream.state_dict` holds
+everything the next call depends on (the rows in flight, their cache, the draw's generator), so a
+run that stops and loads it continues bitwise. Episodes (``Turns``) are supported but cannot be
+saved: a tool's thread and an environment's object live outside the stream.
+
+A stream at ``ahead=0`` is :meth:`Sampler.generate` called once per batch.
+"""
+
+import copy
+import dataclasses
+from collections import deque
+from typing import Optional
+
+import torch
+
+from .batching import RolloutLoop, sampling_mode
+from .rollout import Rollout
+from .turns import Turns
+
+STATE_TENSORS = ("row", "prompt_len", "drawn", "generated", "limit", "token", "active")
+STATE_OUTPUTS = ("tokens_out", "logprobs_out", "mask_out", "stopped_out", "versions_out")
+STATE_HOST = (
+    "offset",
+    "turn_start",
+    "admitted",
+    "b",
+    "steps_run",
+    "prompts",
+    "max_new",
+    "unfinished",
+    "added",
+    "taken",
+    "started",
+    "version",
+)
+
+
+class RingTurns(Turns):
+    """The turns of the batches in flight, each batch's own ``Turns`` asked about its rows: output
+    row ``r`` is row ``r % rows`` of the batch in block ``r // rows`` of the ring."""
+
+    def __init__(self, rows: int, blocks: int):
+        self.rows, self.blocks = rows, [None] * blocks
+
+    def _of(self, row: int) -> tuple:
+        return self.blocks[row // self.rows], row % self.rows
+
+    def turn_ended(self, row: int, turn: list, may_continue: bool) -> bool:
+        turns, own = self._of(row)
+        return turns.turn_ended(own, turn, may_continue)
+
+    def continuation(self, row: int) -> list:
+        turns, own = self._of(row)
+        return turns.continuation(own)
+
+    def ready(self, row: int) -> bool:
+        turns, own = self._of(row)
+        return turns.ready(own)
+
+    def truncated(self, row: int) -> None:
+        turns, own = self._of(row)
+        turns.truncated(own)
+
+
+class StreamLoop(RolloutLoop):
+    """The rollout loop over batches of ``prompts_per_batch`` prompts x ``n`` samples: their output
+    rows in a ring of ``ahead + 1`` blocks (batch ``k`` in block ``k % (ahead + 1)``), prompt ``j`` of
+    batch ``k`` known as ``k * prompts_per_batch + j``."""
+
+    def __init__(
+        self,
+        decoder,
+        decode,
+        slots: int,
+        max_len: int,
+        n: int,
+        prompts_per_batch: int,
+        ahead: int,
+        max_new: int,
+        draw,
+        stop: tuple,
+        pad: int,
+        compact_below: float,
+        bucket,
+        episodes: bool,
+        tool_schedule: str,
+        tool_window: int,
+    ):
+        self.per_prompt, self.per_batch, self.ring = n, prompts_per_batch * n, ahead + 1
+        turns = RingTurns(self.per_batch, self.ring) if episodes else None
+        loop = (decoder, decode, slots, max_len, [], n, [], draw, stop, pad, compact_below, bucket, None, turns)
+        super().__init__(*loop, tool_schedule, tool_window)
+        self.prompts, self.max_new = {}, {}  # by global prompt and global row, for the batches in flight
+        self.prompts_per_batch, self.budget = prompts_per_batch, max_new
+        self._allocate(self.ring * self.per_batch, max_len if episodes else max_new)
+        self.row.fill_(self.trash)
+        self.versions_out = torch.zeros_like(self.tokens_out)
+        self.unfinished = {}  # batch -> its rows that have not ended
+        self.added = self.taken = 0  # batches added, and taken
+        self.started = False
+        self.split_groups = ahead > 0  # a later batch's group takes the slots a few finished rows leave
+
+    def _out_row(self, prompt: int, sample: int) -> int:
+        batch, j = divmod(prompt, self.prompts_per_batch)
+        return ((batch % self.ring) * self.prompts_per_batch + j) * self.n + sample
+
+    def add(self, prompts: list, max_new: list, turns: Optional[Turns]) -> int:
+        """Queue a batch: its prompts, each row's budget (``n`` per prompt) and, for episodes, its
+        turns (asked about rows ``0 .. len(max_new) - 1``). Returns the batch's number."""
+        if self.added - self.taken == self.ring:
+            raise ValueError(f"a stream holds {self.ring} batches at once: take one before adding another")
+        batch, first = self.added, self.added * self.prompts_per_batch
+        for j, prompt in enumerate(prompts):
+            self.prompts[first + j] = list(prompt)
+            self.pending.append(first + j)
+        for r, budget in enumerate(max_new):
+            self.max_new[first * self.n + r] = budget
+        if self.turns is not None:
+            self.turns.blocks[batch % self.ring] = turns
+        self.unfinished[batch] = self.per_batch
+        self.added += 1
+        return batch
+
+    def _end(self, slots: list) -> None:
+        if slots:
+            for row in self.row[torch.tensor(slots, device=self.row.device)].tolist():
+                block = row // self.per_batch
+                self.unfinished[self.taken + (block - self.taken) % self.ring] -= 1
+        super()._end(slots)
+
+    def run_until_taken(self) -> Rollout:
+        """Decode until every row of the oldest batch has ended; its ``Rollout``, its block of the
+        outputs then cleared for the batch ``ahead + 1`` later."""
+        batch = self.taken
+        if batch == self.added:
+            raise ValueError("the stream has no batch to take: add one first")
+        if self.unfinished[batch]:
+            looked = self.started
+            if not self.started:
+                self._admit(list(range(self.capacity)))
+                self.started = True
+            elif not self.stalled:
+                self._refill()  # the batches added since the last look, into the slots free then
+            self._advance(lambda: self.unfinished[batch] > 0, looked)
+        return self._take(batch)
+
+    def _take(self, batch: int) -> Rollout:
+        block = batch % self.ring
+        rows = slice(block * self.per_batch, (block + 1) * self.per_batch)
+        first = batch * self.prompts_per_batch
+        prompt_ids = [self.prompts[first + r // self.n] for r in range(self.per_batch)]
+        out = self._rows_out(rows, prompt_ids)
+        out = dataclasses.replace(
+            out, **{k: getattr(out, k).clone() for k in ("response_ids", "response_mask", "logprobs", "versions")}
+        )
+        self.tokens_out[rows] = self.pad
+        for output in (self.logprobs_out, self.mask_out, self.stopped_out, self.versions_out):
+            output[rows] = 0
+        for j in range(self.prompts_per_batch):
+            del self.prompts[first + j]
+        for r in range(self.per_batch):
+            del self.max_new[first * self.n + r]
+            self.turn_start.pop(rows.start + r, None)
+        del self.unfinished[batch]
+        self.taken += 1
+        return out
+
+    def state_dict(self) -> dict:
+        """What the next call depends on, the cache aside (the stream adds it)."""
+        if self.paused or self.continued:
+            raise ValueError("a stream with rows between tool turns cannot be saved")
+        tensors = {k: getattr(self, k).clone() for k in STATE_TENSORS + STATE_OUTPUTS}
+        host = copy.deepcopy({k: getattr(self, k) for k in STATE_HOST})
+        return {**tensors, **host, "pending": list(self.pending), "stalled": sorted(self.stalled)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in STATE_TENSORS + STATE_OUTPUTS:
+            getattr(self, k).copy_(state[k])
+        for k, value in copy.deepcopy({k: state[k] for k in STATE_HOST}).items():
+            setattr(self, k, value)
+        self.pending = deque(state["pending"])
+        self.stalled = set(state["stalled"])
+
+
+class RolloutStream:
+    """Batches in, rollouts out, the batch never drained (see the module's docstring). Made by
+    :meth:`fastppo.Sampler.stream`; not thread-safe."""
+
+    def __init__(self, sampler, loop: StreamLoop, draw):
+        self.sampler, self.loop, self.draw = sampler, loop, draw
+        #: Decode steps, slots run, and rows decoding (summed over steps) by the last :meth:`next`,
+        #: steps with under a quarter of the slots decoding, and seconds it waited for tools.
+        self.steps = self.rows_decoded = self.live_rows = self.sparse_steps = 0
+        self.tool_wait_seconds = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Batches added and not yet taken."""
+        return self.loop.added - self.loop.taken
+
+    @property
+    def saveable(self) -> bool:
+        """Whether :meth:`state_dict` can hold the stream: a lean decoder's cache, no episodes."""
+        return self.sampler.lean is not None and self.loop.turns is None
+
+    def add(self, prompts, turns: Optional[Turns] = None, max_new_tokens=None) -> int:
+        """Queue a batch of ``prompts_per_batch`` prompts (token-id lists; ``turns`` for episodes, one
+        row per sample); returns its number. Its rows enter as slots free up, after the earlier
+        batches' prompts. ``max_new_tokens``: as ``generate`` takes it (an int, one per prompt or
+        one per row), each at most the stream's; default: the stream's."""
+        loop = self.loop
+        if len(prompts) != loop.prompts_per_batch:
+            raise ValueError(f"a batch of this stream holds {loop.prompts_per_batch} prompts, got {len(prompts)}")
+        if (turns is None) != (loop.turns is None):
+            raise ValueError("turns go with a stream made with episodes=True, and only there")
+        max_new = self.sampler._check_prompts(
+            prompts, loop.budget if max_new_tokens is None else max_new_tokens, loop.n
+        )
+        if max(max_new) > loop.budget:
+            raise ValueError(f"max_new_tokens of a batch is at most the stream's, {loop.budget}, got {max(max_new)}")
+        cache = self.sampler.kv_cache
+        if cache is not None and cache.paged:
+            self.sampler._check_kv_memory(prompts, loop.n, max_new, turns is not None)
+        return loop.add(prompts, max_new, turns)
+
+    def next(self, version: int) -> Rollout:
+        """The oldest batch's rollout, once all its rows have ended. ``version`` names the weights the
+        model has now (the packed copy is refreshed from them): the tokens drawn from here on record
+        it. Rows of later batches stay in flight."""
+        loop, sampler = self.loop, self.sampler
+        if sampler.lean is not None:
+            sampler.lean.weights.refresh()
+        loop.version = version
+        before = (loop.steps_run, loop.rows_decoded, loop.live_steps, loop.sparse_steps, loop.tool_wait)
+        with sampling_mode(sampler.model):
+            rollout = loop.run_until_taken()
+        after = (loop.steps_run, loop.rows_decoded, loop.live_steps, loop.sparse_steps, loop.tool_wait)
+        self.steps, self.rows_decoded, self.live_rows, self.sparse_steps, self.tool_wait_seconds = (
+            a - b for a, b in zip(after, before)
+        )
+        return rollout
+
+    def state_dict(self) -> dict:
+        """The rows in flight (their tokens, log-probs, versions and slots), the schedule, the draw's
+        generator and the cache's contents: a stream that loads it continues bitwise."""
+        if not self.saveable:
+            raise ValueError("only a lean decoder's stream without episodes can be saved")
+        loop = self.loop
+        generator = self.draw.generator
+        return {
+            "loop": loop.state_dict(),
+            "cache": self.sampler.kv_cache.state_dict(loop._span() if loop.offset else 0),
+            "generator": None if generator is None else generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s ``state``, taken from a stream made with the same options."""
+        self.loop.load_state_dict(state["loop"])
+        self.sampler.kv_cache.load_state_dict(state["cache"])
+        if state["generator"] is not None:
+            self.draw.generator.set_state(state["generator"])
