@@ -242,5 +242,5 @@ def test_async_runs_each_staleness_side_by_side(tmp_path, capsys):
     assert len({r["tokens"] for r in runs}) == 1  # the same work at every K
     tools = result["tools"]["spreads"][0]["runs"]
     assert [(r["schedule"], r["ahead"]) for r in tools] == [("fixed", 0), ("eager", 0), ("eager", 1), ("eager", 2)]
-    assert set(result["learning"]["curves"]) == {"0", "1"}
+    assert set(result["learning"]["runs"][0]["curves"]) == {"0", "1"}
     assert "## Long tail" in printed and "## Tools answering after 0.02 s" in printed and "## Learning" in printed

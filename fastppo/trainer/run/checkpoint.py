@@ -261,6 +261,7 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
         )
         if field in overrides and overrides[field] != saved.get(field)
     ]
+
     inputs.check(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and not metrics.is_file():
@@ -284,6 +285,11 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
             f"--resume {run_dir}: the run has trained {checkpoints[0][0]} iterations "
             f"({checkpoints[0][1].name}); give --iterations above {checkpoints[0][0]} to train on, "
             f"not {config.run.iterations}"
+        )
+    if saved.get("max_staleness") and checkpoints[0][0] == saved.get("iterations") != config.run.iterations:
+        inexact.append(
+            f"{checkpoints[0][1].name} is the run's last: its rollouts drained there (a longer run's would have "
+            "run ahead, max_staleness >= 1), so the run continues, not exactly as one run of the new length would"
         )
     return config, checkpoints, inexact
 

@@ -237,6 +237,31 @@ def test_two_rank_resume_is_exact(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+@pytest.mark.slow
+def test_two_ranks_streaming_resume_exactly_with_rows_in_flight(tmp_path):
+    """At --max-staleness 1 each rank streams its share; a copy of the run resumed from checkpoint-2
+    (each rank's rows of iteration 2 in flight there) ends with the straight run's weights."""
+    import shutil
+
+    fields = {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "save": True, "max_staleness": 1}
+    _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 4, "save_every": 2}, 0)
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "run" / "checkpoint-4")
+    _spawn(_train_worker, str(tmp_path / "resumed"), None, 4)
+    rows = [
+        [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
+            for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()
+        ]
+        for d in ("straight", "resumed")
+    ]
+    assert rows[0] == rows[1] and any(row.get("staleness_max") == 1 for row in rows[0])
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(tmp_path / d / "run" / "policy" / "model.safetensors")) for d in ("straight", "resumed")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 @pytest.mark.parametrize(
     "nodes, sharded",
     [pytest.param(1, False, marks=pytest.mark.slow), (2, False), pytest.param(2, True, marks=pytest.mark.slow)],

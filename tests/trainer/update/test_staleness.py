@@ -122,6 +122,13 @@ def test_a_resume_that_changes_max_staleness_warns_and_samples_the_batches_in_fl
     assert [h["iteration"] for h in history] == [2] and not resumed.rollouts.waiting
 
 
+def test_a_finished_run_resumed_for_longer_warns_that_it_drained_at_its_end(tmp_path):
+    PPOTrainer(config(tmp_path, max_staleness=1, iterations=2, **FIELDS)).train()
+    with pytest.warns(UserWarning, match="checkpoint-2 is the run's last: its rollouts drained there"):
+        resumed, start = PPOTrainer.resume(tmp_path / "run", {"iterations": 3})
+    assert start == 2 and [h["iteration"] for h in resumed.train(start)] == [2]
+
+
 @pytest.mark.parametrize(
     "args,match",
     [
