@@ -155,10 +155,6 @@ class RolloutLoop:
         self.continued = {}  # output row -> a continuation taken but waiting for memory
         self.turn_start = {}  # output row -> the column its current turn starts at
         self.pending = deque(range(len(prompts)))
-        #: Whether a prompt's samples may enter in parts, as slots free up (each part prefills the
-        #: prompt again); else a prompt waits for as many free slots as it has samples.
-        self.split_groups = False
-        self.admitted = {}  # prompt -> its samples admitted, while some wait (split_groups)
         self.b = 0  # slots 0 .. b-1 are decoded
         self.steps_run = 0
         self.rows_decoded = 0  # slots run, summed over the decode steps
@@ -441,43 +437,36 @@ class RolloutLoop:
         self.active[: self.b][slots] = False
 
     def _admit(self, free: list) -> None:
-        """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together,
-        or with ``split_groups`` as many of them as there are slots) and draw their first tokens."""
-        chosen = []  # (prompt, its first sample admitted now, their slots)
-        while self.pending and free:
+        """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together)
+        and draw their first tokens."""
+        chosen = []
+        while self.pending and len(free) >= self.n:
             j = self.pending[0]
-            first = self.admitted.get(j, 0)
-            take = min(self.n - first, len(free)) if self.split_groups else self.n
             P = len(self.prompts[j])
-            if take > len(free) or not self.decoder.claim(free[:take], P, self.cap(j), P + self.sync_every):
-                self.memory_waits += take <= len(free)
+            if not self.decoder.claim(free[: self.n], P, self.cap(j), P + self.sync_every):
+                self.memory_waits += 1
                 break
-            chosen.append((j, first, free[:take]))
-            free = free[take:]
-            if first + take == self.n:
-                self.pending.popleft()
-                self.admitted.pop(j, None)
-            else:
-                self.admitted[j] = first + take
+            chosen.append((self.pending.popleft(), free[: self.n]))
+            free = free[self.n :]
         if not chosen:
             return
-        logits = self.decoder.prefill([s for _, _, s in chosen], [self.prompts[j] for j, _, _ in chosen])  # (G, V)
+        logits = self.decoder.prefill([s for _, s in chosen], [self.prompts[j] for j, _ in chosen])  # (G, V)
         self.drew = True
         device = logits.device
-        samples = [(j, first + k) for j, first, ss in chosen for k in range(len(ss))]
-        slots = torch.tensor([s for _, _, ss in chosen for s in ss], device=device)
-        self.row[slots] = torch.tensor([self._out_row(j, k) for j, k in samples], device=device)
-        self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, _ in samples], device=device)
-        self.limit[slots] = torch.tensor([self.max_new[j * self.n + k] for j, k in samples], device=device)
+        slots = torch.tensor([s for _, ss in chosen for s in ss], device=device)
+        self.row[slots] = torch.tensor([self._out_row(j, k) for j, _ in chosen for k in range(self.n)], device=device)
+        self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, ss in chosen for _ in ss], device=device)
+        self.limit[slots] = torch.tensor(
+            [self.max_new[j * self.n + k] for j, ss in chosen for k in range(len(ss))], device=device
+        )
         self.drawn[slots] = 0
         self.generated[slots] = 0
         self.active[slots] = True
-        counts = torch.tensor([len(ss) for _, _, ss in chosen], device=device)
-        self._record(slots, logits.repeat_interleave(counts, dim=0))
-        for j, _, ss in chosen:
+        self._record(slots, logits.repeat_interleave(self.n, dim=0))
+        for j, ss in chosen:
             for s in ss:
                 self.offset[s] = len(self.prompts[j]) - self.steps_run
-        self.b = max(self.b, int(slots.max()) + 1)
+        self.b = max(self.b, max(s for _, ss in chosen for s in ss) + 1)
 
     def _out_row(self, prompt: int, sample: int) -> int:
         """The output row of sample ``sample`` of prompt ``prompt``."""

@@ -10,10 +10,8 @@ their slots with their KV cache, and go on decoding at the next call, with whate
 model has then: the caller refreshes them between calls and names their ``version``, and every
 token records the version that drew it (``Rollout.versions``), so an update can correct for it.
 
-The schedule is the loop's (``batching.py``): prompts enter in the order they were added, and when
-a call stops depends on step counts only. Running ahead, a prompt's samples may enter in parts as
-slots free up (each part prefills the prompt: a few finished rows are enough for the next
-batch to start), where ``generate`` waits for as many free slots as a prompt has samples. A stream is therefore exact:
+The schedule is the loop's (``batching.py``): prompts enter in the order they were added, whole
+groups at once, and when a call stops depends on step counts only. A stream is therefore exact:
 the same seed and the same calls give the same tokens, and :meth:`RolloutStream.state_dict` holds
 everything the next call depends on (the rows in flight, their cache, the draw's generator), so a
 run that stops and loads it continues bitwise. Episodes (``Turns``) are supported but cannot be
@@ -38,7 +36,6 @@ STATE_OUTPUTS = ("tokens_out", "logprobs_out", "mask_out", "stopped_out", "versi
 STATE_HOST = (
     "offset",
     "turn_start",
-    "admitted",
     "b",
     "steps_run",
     "prompts",
@@ -114,7 +111,6 @@ class StreamLoop(RolloutLoop):
         self.unfinished = {}  # batch -> its rows that have not ended
         self.added = self.taken = 0  # batches added, and taken
         self.started = False
-        self.split_groups = ahead > 0  # a later batch's group takes the slots a few finished rows leave
 
     def _out_row(self, prompt: int, sample: int) -> int:
         batch, j = divmod(prompt, self.prompts_per_batch)
