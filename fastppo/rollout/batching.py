@@ -163,7 +163,7 @@ class RolloutLoop:
         self.barren_looks = 0  # looks in a row that drew nothing, after which no row was decoding
         self.drew = False  # whether this look drew a token (a prefill's or a continuation's)
         self.tool_wait = 0.0  # seconds spent waiting for tools
-        self.live_steps = 0  # rows decoding, summed over the decode steps (as seen at each look)
+        self.live_steps = 0  # rows decoding, summed over the decode steps (as the last look left them)
         self.sparse_steps = 0  # decode steps with under a quarter of the slots decoding
         self.sync_every = sync_every(device)
         self.version = 0  # the weights' version, recorded per token where ``versions_out`` is kept
@@ -196,6 +196,9 @@ class RolloutLoop:
                 if not going():
                     break
             looked = False
+            decoding = len(self.offset) - len(self.paused) - len(self.stalled)  # as of the last look
+            self.live_steps += decoding
+            self.sparse_steps += 4 * decoding < self.capacity
             rows = min(self.bucket(self.b), self.capacity)
             positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
             logits = self.decode(self.token[:rows], positions, self._span(), self.active[:rows])
@@ -231,8 +234,6 @@ class RolloutLoop:
         state = torch.stack([self.active[: self.b], self.prompt_len[: self.b] + self.drawn[: self.b] - 1])
         live, positions = state.tolist() if self.b else ([], [])  # one host copy
         active = [s for s, a in enumerate(live) if a]
-        self.live_steps += len(active) * self.sync_every
-        self.sparse_steps += self.sync_every if 4 * len(active) < self.capacity else 0
         waiting = len(self.paused) + len(self.stalled)
         if self.offset and len(active) + waiting == len(self.offset) and not self._any_due(active):
             self._hold(active, positions)

@@ -286,10 +286,11 @@ class Sampler:
         n = _positive_int(num_samples_per_prompt, "num_samples_per_prompt")
         max_new = self._check_prompts(prompts, max_new_tokens, n)
         draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
-        self._check_turns(turns, tool_schedule, tool_window)
+        self._check_turns(turns is not None, tool_schedule, tool_window)
         if self.kv_cache is not None and self.kv_cache.paged:
             self._check_kv_memory(prompts, n, max_new, turns is not None)
             self.kv_cache.reset_peak()
+        self.refresh()
         decoder, decode = self._decoder()
         decoder.prefilled = 0
         loop = RolloutLoop(
@@ -346,9 +347,7 @@ class Sampler:
             raise ValueError(f"ahead must be an int >= 0, got {ahead!r}")
         budget = _positive_int(max_new_tokens, "max_new_tokens")
         draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
-        if episodes and self.lean is None:
-            self._check_generic_turns()
-        self._check_turns(None, tool_schedule, tool_window)
+        self._check_turns(episodes, tool_schedule, tool_window)
         decoder, decode = self._decoder()
         loop = StreamLoop(
             decoder,
@@ -381,19 +380,24 @@ class Sampler:
         stop, pad = self._default_stop_and_pad(stop_token_ids, pad_token_id)
         return Draw(temperature, top_k, top_p, seed), stop, pad
 
-    def _check_turns(self, turns, tool_schedule: str, tool_window: int) -> None:
+    def _check_turns(self, episodes: bool, tool_schedule: str, tool_window: int) -> None:
         if tool_schedule not in TOOL_SCHEDULES:
             raise ValueError(f"tool_schedule must be one of {TOOL_SCHEDULES}, got {tool_schedule!r}")
         if isinstance(tool_window, bool) or not isinstance(tool_window, int) or tool_window < 0:
             raise ValueError(f"tool_window must be an int >= 0, got {tool_window!r}")
-        if turns is not None and self.lean is None:
+        if episodes and self.lean is None:
             self._check_generic_turns()
 
-    def _decoder(self) -> tuple:
-        """``(decoder, decode)`` for a rollout: the lean decoder with its packed copy caught up with the
-        parameters (once) and its CUDA graphs' step where it has them, else a generic decoder."""
+    def refresh(self) -> None:
+        """The lean path's packed copy caught up with the parameters (one pass over the weights),
+        before a rollout or a stream's next batch."""
         if self.lean is not None:
             self.lean.weights.refresh()
+
+    def _decoder(self) -> tuple:
+        """``(decoder, decode)`` for a rollout: the lean decoder with its CUDA graphs' step where it has
+        them, else a generic decoder."""
+        if self.lean is not None:
             return self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
         decoder = GenericDecoder(self.model)
         return decoder, decoder.decode

@@ -240,8 +240,7 @@ class RolloutStream:
         model has now (the packed copy is refreshed from them): the tokens drawn from here on record
         it. Rows of later batches stay in flight."""
         loop, sampler = self.loop, self.sampler
-        if sampler.lean is not None:
-            sampler.lean.weights.refresh()
+        sampler.refresh()
         loop.version = version
         before = (loop.steps_run, loop.rows_decoded, loop.live_steps, loop.sparse_steps, loop.tool_wait)
         with sampling_mode(sampler.model):
