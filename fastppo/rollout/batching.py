@@ -502,7 +502,7 @@ class RolloutLoop:
         return self._rows_out(slice(0, self.trash), [self.prompts[r // self.n] for r in range(self.trash)])
 
     def _rows_out(self, rows: slice, prompt_ids: list) -> Rollout:
-        """The ``Rollout`` of output rows ``rows`` (views of the outputs where they can be)."""
+        """The ``Rollout`` of output rows ``rows``, in tensors of its own (the outputs may be reused)."""
         mask = self.mask_out[rows]
         lens = mask.sum(dim=1)
         if self.turns is not None:  # an episode's length is its last drawn token's column, plus one
@@ -511,10 +511,10 @@ class RolloutLoop:
         R = int(lens.max())
         return Rollout(
             prompt_ids=prompt_ids,
-            response_ids=self.tokens_out[rows, :R].contiguous(),
-            response_mask=mask[:, :R].contiguous(),
+            response_ids=self.tokens_out[rows, :R].clone(),
+            response_mask=mask[:, :R].clone(),
             response_lens=lens,
-            logprobs=self.logprobs_out[rows, :R].contiguous(),
+            logprobs=self.logprobs_out[rows, :R].clone(),
             finish_reason=["stop" if s else "length" for s in self.stopped_out[rows].tolist()],
-            versions=None if self.versions_out is None else self.versions_out[rows, :R].contiguous(),
+            versions=None if self.versions_out is None else self.versions_out[rows, :R].clone(),
         )

@@ -21,7 +21,6 @@ A stream at ``ahead=0`` is :meth:`Sampler.generate` called once per batch.
 """
 
 import copy
-import dataclasses
 from collections import deque
 from typing import Optional
 
@@ -99,7 +98,7 @@ class StreamLoop(RolloutLoop):
         tool_schedule: str,
         tool_window: int,
     ):
-        self.per_prompt, self.per_batch, self.ring = n, prompts_per_batch * n, ahead + 1
+        self.per_batch, self.ring = prompts_per_batch * n, ahead + 1
         turns = RingTurns(self.per_batch, self.ring) if episodes else None
         loop = (decoder, decode, slots, max_len, [], n, [], draw, stop, pad, compact_below, bucket, None, turns)
         super().__init__(*loop, tool_schedule, tool_window)
@@ -161,10 +160,7 @@ class StreamLoop(RolloutLoop):
         rows = slice(block * self.per_batch, (block + 1) * self.per_batch)
         first = batch * self.prompts_per_batch
         prompt_ids = [self.prompts[first + r // self.n] for r in range(self.per_batch)]
-        out = self._rows_out(rows, prompt_ids)
-        out = dataclasses.replace(
-            out, **{k: getattr(out, k).clone() for k in ("response_ids", "response_mask", "logprobs", "versions")}
-        )
+        out = self._rows_out(rows, prompt_ids)  # copies: the block is cleared below
         self.tokens_out[rows] = self.pad
         for output in (self.logprobs_out, self.mask_out, self.stopped_out, self.versions_out):
             output[rows] = 0
