@@ -83,27 +83,44 @@ class Rollouts:
         """The ``sampler``'s (default: the rollouts') rollout of ``n`` responses per prompt with the
         run's sampling options, cut at the ``--stop`` strings; episodes of ``turns``, if given. The
         rollout copy must be refreshed."""
-        r, t, tok = self.config.rollout, self.config.tools, self.tokenizer
         sampler = sampler or self.sampler
         try:
             rollout = sampler.generate(
                 prompt_ids,
-                max_new_tokens=r.max_new_tokens,
                 temperature=temperature,
-                top_k=r.top_k,
-                top_p=r.top_p,
-                stop_token_ids=(tok.eos_token_id,),
-                pad_token_id=tok.pad_token_id,
                 num_samples_per_prompt=n,
                 seed=seed,
                 on_rows_ended=on_rows_ended,
                 turns=turns,
-                tool_schedule=t.tool_schedule,
-                tool_window=t.tool_window,
+                **self.sampling_options(),
             )
         except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once
-            raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
-        return responses.cut_at_stop_strings(rollout, tok, r.stop)
+            raise self.refused(error) from None
+        return responses.cut_at_stop_strings(rollout, self.tokenizer, self.config.rollout.stop)
+
+    def refused(self, error: KVMemoryError) -> UsageError:
+        """The one line for a KV budget too small for a prompt's samples, naming the option."""
+        return UsageError(_kv_memory_error(error, self.config.rollout.rollout_kv_memory))
+
+    def sampling_options(self) -> dict:
+        """The run's options of every rollout, ``generate``'s and a stream's alike: the budget, the
+        sampling filters, the stop and pad ids and the tool schedule."""
+        r, t, tok = self.config.rollout, self.config.tools, self.tokenizer
+        return dict(
+            max_new_tokens=r.max_new_tokens,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            stop_token_ids=(tok.eos_token_id,),
+            pad_token_id=tok.pad_token_id,
+            tool_schedule=t.tool_schedule,
+            tool_window=t.tool_window,
+        )
+
+    def reset(self, prompts, chosen: list, n: int) -> tuple:
+        """``(instances, observations)`` of the episodes of ``n`` rows for each row ``chosen`` of
+        ``prompts``: each row's environment reset with its row's fields (``Agent.reset``)."""
+        rows = [i for i in chosen for _ in range(n)]
+        return self.agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
 
     def roll(
         self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None, held_out=False
@@ -116,7 +133,7 @@ class Rollouts:
         if self.agent is None:
             return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler), texts)
         rows = [i for i in chosen for _ in range(n)]
-        instances, observations = self.agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
+        instances, observations = self.reset(prompts, chosen, n)
         per_prompt = n
         if any(o is not None for o in observations):  # each row's prompt its own
             texts = [self._observed(prompts, i, o, text) for i, o, text in zip(rows, observations, texts)]

@@ -22,6 +22,7 @@ from collections import deque
 
 import torch
 
+from ...rollout.paged import KVMemoryError
 from . import responses
 from .sampled import Sampled
 
@@ -84,17 +85,11 @@ class Streaming:
         self.stream = rollouts.sampler.stream(
             prompts_per_batch=r.prompts_per_iteration,
             ahead=self.ahead,
-            max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            stop_token_ids=(rollouts.tokenizer.eos_token_id,),
-            pad_token_id=rollouts.tokenizer.pad_token_id,
             num_samples_per_prompt=r.samples_per_prompt,
             seed=(c.run.seed * 100_003 - 1) * ranks.world + ranks.rank,  # no iteration's seed
             episodes=c.episodes,
-            tool_schedule=c.tools.tool_schedule,
-            tool_window=c.tools.tool_window,
+            **rollouts.sampling_options(),
         )
         if self.saved is not None:
             self.stream.load_state_dict(self.saved["stream"])
@@ -104,13 +99,15 @@ class Streaming:
     def _add(self, chosen: list) -> None:
         """A batch of the prompts ``chosen`` into the stream; with tools, as episodes (no environment:
         ``rules.py``)."""
-        prompts, agent, n = self.rollouts.prompts, self.rollouts.agent, self.rollouts.config.rollout.samples_per_prompt
+        rollouts = self.rollouts
         turns = None
-        if agent is not None:
-            rows = [i for i in chosen for _ in range(n)]
-            instances, _ = agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
-            turns = agent.episodes(instances)
-        self.stream.add([prompts.ids[i] for i in chosen], turns)
+        if rollouts.agent is not None:
+            instances, _ = rollouts.reset(rollouts.prompts, chosen, rollouts.config.rollout.samples_per_prompt)
+            turns = rollouts.agent.episodes(instances)
+        try:
+            self.stream.add([rollouts.prompts.ids[i] for i in chosen], turns)
+        except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once
+            raise rollouts.refused(error) from None
         self.batches.append((chosen, turns))
 
     def state_dict(self) -> dict:

@@ -147,3 +147,13 @@ def test_bad_max_staleness_is_one_line(tmp_path, capsys, monkeypatch, args, matc
     assert code == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+def test_a_kv_budget_too_small_for_a_batch_in_the_stream_is_one_line(tmp_path, capsys):
+    """The budget holds one row at the cap, so the sampler is made; the stream's first batch, whose
+    groups of samples it cannot admit, is refused as at K = 0, naming the option."""
+    args = ["train", "--out", str(tmp_path / "run"), "--iterations", "1", "--max-staleness", "1"]
+    assert fastppo_main([*args, "--rollout-kv-memory", "2e-5"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("fastppo train: error: --rollout-kv-memory 2e-05 is too small")
+    assert "samples of the longest prompt" in last and "smallest that works is" in last
