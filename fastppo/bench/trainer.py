@@ -14,8 +14,10 @@ Memory is the peak allocated during an iteration above what was allocated before
 
 ``trainer_options`` also times the update phase alone, one prepared batch under each forward
 layout: one padded row per sample (the baseline, what the update did before the shared prefix),
-padded rows in micro-batches of similar length, each prompt encoded once for its samples, and that
-in micro-batches; each row notes the token slots its forwards computed. On the shipped tiny model,
+padded rows in micro-batches of similar length, each prompt encoded once for its samples (its
+attention dense under the units' mask, as before, and split by the mask, the default:
+``trainer/update/unit_attention.py``), and that in micro-batches; each row notes the token slots
+its forwards computed. On the shipped tiny model,
 and in full runs on SmolLM2-135M-Instruct with the chat workload (``chat_workload.py``) when it is
 installed.
 
@@ -143,11 +145,12 @@ def _options(label: str, fields: dict, make, contenders: list, policy_factory=No
     )
 
 
-LAYOUTS = {  # contender -> (shared prefix, max_tokens_per_microbatch)
-    "before: one padded row per sample": (False, None),
-    "padded rows, micro-batches by length": (False, "budget"),
-    "default: each prompt encoded once": (True, None),
-    "prompt once, micro-batches": (True, "budget"),
+LAYOUTS = {  # contender -> (shared prefix, max_tokens_per_microbatch, the units' attention split by their mask)
+    "before: one padded row per sample": (False, None, False),
+    "padded rows, micro-batches by length": (False, "budget", False),
+    "each prompt encoded once, dense mask": (True, None, False),
+    "default: each prompt once, attention split": (True, None, True),
+    "prompt once, micro-batches": (True, "budget", True),
 }
 
 
@@ -163,6 +166,7 @@ def _update_tokens(trainer, batch) -> int:
 
 
 def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=None) -> Case:
+    from ..trainer.update import unit_attention
     from ..trainer.update.layout import SharedPrefix, key_cost
 
     def make():
@@ -170,18 +174,22 @@ def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=
         scored = trainer.rollout(0)
         return {"trainer": trainer, "batch": trainer.prepare(scored.rollout, scored.scores)}
 
-    def laid_out(x, shared, tokens):
+    def laid_out(x, shared, tokens, split):
         trainer = x["trainer"]
         policy = trainer.policy
         trainer.models.shared_prefix = SharedPrefix(key_cost(policy)) if shared else None
         trainer.config.algo.max_tokens_per_microbatch = budget if tokens else None
+        if split:
+            unit_attention.adopt(policy)
+        else:
+            unit_attention.release(policy)
         return trainer
 
-    def update(x, shared, tokens):  # a fresh copy each call: the update fills in its old log-probs
-        return laid_out(x, shared, tokens).update(dataclasses.replace(x["batch"]), 0)
+    def update(x, *layout):  # a fresh copy each call: the update fills in its old log-probs
+        return laid_out(x, *layout).update(dataclasses.replace(x["batch"]), 0)
 
-    def note(x, shared, tokens):
-        trainer, batch = laid_out(x, shared, tokens), x["batch"]
+    def note(x, *layout):
+        trainer, batch = laid_out(x, *layout), x["batch"]
         real = int((batch.prompt_lens + batch.lens).sum())
         return f"{_update_tokens(trainer, batch):,} token slots; rows hold {real:,}"
 

@@ -10,12 +10,14 @@ forward's, and the prompt's hidden states receive the sum of their samples' grad
 unshared forward gives them. In GRPO with 8 samples of a 200-token prompt and 40-token answers,
 a group is 520 tokens instead of 8 padded rows of 200 + the longest answer.
 
-A unit's attention is dense under a custom mask (every query against every key of its row), so a
+Under the mask alone a unit's attention is dense (every query against every key of its row), so a
 group whose responses are long is cut into smaller units, each with its prompt, where that costs
 less: a token costs 1 and a query-key pair ``key_cost`` (``2 hidden / parameters per block``: the
 attention's multiply-adds per key over the block's per token), and each group takes the cut that
 costs least (one unit, one per sample, or between). Short answers to long prompts share whole;
-long answers to short prompts are one row each, packed without padding.
+long answers to short prompts are one row each, packed without padding. A model on SDPA attends
+through ``unit_attention.py`` instead, which skips the pairs the mask forbids where its plan
+(``Layout.plan``) says that costs clearly less.
 
 Units are packed first-fit, longest first, into rows as long as the longest unit (block-diagonal
 in the mask), so short groups fill the room long ones leave, and attention never spans more than
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ...windows import FULL, SLIDING, UnknownWindows, layer_windows
+from .unit_attention import IMPLEMENTATION, UnitPlan, plan_units, with_plan
 
 
 @dataclass
@@ -60,12 +63,13 @@ class Layout:
     attention_mask: Tensor  # (N, L) 0/1 for padded rows; (N, L, L) bool, query x key, for units
     position_ids: Optional[Tensor]  # (N, L); None: each row counts from 0 (padded rows)
     index: Tensor  # (B, R) flat index into (N * L): the state that predicts each response token
+    plan: Optional[UnitPlan] = None  # the units' attention split by their mask (``unit_attention.py``)
 
     def mask_for(self, model) -> Union[Tensor, dict]:
         """The attention mask ``model`` reads: padded rows' own, or the units' in its form (``model_mask``)."""
         if self.position_ids is None:
             return self.attention_mask
-        return model_mask(model, self.attention_mask, self.position_ids)
+        return model_mask(model, self.attention_mask, self.position_ids, self.plan)
 
     def gather(self, states: Tensor) -> Tensor:
         """``(N, L, ...) -> (B, R, ...)``: the states at ``index``."""
@@ -144,10 +148,12 @@ def shared_layout(input_ids: Tensor, prompt_lens: Tensor, lens: Tensor, R: int, 
     unit = -1 - torch.arange(L).repeat(N, 1)  # (N, L): a pad is a unit of its own
     sample = torch.full((N, L), -2)  # (N, L): -1 on prompts, the row b on its response
     index = torch.zeros(len(P), R, dtype=torch.long)  # (B, R)
+    prompts, responses = [], []  # (flat start, length) of each unit's prompt; (flat start, length, unit)
     for r, row in enumerate(packed):
         at = 0
         for u, group in enumerate(row):
             p = P[group[0]]
+            prompts.append((r * L + at, p))
             ids[r, at : at + p] = cpu_ids[group[0], :p]
             positions[r, at : at + p] = torch.arange(p)
             unit[r, at : at + p + sum(n[b] for b in group)] = u
@@ -155,6 +161,7 @@ def shared_layout(input_ids: Tensor, prompt_lens: Tensor, lens: Tensor, R: int, 
             last = r * L + at + p - 1  # the prompt's last token predicts every response's first
             at += p
             for b in group:
+                responses.append((r * L + at, n[b], len(prompts) - 1))
                 ids[r, at : at + n[b]] = cpu_ids[b, p : p + n[b]]
                 positions[r, at : at + n[b]] = torch.arange(p, p + n[b])
                 sample[r, at : at + n[b]] = b
@@ -168,7 +175,8 @@ def shared_layout(input_ids: Tensor, prompt_lens: Tensor, lens: Tensor, R: int, 
         & (column[None, None, :] <= column[None, :, None])
         & ((sample[:, None, :] == -1) | (sample[:, None, :] == sample[:, :, None]))
     )  # (N, L, L): query, key
-    return Layout(ids.to(device), allowed.to(device), positions.to(device), index.to(device))
+    plan = plan_units(prompts, responses, N, L, device)
+    return Layout(ids.to(device), allowed.to(device), positions.to(device), index.to(device), plan)
 
 
 def microbatches(prompt_lens: list, lens: list, groups: list, max_tokens: Optional[int], at_least: int = 1) -> list:
@@ -224,22 +232,26 @@ def key_cost(model) -> float:
     return 2 * config.hidden_size / per_block
 
 
-def model_mask(model, allowed: Tensor, positions: Tensor) -> Union[Tensor, dict]:
+def model_mask(model, allowed: Tensor, positions: Tensor, plan: Optional[UnitPlan] = None) -> Union[Tensor, dict]:
     """``allowed`` (N, L, L) in ``model``'s form: windowed where its layers window (a key at
     position ``k`` outside ``q - w < k <= q`` masked, as in its padded row), in its attention's
     format (``mask_format_of``), with a head axis: (N, 1, L, L); one per layer type (a dict, as
-    transformers' ``causal_mask_mapping``) when only some layers' windows bind these rows."""
+    transformers' ``causal_mask_mapping``) when only some layers' windows bind these rows. A
+    model on the units' attention (``unit_attention.adopt``) gets ``plan`` with a mask no window
+    binds (a bound window is the dense mask's to apply)."""
     config, form = model.config, mask_format_of(model)
+    if getattr(config, "_attn_implementation", None) != IMPLEMENTATION:
+        plan = None
     windows = layer_windows(config)
     if all(w is None for w in windows):  # no window: nothing to read from the positions
-        return form(allowed[:, None])
+        return with_plan(form(allowed[:, None]), plan)
     span = int(positions.max()) + 1
     refusal = mask_refusal(config, span)
     if refusal:
         raise ValueError(f"{type(model).__name__}: {refusal}")
     binding = {w for w in windows if w is not None and w < span}
     if not binding:
-        return form(allowed[:, None])
+        return with_plan(form(allowed[:, None]), plan)
     near = positions[:, None, :] - positions[:, :, None]  # (N, L, L): key position - query position
     windowed = form((allowed & (near > -min(binding)))[:, None])  # one binding width: mask_refusal
     if len(set(windows)) == 1:
@@ -267,7 +279,7 @@ def mask_format_of(model) -> Optional[Callable]:
     """How ``model``'s attention takes a custom 4-D mask: bool for SDPA, additive (0 or the most
     negative float) for eager; None for implementations that take none (flash-attn, flex)."""
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
-    if implementation == "sdpa":
+    if implementation in ("sdpa", IMPLEMENTATION):
         return lambda allowed: allowed
     if implementation == "eager":
         return lambda allowed: torch.zeros(allowed.shape, device=allowed.device).masked_fill(

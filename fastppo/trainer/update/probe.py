@@ -17,10 +17,12 @@ disagrees trains on padded rows, and the start-up summary says why, naming it.
 """
 
 import contextlib
+from typing import Optional
 
 import torch
 
 from ..parallel import sharding
+from . import unit_attention
 from .batch import Batch, response_hidden, response_values
 from .layout import SharedPrefix, key_cost, mask_format_of, mask_refusal
 
@@ -79,6 +81,22 @@ def check_shared_prefix(models, enabled: bool, longest_row: int, ranks=None) -> 
         refusal = mask_refusal(model.config, longest_row)
         if refusal:
             return None, f"the {name} ({model.config.model_type}): {refusal}"
+    adopted = [model for model in backbones.values() if model is not None and unit_attention.adopt(model)]
+    why_not = _probe(models, backbones)
+    if why_not is not None and adopted:  # the units' attention disagrees: the dense mask, as before
+        for model in adopted:
+            unit_attention.release(model)
+        why_not = _probe(models, backbones)
+    elif adopted and getattr(models, "reference", None) is not None:  # a frozen copy of the policy, alike
+        unit_attention.adopt(models.reference)
+    if ranks is not None and ranks.most(int(why_not is not None)):  # every rank lays out alike
+        return None, why_not or "another rank's model refused the shared layout"
+    return (None, why_not) if why_not else (SharedPrefix(key_cost(policy)), None)
+
+
+def _probe(models, backbones: dict) -> Optional[str]:
+    """Why the models' shared forwards disagree with their padded ones on ``probe_batch``, or None."""
+    policy, critic = models.policy, models.critic
     batch = probe_batch(policy.config.vocab_size, models.device)
     tolerance = 1e-4 if models.precision.compute is None else 3e-2
     forwards = {"policy": lambda layout: response_hidden(policy, layout)}
@@ -97,9 +115,7 @@ def check_shared_prefix(models, enabled: bool, longest_row: int, ranks=None) -> 
             break
     for model in (policy, critic):
         sharding.reshard(model)  # no backward follows the probe to free the gathered roots
-    if ranks is not None and ranks.most(int(why_not is not None)):  # every rank lays out alike
-        return None, why_not or "another rank's model refused the shared layout"
-    return (None, why_not) if why_not else (SharedPrefix(key_cost(policy)), None)
+    return why_not
 
 
 def _narrowed(window):

@@ -76,7 +76,7 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
             assert relative_error(sharded["grads"][part][name], value) <= 1e-5, name
     for part, expected in single["weights"].items():  # then the weights it made
         if expected is not None:
-            assert_same_weights(sharded["weights"][part], expected)
+            assert_same_weights(sharded["weights"][part], expected, single["grads"][part])
     assert sharded["metrics"]["reward_mean"] == pytest.approx(single["metrics"]["reward_mean"])
 
 
@@ -125,13 +125,20 @@ def leave() -> None:
     exit_after_sharding(0)
 
 
-def assert_same_weights(got: dict, expected: dict) -> None:
-    """Equal within 1e-5: AdamW's first step is about lr x g / (|g| + eps), so an entry whose
-    gradient is near eps (1e-8) moves by a share of lr that a rounding of g changes (each rank
-    sums its tokens in another order); a wrong step would differ by about lr (5e-4)."""
+def assert_same_weights(got: dict, expected: dict, grads: dict = None) -> None:
+    """Equal within 1e-5: a wrong step would differ by about lr (5e-4). AdamW's first step is about
+    lr x g / (|g| + eps), so an entry whose gradient is within a few hundred eps (1e-8) of 0 moves by
+    a share of lr that a rounding of g changes (each rank sums its tokens in another order, and
+    lays out other rows, whose attention may be split or dense): given the step's gradients
+    (``grads``, held to 1e-5 of their norm by the caller), such entries are held to a step."""
     assert got.keys() == expected.keys()
     for name, value in got.items():
-        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5, msg=name)
+        want = expected[name]
+        if grads is not None and name in grads:
+            rounding = grads[name].abs() < 3e-6
+            assert bool(((value - want)[rounding].abs() <= 5e-4).all()), name
+            value, want = value[~rounding], want[~rounding]
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow  # two end-to-end runs, ~15 s
