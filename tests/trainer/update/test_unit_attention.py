@@ -121,3 +121,26 @@ def test_only_an_sdpa_model_is_adopted(tmp_path, implementation):
     assert unit_attention.adopt(model) and model.config._attn_implementation == IMPLEMENTATION
     unit_attention.release(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_an_adopted_model_generates_and_saves_as_before(tmp_path):
+    """Outside the update (transformers' own generate, its 2-D masks, a saved config) the model is as
+    it was: every call without a plan is SDPA's, and the implementation's name is not saved."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+        vocab_size=50, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 5, 6, 7]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+
+    def generated():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    before = generated()
+    assert unit_attention.adopt(model)
+    assert torch.equal(generated(), before)
+    model.config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path)._attn_implementation != IMPLEMENTATION
