@@ -266,3 +266,13 @@ def decode_attention_oracle(q, k_cache, v_cache, lengths, scale, block_table=Non
             weights = torch.softmax(scores, dim=0)[: len(at)]
             out[b, h] = weights @ values[:, kv]
     return out
+
+
+def masked_attention_oracle(q, k, v, allowed, scale):
+    """Attention written out in float64: ``q`` (N, H, L, D) over ``k``, ``v`` (N, KVH, L, D), query
+    head h on KV head ``h // (H // KVH)``, where ``allowed`` (N, L, L) (query, key) lets it: (N, L, H, D)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(groups, dim=1) for x in (k, v))
+    scores = (q.double() @ k.transpose(2, 3)) * scale  # (N, H, L, L)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (torch.softmax(scores, dim=3) @ v).transpose(1, 2)

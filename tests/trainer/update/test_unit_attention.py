@@ -6,20 +6,11 @@ import torch
 from fastppo.trainer.update import unit_attention
 from fastppo.trainer.update.layout import SharedPrefix
 from fastppo.trainer.update.unit_attention import IMPLEMENTATION, PLAN_ATTRIBUTE, plan_units, split_attention
+from tests.oracles import masked_attention_oracle
 from tests.trainer.runs import drifted, rolled_out
 from tests.trainer.update.test_probe import batch_of, whole_gradient
 
 WHOLE = SharedPrefix(key_cost=0.0)
-
-
-def dense_reference(q, k, v, allowed, scale):
-    """Attention written out in float64 under ``allowed`` (N, L, L), a key head for each group of
-    query heads: (N, L, H, D)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-    scores = (q @ k.transpose(2, 3)) * scale  # (N, H, L, L)
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return (torch.softmax(scores, dim=3) @ v).transpose(1, 2)
 
 
 def layout_of_two_prompts():
@@ -56,7 +47,7 @@ def test_the_split_is_the_dense_masked_attention_forward_and_backward_in_float64
     q, k, v = leaf(H), leaf(KVH), leaf(KVH)
     weights = torch.randn(N, L, H, D, dtype=torch.float64, generator=generator)
     split = split_attention(q, k, v, plan, 0.3)
-    dense = dense_reference(q, k, v, allowed, 0.3)
+    dense = masked_attention_oracle(q, k, v, allowed, 0.3)
     on_real = real.view(N, L)
     assert torch.allclose(split[on_real], dense[on_real], rtol=0, atol=1e-12)
     assert split[~on_real].eq(0).all()  # a layout pad's output
