@@ -17,11 +17,11 @@ back where its row holds it; autograd carries the gradients back through both (t
 receive the sum over their samples, as under the dense mask). A layout pad, which belongs to no
 unit, gets a zero output: no real token reads it, and its own state is never scored.
 
-Measured on a 2-core AMD EPYC (SmolLM2-135M's 9 query and 3 key heads of 64, two units of a
-280-token prompt and 8 responses of 84): a layer's attention forward and backward 59 ms against
-107 ms for SDPA under the dense mask. :func:`plan_units` builds the plan only where its padded
-pairs are clearly fewer than the dense row's (a long-tail response padding every other would
-cost more); elsewhere the mask is read densely, as before.
+On a 2-core AMD EPYC, SmolLM2-135M's update on its chat workload (2 prompts x 8 samples) ran 1.12x
+faster than under the dense mask (``fastppo bench --op trainer_options``, both side by side;
+``bench/results/cpu-2cores-2026-12-06-amd-update-attention.md``). :func:`plan_units` builds the
+plan only where its padded pairs are clearly fewer than the dense row's (a long-tail response
+padding every other would cost more); elsewhere the mask is read densely, as before.
 
 transformers reaches an attention through its ``AttentionInterface`` by the name in the model's
 config: :func:`adopt` registers :func:`attend` under ``IMPLEMENTATION`` and points an SDPA model at
