@@ -90,3 +90,33 @@ def test_sampler_cuda_graphs_match_eager_decoding():
     for with_graphs, eager in zip(runs[True], runs[False]):
         assert torch.equal(with_graphs.response_ids, eager.response_ids)
         torch.testing.assert_close(with_graphs.logprobs, eager.logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_stream_on_cuda_graphs_matches_eager_decoding():
+    """Batches entering a stream one ahead (one of them a row per prompt), the weights changed
+    between takes, replayed through the CUDA graphs: the tokens and log-probs of eager decoding."""
+    from tests.rollout.models import RAGGED_PROMPTS, tiny
+
+    added = [(RAGGED_PROMPTS[0:2], False), (RAGGED_PROMPTS[2:6], True), (RAGGED_PROMPTS[4:6], False)]
+    runs = {}
+    for graphs in (True, False):
+        model = tiny("qwen3").cuda()
+        sampler = fastppo.Sampler(model, max_batch_size=3, max_seq_len=64, cuda_graphs=graphs)
+        assert (sampler.graphs is not None) == graphs
+        stream = sampler.stream(
+            prompts_per_batch=2, ahead=1, max_new_tokens=20, temperature=0.9, num_samples_per_prompt=2, seed=3
+        )
+        runs[graphs] = []
+        for k in range(3):
+            while stream.loop.added < min(k + 2, 3):
+                prompts, per_row = added[stream.loop.added]
+                stream.add(prompts, per_row=per_row)
+            if k:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.01)
+            runs[graphs].append(stream.next(version=k))
+    for with_graphs, eager in zip(runs[True], runs[False]):
+        assert torch.equal(with_graphs.response_ids, eager.response_ids)
+        assert torch.equal(with_graphs.versions, eager.versions)
+        torch.testing.assert_close(with_graphs.logprobs, eager.logprobs, rtol=0, atol=1e-5)

@@ -63,13 +63,13 @@ class Agent:
         own = [t.schema for t in self.tools]
         return own if self.environment is None else own + self.environment.schemas_of(row, origin)
 
-    def reset(self, rows: list, origins: list) -> tuple:
+    def reset(self, rows: list, origins: list, pool: int = 0) -> tuple:
         """``(instances, observations)`` of a batch of ``rows`` (dicts: each prompt row whole, from
-        ``origins``): each row's environment reset, and what its reset returned (None each
-        without an environment)."""
+        ``origins``): each row's environment reset, from the instances of ``pool`` (one per batch in
+        flight at once), and what its reset returned (None each without an environment)."""
         if self.environment is None:
             return [None] * len(rows), [None] * len(rows)
-        return self.environment.reset(rows, origins)
+        return self.environment.reset(rows, origins, pool)
 
     def episodes(self, instances: list) -> Episodes:
         """The episodes of a batch of rows whose environments are ``instances`` (None each, without

@@ -10,7 +10,9 @@ then be a chat prompt). The environment's other public methods are tools, bound 
 instance (their schemas from their type hints and docstrings, as any tool's). Each class with a
 ``get_reward()`` (plain or ``async``) is one more reward, named after the class: it scores the rows
 whose environment is of exactly that class and gives the others no score (None), as TRL's does.
-Instances are made once and reset for each episode: a batch of B rows holds B of them.
+Instances are made once and reset for each episode: a batch of B rows holds B of them. Batches
+that are in flight at once (rollouts streaming ahead, ``--max-staleness``) each reset a pool of
+their own, so that no batch resets an instance another batch's episode still uses.
 """
 
 import asyncio
@@ -35,7 +37,7 @@ class Environments:
         factories = dict(factory) if self.several else {None: factory}
         if not factories:
             raise UsageError(f"{what} is an empty dict: it names no environment")
-        self.factories, self.pools, self.methods = {}, {}, {}  # by name; methods by class
+        self.factories, self.pools, self.methods = {}, {}, {}  # by name; instances by (pool, name); by class
         for name, made_by in factories.items():
             label = what if name is None else f"{what}[{name!r}]"
             if not callable(made_by):
@@ -49,8 +51,8 @@ class Environments:
                 raise UsageError(f"{label}: the class {kind.__name__} has no reset method (it opens each episode)")
             members = inspect.getmembers(kind, inspect.isfunction)
             self.methods[kind] = [n for n, _ in members if n not in HOOKS and n[0] != "_"]
-            self.pools[name] = [probe]
-        self.schemas = {name: [t.schema for t in self.tools(pool[0])] for name, pool in self.pools.items()}
+            self.pools[0, name] = [probe]
+        self.schemas = {name: [t.schema for t in self.tools(pool[0])] for (_, name), pool in self.pools.items()}
 
     @property
     def name(self) -> str:
@@ -87,17 +89,18 @@ class Environments:
         """The tool schemas of the environment ``row`` takes."""
         return self.schemas[self.chosen(row, origin)]
 
-    def reset(self, rows: list, origins: list) -> tuple:
+    def reset(self, rows: list, origins: list, pool: int = 0) -> tuple:
         """``(instances, observations)``: one instance per row, of the environment it takes, reset with
-        the row (dicts, whole; from ``origins``)."""
-        handed = {name: 0 for name in self.pools}
+        the row (dicts, whole; from ``origins``); the instances of ``pool`` (a batch in flight beside
+        others resets a pool of its own)."""
+        handed = {name: 0 for name in self.factories}
         instances, observations = [], []
         for row, origin in zip(rows, origins):
             name = self.chosen(row, origin)
-            pool = self.pools[name]
-            if handed[name] == len(pool):
-                pool.append(self._make(name))
-            instance = pool[handed[name]]
+            instances_of = self.pools.setdefault((pool, name), [])
+            if handed[name] == len(instances_of):
+                instances_of.append(self._make(name))
+            instance = instances_of[handed[name]]
             handed[name] += 1
             arguments = {k: v for k, v in row.items() if k != CHOOSER} if self.several else row
             try:

@@ -441,29 +441,30 @@ class RolloutLoop:
         """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together)
         and draw their first tokens."""
         chosen = []
-        while self.pending and len(free) >= self.n:
+        while self.pending and len(free) >= self._samples(self.pending[0]):
             j = self.pending[0]
-            P = len(self.prompts[j])
-            if not self.decoder.claim(free[: self.n], P, self.cap(j), P + self.sync_every):
+            P, size = len(self.prompts[j]), self._samples(j)
+            if not self.decoder.claim(free[:size], P, self.cap(j), P + self.sync_every):
                 self.memory_waits += 1
                 break
-            chosen.append((self.pending.popleft(), free[: self.n]))
-            free = free[self.n :]
+            chosen.append((self.pending.popleft(), free[:size]))
+            free = free[size:]
         if not chosen:
             return
         logits = self.decoder.prefill([s for _, s in chosen], [self.prompts[j] for j, _ in chosen])  # (G, V)
         self.drew = True
         device = logits.device
         slots = torch.tensor([s for _, ss in chosen for s in ss], device=device)
-        self.row[slots] = torch.tensor([self._out_row(j, k) for j, _ in chosen for k in range(self.n)], device=device)
+        self.row[slots] = torch.tensor([self._out_row(j, k) for j, ss in chosen for k in range(len(ss))], device=device)
         self.prompt_len[slots] = torch.tensor([len(self.prompts[j]) for j, ss in chosen for _ in ss], device=device)
         self.limit[slots] = torch.tensor(
-            [self.max_new[j * self.n + k] for j, ss in chosen for k in range(len(ss))], device=device
+            [self._budget(j, k) for j, ss in chosen for k in range(len(ss))], device=device
         )
         self.drawn[slots] = 0
         self.generated[slots] = 0
         self.active[slots] = True
-        self._record(slots, logits.repeat_interleave(self.n, dim=0))
+        sizes = torch.tensor([len(ss) for _, ss in chosen], device=device)
+        self._record(slots, logits.repeat_interleave(sizes, dim=0, output_size=len(slots)))  # (rows, V)
         for j, ss in chosen:
             for s in ss:
                 self.offset[s] = len(self.prompts[j]) - self.steps_run
@@ -473,9 +474,17 @@ class RolloutLoop:
         """The output row of sample ``sample`` of prompt ``prompt``."""
         return prompt * self.n + sample
 
+    def _samples(self, prompt: int) -> int:
+        """How many rows prompt ``prompt`` is decoded in: its samples, prefilled together."""
+        return self.n
+
+    def _budget(self, prompt: int, sample: int) -> int:
+        """The most tokens sample ``sample`` of prompt ``prompt`` may draw."""
+        return self.max_new[prompt * self.n + sample]
+
     def cap(self, prompt: int) -> int:
         """The most positions a row of prompt ``prompt`` reaches (``row_cap``)."""
-        budgets = [self.max_new[prompt * self.n + k] for k in range(self.n)]
+        budgets = [self._budget(prompt, k) for k in range(self._samples(prompt))]
         return row_cap(len(self.prompts[prompt]), budgets, self.max_len, self.turns is not None)
 
     def _pack(self, live: list) -> None:

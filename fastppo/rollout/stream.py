@@ -44,6 +44,7 @@ STATE_HOST = (
     "taken",
     "started",
     "version",
+    "sizes",
 )
 
 
@@ -75,9 +76,10 @@ class RingTurns(Turns):
 
 
 class StreamLoop(RolloutLoop):
-    """The rollout loop over batches of ``prompts_per_batch`` prompts x ``n`` samples: their output
-    rows in a ring of ``ahead + 1`` blocks (batch ``k`` in block ``k % (ahead + 1)``), prompt ``j`` of
-    batch ``k`` known as ``k * prompts_per_batch + j``."""
+    """The rollout loop over batches of ``prompts_per_batch`` prompts x ``n`` samples (or, a batch
+    whose every row is its own prompt, ``prompts_per_batch * n`` prompts x 1): their output rows in a
+    ring of ``ahead + 1`` blocks (batch ``k`` in block ``k % (ahead + 1)``). A prompt is known by its
+    first row's number across batches, ``k * rows + r`` (``rows`` a batch's)."""
 
     def __init__(
         self,
@@ -103,7 +105,8 @@ class StreamLoop(RolloutLoop):
         loop = (decoder, decode, slots, max_len, [], n, [], draw, stop, pad, compact_below, bucket, None, turns)
         super().__init__(*loop, tool_schedule, tool_window)
         self.prompts, self.max_new = {}, {}  # by global prompt and global row, for the batches in flight
-        self.prompts_per_batch, self.budget = prompts_per_batch, max_new
+        self.sizes = {}  # batch -> the rows each of its prompts is decoded in: n, or 1
+        self.budget = max_new
         self._allocate(self.ring * self.per_batch, max_len if episodes else max_new)
         self.row.fill_(self.trash)
         self.versions_out = torch.zeros_like(self.tokens_out)
@@ -112,20 +115,28 @@ class StreamLoop(RolloutLoop):
         self.started = False
 
     def _out_row(self, prompt: int, sample: int) -> int:
-        batch, j = divmod(prompt, self.prompts_per_batch)
-        return ((batch % self.ring) * self.prompts_per_batch + j) * self.n + sample
+        batch, r = divmod(prompt, self.per_batch)
+        return (batch % self.ring) * self.per_batch + r + sample
 
-    def add(self, prompts: list, max_new: list, turns: Optional[Turns]) -> int:
-        """Queue a batch: its prompts, each row's budget (``n`` per prompt) and, for episodes, its
-        turns (asked about rows ``0 .. len(max_new) - 1``). Returns the batch's number."""
+    def _samples(self, prompt: int) -> int:
+        return self.sizes[prompt // self.per_batch]
+
+    def _budget(self, prompt: int, sample: int) -> int:
+        return self.max_new[prompt + sample]
+
+    def add(self, prompts: list, max_new: list, turns: Optional[Turns], per_row: bool = False) -> int:
+        """Queue a batch: its prompts, each row's budget (``n`` per prompt; ``per_row``: every row its
+        own prompt, one each) and, for episodes, its turns (asked about rows ``0 .. len(max_new) - 1``).
+        Returns the batch's number."""
         if self.added - self.taken == self.ring:
             raise ValueError(f"a stream holds {self.ring} batches at once: take one before adding another")
-        batch, first = self.added, self.added * self.prompts_per_batch
+        batch, first = self.added, self.added * self.per_batch
+        size = self.sizes[batch] = 1 if per_row else self.n
         for j, prompt in enumerate(prompts):
-            self.prompts[first + j] = list(prompt)
-            self.pending.append(first + j)
+            self.prompts[first + j * size] = list(prompt)
+            self.pending.append(first + j * size)
         for r, budget in enumerate(max_new):
-            self.max_new[first * self.n + r] = budget
+            self.max_new[first + r] = budget
         if self.turns is not None:
             self.turns.blocks[batch % self.ring] = turns
         self.unfinished[batch] = self.per_batch
@@ -156,18 +167,18 @@ class StreamLoop(RolloutLoop):
         return self._take(batch)
 
     def _take(self, batch: int) -> Rollout:
-        block = batch % self.ring
+        block, size = batch % self.ring, self.sizes.pop(batch)
         rows = slice(block * self.per_batch, (block + 1) * self.per_batch)
-        first = batch * self.prompts_per_batch
-        prompt_ids = [self.prompts[first + r // self.n] for r in range(self.per_batch)]
+        first = batch * self.per_batch
+        prompt_ids = [self.prompts[first + r - r % size] for r in range(self.per_batch)]
         out = self._rows_out(rows, prompt_ids)  # copies: the block is cleared below
         self.tokens_out[rows] = self.pad
         for output in (self.logprobs_out, self.mask_out, self.stopped_out, self.versions_out):
             output[rows] = 0
-        for j in range(self.prompts_per_batch):
-            del self.prompts[first + j]
+        for r in range(0, self.per_batch, size):
+            del self.prompts[first + r]
         for r in range(self.per_batch):
-            del self.max_new[first * self.n + r]
+            del self.max_new[first + r]
             self.turn_start.pop(rows.start + r, None)
         del self.unfinished[batch]
         self.taken += 1
@@ -211,25 +222,27 @@ class RolloutStream:
         """Whether :meth:`state_dict` can hold the stream: a lean decoder's cache, no episodes."""
         return self.sampler.lean is not None and self.loop.turns is None
 
-    def add(self, prompts, turns: Optional[Turns] = None, max_new_tokens=None) -> int:
+    def add(self, prompts, turns: Optional[Turns] = None, max_new_tokens=None, per_row: bool = False) -> int:
         """Queue a batch of ``prompts_per_batch`` prompts (token-id lists; ``turns`` for episodes, one
         row per sample); returns its number. Its rows enter as slots free up, after the earlier
         batches' prompts. ``max_new_tokens``: as ``generate`` takes it (an int, one per prompt or
-        one per row), each at most the stream's; default: the stream's."""
+        one per row), each at most the stream's; default: the stream's. ``per_row``: every row has
+        a prompt of its own (an environment's observation made each sample's prompt its own), so
+        ``prompts`` holds ``prompts_per_batch * num_samples_per_prompt`` of them, one sample each,
+        in the batch's row order."""
         loop = self.loop
-        if len(prompts) != loop.prompts_per_batch:
-            raise ValueError(f"a batch of this stream holds {loop.prompts_per_batch} prompts, got {len(prompts)}")
+        size = 1 if per_row else loop.n
+        if len(prompts) * size != loop.per_batch:
+            raise ValueError(f"a batch of this stream holds {loop.per_batch // size} prompts, got {len(prompts)}")
         if (turns is None) != (loop.turns is None):
             raise ValueError("turns go with a stream made with episodes=True, and only there")
-        max_new = self.sampler._check_prompts(
-            prompts, loop.budget if max_new_tokens is None else max_new_tokens, loop.n
-        )
+        max_new = self.sampler._check_prompts(prompts, loop.budget if max_new_tokens is None else max_new_tokens, size)
         if max(max_new) > loop.budget:
             raise ValueError(f"max_new_tokens of a batch is at most the stream's, {loop.budget}, got {max(max_new)}")
         cache = self.sampler.kv_cache
         if cache is not None and cache.paged:
-            self.sampler._check_kv_memory(prompts, loop.n, max_new, turns is not None)
-        return loop.add(prompts, max_new, turns)
+            self.sampler._check_kv_memory(prompts, size, max_new, turns is not None)
+        return loop.add(prompts, max_new, turns, per_row)
 
     def next(self, version: int) -> Rollout:
         """The oldest batch's rollout, once all its rows have ended. ``version`` names the weights the

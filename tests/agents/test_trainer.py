@@ -161,8 +161,30 @@ def test_episodes_stream_at_staleness_1(tmp_path, every_turn_calls, schedule):
     assert any(h["staleness_max"] == 1 for h in history[1:])
 
 
-def test_an_environment_is_refused_at_staleness_1(tmp_path):
-    from fastppo.errors import UsageError
-
-    with pytest.raises(UsageError, match="max_staleness must be at most iterations, and without"):
-        agent_trainer(tmp_path, max_staleness=1, environment="tests.agents.runs:Counter", tools=None)
+@pytest.mark.parametrize("environment", ["Counter", "Observed"])
+def test_environments_stream_at_staleness_1(tmp_path, steps, environment):
+    """Two batches in flight at once never share an environment instance: each batch's reward (its
+    instances' counts of calls) is its own episodes' calls. An observation (``Observed``) makes each
+    row's prompt its own, and the batch streams one row per prompt."""
+    runs.SEEN.clear()
+    rows = [{"prompt": p, "hint": p.upper()} for p in ("ab", "cde", "f", "ghij", "kl", "mno", "pq", "r")]
+    trainer = agent_trainer(
+        tmp_path,
+        tools=None,
+        environment=f"tests.agents.runs:{environment}",
+        reward=["tests.agents.runs:remember"],
+        max_staleness=1,
+        iterations=3,
+    )
+    trainer = type(trainer)(trainer.config, policy=trainer.policy, tokenizer=trainer.tokenizer, prompts=rows)
+    history = trainer.train()
+    assert any(h["staleness_max"] == 1 for h in history[1:])
+    seen = [s for s in runs.SEEN if len(s["completions"]) == 8]  # the training batches, in order
+    assert len(seen) == 3
+    for earlier, later in zip(seen, seen[1:]):  # in flight together
+        assert not {id(e) for e in earlier["environments"]} & {id(e) for e in later["environments"]}
+    for batch, h in zip(seen, history):  # the instances' counts when their batch was scored: its calls
+        assert h[f"reward/{environment}"] == pytest.approx(h["tools/calls"])
+        if environment == "Observed":
+            assert all(prompt.endswith(f" ({hint})<eos>\na:") for prompt, hint in zip(batch["prompts"], batch["hint"]))
+    assert sum(h["tools/calls"] for h in history) > 0

@@ -124,6 +124,44 @@ def test_a_stream_loaded_from_its_state_continues_bitwise(cache, ahead):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_batch_whose_rows_have_prompts_of_their_own_is_generate_of_one_sample_each(cache):
+    model = tiny("llama")
+    s = sampler(model, cache)
+    prompts = RAGGED_PROMPTS[:4]
+    expected = s.generate(prompts, max_new_tokens=12, **{**OPTIONS, "num_samples_per_prompt": 1})
+    stream = s.stream(prompts_per_batch=2, ahead=0, max_new_tokens=12, **OPTIONS)
+    stream.add(prompts, per_row=True)
+    got = stream.next(version=0)
+    for name in ("response_ids", "response_mask", "response_lens", "logprobs"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert got.prompt_ids == [list(p) for p in prompts] and got.finish_reason == expected.finish_reason
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_batches_of_shared_and_own_prompts_mix_in_one_stream(cache):
+    """Greedy rows of a stream whose middle batch gives each row its own prompt, run one batch
+    ahead on 3 slots (so batches overlap): each row is HF's greedy continuation of its own prompt."""
+    model = tiny("llama")
+    stream = sampler(model, cache, slots=3).stream(
+        prompts_per_batch=2, ahead=1, max_new_tokens=9, **{**OPTIONS, "temperature": 0.0, "stop_token_ids": ()}
+    )
+    own = RAGGED_PROMPTS[2:6]
+    added = [(batches()[0], False), (own, True), (batches()[2], False)]
+    rollouts = []
+    for k in range(3):
+        while stream.loop.added < min(k + 2, 3):
+            prompts, per_row = added[stream.loop.added]
+            stream.add(prompts, per_row=per_row)
+        rollouts.append(stream.next(version=k))
+    expected_prompts = [[p for p in batches()[0] for _ in range(2)], own, [p for p in batches()[2] for _ in range(2)]]
+    for rollout, prompts in zip(rollouts, expected_prompts):
+        assert rollout.prompt_ids == [list(p) for p in prompts]
+        for row, prompt in enumerate(prompts):
+            assert rollout.response_ids[row].tolist() == hf_greedy(model, prompt, 9), row
+    assert stream.in_flight == 0 and not stream.loop.prompts and not stream.loop.max_new
+
+
 class Scripted(RingTurns.__mro__[1]):
     """Turns that end each row's episode after its first turn, recording who asked."""
 
@@ -164,6 +202,8 @@ def test_bad_use_is_refused_naming_what():
     stream = s.stream(prompts_per_batch=2, ahead=1, max_new_tokens=4)
     with pytest.raises(ValueError, match="holds 2 prompts, got 1"):
         stream.add(batches()[0][:1])
+    with pytest.raises(ValueError, match="holds 4 prompts, got 2"):  # 2 prompts x 2 samples: 4 rows of their own
+        s.stream(prompts_per_batch=2, ahead=0, max_new_tokens=4, **OPTIONS).add(batches()[0], per_row=True)
     with pytest.raises(ValueError, match="no batch to take"):
         stream.next(version=0)
     with pytest.raises(ValueError, match="at most the stream's, 4, got 5"):

@@ -77,14 +77,9 @@ def check(config) -> None:
         (
             "max_staleness",
             not r.max_staleness
-            or (
-                r.max_staleness <= config.run.iterations
-                and not r.filter_groups
-                and not a.sequence_ratio
-                and not config.tools.environment
-            ),
-            "must be at most iterations, and without filter_groups (whose batches vary), sequence_ratio "
-            "(no importance weights) or an environment (whose resets may change the batch's shape)",
+            or (r.max_staleness <= config.run.iterations and not r.filter_groups and not a.sequence_ratio),
+            "must be at most iterations, and without filter_groups (whose batches vary) or sequence_ratio "
+            "(no importance weights)",
         ),
         (
             "samples_per_prompt",

@@ -116,25 +116,17 @@ class Rollouts:
             tool_window=t.tool_window,
         )
 
-    def reset(self, prompts, chosen: list, n: int) -> tuple:
-        """``(instances, observations)`` of the episodes of ``n`` rows for each row ``chosen`` of
-        ``prompts``: each row's environment reset with its row's fields (``Agent.reset``)."""
-        rows = [i for i in chosen for _ in range(n)]
-        return self.agent.reset([prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows])
-
-    def roll(
-        self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None, held_out=False
-    ) -> Sampled:
-        """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
-        whose environments are reset with their rows' fields. ``held_out``: by the held-out sampler."""
+    def episodes(self, prompts, chosen: list, n: int, pool: int = 0) -> tuple:
+        """The episodes of ``n`` rows for each row ``chosen`` of ``prompts``, each row's environment
+        reset with its row's fields from the instances of ``pool`` (``Agent.reset``): ``(turns,
+        texts, ids, per_prompt)``, each row's prompt text and the prompts' ids, ``per_prompt`` rows
+        each: ``n``, or 1 where a reset's observation made each row's prompt its own."""
         texts = [prompts.texts[i] for i in chosen for _ in range(n)]
-        ids = [prompts.ids[i] for i in chosen]
-        sampler = self.held_out_sampler if held_out else self.sampler
-        if self.agent is None:
-            return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler), texts)
+        ids, per_prompt = [prompts.ids[i] for i in chosen], n
         rows = [i for i in chosen for _ in range(n)]
-        instances, observations = self.reset(prompts, chosen, n)
-        per_prompt = n
+        instances, observations = self.agent.reset(
+            [prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows], pool
+        )
         if any(o is not None for o in observations):  # each row's prompt its own
             texts = [self._observed(prompts, i, o, text) for i, o, text in zip(rows, observations, texts)]
             ids, per_prompt = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts], 1
@@ -144,7 +136,19 @@ class Rollouts:
                     f"{self.agent.environment.what}: a prompt with reset's observation is {longest} "
                     f"tokens, more than the {room} the sampler has room for"
                 )
-        turns = self.agent.episodes(instances)
+        return self.agent.episodes(instances), texts, ids, per_prompt
+
+    def roll(
+        self, prompts, chosen: list, temperature: float, n: int, seed: int, on_rows_ended=None, held_out=False
+    ) -> Sampled:
+        """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
+        whose environments are reset with their rows' fields. ``held_out``: by the held-out sampler."""
+        sampler = self.held_out_sampler if held_out else self.sampler
+        if self.agent is None:
+            texts = [prompts.texts[i] for i in chosen for _ in range(n)]
+            ids = [prompts.ids[i] for i in chosen]
+            return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler), texts)
+        turns, texts, ids, per_prompt = self.episodes(prompts, chosen, n)
         rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns, sampler)
         return Sampled(rollout, texts, turns.rows, sampler.tool_wait_seconds)
 

@@ -51,7 +51,8 @@ class Streaming:
     def __init__(self, rollouts, ahead: int):
         self.rollouts, self.ahead = rollouts, ahead
         self.stream = None  # made at the first batch, over the sampler's cache
-        self.batches = deque()  # (the prompts chosen, the turns) of each batch in the stream, oldest first
+        self.batches = deque()  # (the prompts chosen, the turns, each row's prompt text) of each batch, oldest first
+        self.added = 0  # batches added to the stream by this process
         self.saved = None  # a checkpoint's stream, loaded at the first batch
 
     def next_batch(self, iteration: int, state):
@@ -68,9 +69,8 @@ class Streaming:
             self._add(rollouts.draw(state))
         stream = self.stream
         rollout = stream.next(version=iteration)
-        chosen, turns = self.batches.popleft()
+        chosen, turns, texts = self.batches.popleft()
         rollout = responses.cut_at_stop_strings(rollout, rollouts.tokenizer, r.stop)
-        texts = [rollouts.prompts.texts[i] for i in chosen for _ in range(r.samples_per_prompt)]
         sampled = Sampled(rollout, texts, None if turns is None else turns.rows, stream.tool_wait_seconds)
         stats = {
             **decode_metrics(stream.steps, stream.live_rows, stream.sparse_steps),
@@ -93,29 +93,37 @@ class Streaming:
         )
         if self.saved is not None:
             self.stream.load_state_dict(self.saved["stream"])
-            self.batches.extend((chosen, None) for chosen in self.saved["batches"])
+            n = c.rollout.samples_per_prompt
+            self.batches.extend(
+                (chosen, None, [rollouts.prompts.texts[i] for i in chosen for _ in range(n)])
+                for chosen in self.saved["batches"]
+            )
             self.saved = None
 
     def _add(self, chosen: list) -> None:
-        """A batch of the prompts ``chosen`` into the stream; with tools, as episodes (no environment:
-        ``rules.py``)."""
+        """A batch of the prompts ``chosen`` into the stream; with tools, as episodes, whose
+        environments are reset from a pool of the batch's own (pool 0 stays the held-out
+        evaluation's): the ``ahead + 1`` batches in flight never share an instance."""
         rollouts = self.rollouts
-        turns = None
+        prompts, n = rollouts.prompts, rollouts.config.rollout.samples_per_prompt
+        turns, texts = None, [prompts.texts[i] for i in chosen for _ in range(n)]
+        ids, per_prompt = [prompts.ids[i] for i in chosen], n
         if rollouts.agent is not None:
-            instances, _ = rollouts.reset(rollouts.prompts, chosen, rollouts.config.rollout.samples_per_prompt)
-            turns = rollouts.agent.episodes(instances)
+            pool = 1 + self.added % (self.ahead + 1)
+            turns, texts, ids, per_prompt = rollouts.episodes(prompts, chosen, n, pool)
         try:
-            self.stream.add([rollouts.prompts.ids[i] for i in chosen], turns)
+            self.stream.add(ids, turns, per_row=per_prompt < n)
         except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once
             raise rollouts.refused(error) from None
-        self.batches.append((chosen, turns))
+        self.batches.append((chosen, turns, texts))
+        self.added += 1
 
     def state_dict(self) -> dict:
         """The batches in flight: their prompts, and the stream where it can be saved."""
         stream = self.stream
         return {
             "ahead": self.ahead,
-            "batches": [list(chosen) for chosen, _ in self.batches],
+            "batches": [list(chosen) for chosen, _, _ in self.batches],
             "stream": stream.state_dict() if stream is not None and stream.saveable else None,
         }
 
