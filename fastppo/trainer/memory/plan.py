@@ -17,9 +17,10 @@ counted from the options, each line with its dtype:
 - estimated: activations kept for the backward per layer and token of one forward (each prompt
   once for its samples with the shared prefix; ``forward_tokens``), ``(8 hidden + 4
   intermediate + 2 kv_dim)`` values of a Llama-like block, measured from the tensors autograd
-  saves (with checkpointing, each block's input plus one block recomputed at a time), one
-  block's worth more for the backward's working gradients, and the fused loss head's fp32
-  logits chunk and weight gradient.
+  saves, plus with shared prompts each response's copy of its prompt's keys and values, which
+  the update's split attention keeps (``prompt_copies``); with checkpointing, each block's input
+  plus one block recomputed at a time; one block's worth more for the backward's working
+  gradients, and the fused loss head's fp32 logits chunk and weight gradient.
 
 Without ``--fsdp`` every rank holds whole copies, so a rank's plan is one device's whatever the
 world size; with more than one rank the gradient all-reduce adds a flat copy of the gradients.
@@ -213,7 +214,8 @@ def memory_plan(
     mb_rows = rows // a.minibatches
     tokens, laid_out = forward_tokens(config, model_config, mb_rows, prompt_tokens)
     responses = mb_rows * config.response_tokens
-    block = (8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * compute * tokens
+    copies = prompt_copies(config, model_config, mb_rows, prompt_tokens)
+    block = ((8 * m.hidden + 4 * m.intermediate + 2 * m.kv_dim) * tokens + 2 * m.kv_dim * copies) * compute
     models = 2 if config.uses_critic else 1
     outside = 2 * m.hidden * compute * tokens  # the embeddings' output and the final norm's
     if config.model.gradient_checkpointing:
@@ -222,6 +224,8 @@ def memory_plan(
     else:
         kept = m.layers * block + outside
         how = f"{m.layers} blocks x {tokens:,} tokens per forward ({laid_out})"
+    if copies:
+        how += f", each response's copy of its prompt's keys and values ({copies:,} positions a block)"
     lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
     chunk = default_chunk_size(responses, m.vocab, device_type)
     half_grad = 2 * chunk * m.vocab if device_type == "cuda" else 0  # the chunk's logit gradient, bf16
@@ -336,26 +340,46 @@ def kv_memory(config, model_config, *, prompt_tokens: int, device_type: str, ava
     return left if left > 0 else None  # nothing left: the plan does not fit, whatever the cache
 
 
+def _shares(config, model_config, prompt_tokens: int) -> bool:
+    """Whether the update encodes each prompt once for its samples (``layout.py``): the shared
+    prefix on, samples to share it, and no window of the model refusing its masks."""
+    row = prompt_tokens + config.response_tokens
+    shared = config.model.shared_prefix and mask_refusal(model_config, row) is None
+    return shared and config.rollout.samples_per_prompt > 1
+
+
 def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple:
     """``(tokens, how)``: the most tokens one forward of the update lays out for a minibatch of
     ``rows``, every response at its most tokens (``layout.py``): each prompt once for its samples
     (one more prompt where a minibatch cuts through a group), or a padded row per sample (also
     where the model's windows refuse the shared masks, ``mask_refusal``); no more than the
     micro-batch budget (or one row, when a row is longer than it)."""
-    r, budget = config.rollout, config.algo.max_tokens_per_microbatch
-    row = prompt_tokens + config.response_tokens
-    shares = config.model.shared_prefix and mask_refusal(model_config, row) is None
-    if shares and r.samples_per_prompt > 1:
-        prompts = -(-rows // r.samples_per_prompt) + (rows % r.samples_per_prompt != 0)
-        tokens, how = (
-            prompts * prompt_tokens + rows * config.response_tokens,
-            f"{prompts} prompts once, {rows} responses",
-        )
-    else:
-        tokens, how = rows * row, f"{rows} padded rows"
+    budget, row = config.algo.max_tokens_per_microbatch, prompt_tokens + config.response_tokens
+    tokens, how = _laid_out(config, model_config, rows, prompt_tokens)
     if budget is not None and budget < tokens:
         tokens, how = max(budget, row), f"micro-batches of <= {budget:,} tokens"
     return tokens, how
+
+
+def _laid_out(config, model_config, rows: int, prompt_tokens: int) -> tuple:
+    """:func:`forward_tokens` without the micro-batch budget."""
+    r = config.rollout
+    if _shares(config, model_config, prompt_tokens):
+        prompts = -(-rows // r.samples_per_prompt) + (rows % r.samples_per_prompt != 0)
+        return prompts * prompt_tokens + rows * config.response_tokens, f"{prompts} prompts once, {rows} responses"
+    return rows * (prompt_tokens + config.response_tokens), f"{rows} padded rows"
+
+
+def prompt_copies(config, model_config, rows: int, prompt_tokens: int) -> int:
+    """Prompt positions whose keys and values the update's split attention keeps a second time in
+    a layer, for one forward of a minibatch of ``rows``: each response's own copy of its prompt's
+    (``update/unit_attention.py``), so as many as the forward lays out responses; none where each
+    row is padded (the split needs shared prompts)."""
+    if not _shares(config, model_config, prompt_tokens):
+        return 0
+    tokens, _ = forward_tokens(config, model_config, rows, prompt_tokens)
+    whole, _ = _laid_out(config, model_config, rows, prompt_tokens)
+    return rows * prompt_tokens * tokens // whole  # a budget's share of the responses (in proportion to its tokens)
 
 
 def fitting_microbatch(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> int:

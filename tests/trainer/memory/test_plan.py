@@ -211,7 +211,7 @@ def test_a_plan_that_does_not_fit_names_what_would(capsys):
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("  it would fit with: --gradient-checkpointing (") and "--minibatches 4" in last
     # the activations that fit (beside a KV cache of every slot at the cap and the packed rollout copy)
-    assert "or --max-tokens-per-microbatch 586 (33.00 GiB)" in last
+    assert "or --max-tokens-per-microbatch 549 (33.00 GiB)" in last
     assert fastppo_main([*argv, "--plan-device-memory", "1"]) == 0
     assert "shard it over more (--fsdp with torchrun)" in capsys.readouterr().out
     assert fastppo_main([*argv, "--plan-device-memory", "200"]) == 0
@@ -293,6 +293,53 @@ def test_a_cpu_run_returns_freed_memory_by_default_when_it_is_lora(tmp_path, rel
     assert released_memory == [True] * released
 
 
+def saved_bytes(attention, *tensors) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``attention(*tensors)``, its inputs
+    among them where it keeps them (the split keeps gathered copies instead)."""
+    import torch
+
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(*(t * 1 for t in tensors))  # inputs as the rotary gives them: not leaves
+    return sum(storages.values())
+
+
+def test_the_split_attention_keeps_about_what_the_plan_counts_for_it(tmp_path):
+    """Beyond the dense masked attention, the update's split attention keeps each response's copy of its
+    prompt's keys and values for the backward (less the dense mask, plus its gathered queries and
+    outputs): the plan counts those copies per block, the rest within the bounds here."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig
+
+    from fastppo.trainer.memory.plan import prompt_copies
+    from fastppo.trainer.update.unit_attention import plan_units, split_attention
+
+    heads, kv_heads, head_dim, prompt, samples, response = 9, 3, 64, 120, 8, 40
+    model_config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    cfg = config(tmp_path, task="vowels", prompts_per_iteration=2, samples_per_prompt=samples, max_new_tokens=response)
+    copies = prompt_copies(cfg, model_config, 2 * samples, prompt)
+    assert copies == 2 * samples * prompt
+    L = prompt + samples * response  # two units, one a row
+    units = [(r * L, prompt) for r in range(2)]
+    responses = [(r * L + prompt + s * response, response, r) for r in range(2) for s in range(samples)]
+    plan = plan_units(units, responses, 2, L, "cpu")
+    q, k, v = (torch.randn(2, h, L, head_dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    allowed = torch.ones(2, 1, L, L, dtype=torch.bool).tril()  # the dense mask's size is what matters here
+
+    def dense(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+    extra = saved_bytes(lambda q, k, v: split_attention(q, k, v, plan, None), q, k, v) - saved_bytes(dense, q, k, v)
+    counted = 2 * kv_heads * head_dim * copies * 4  # fp32
+    assert 0.6 * counted <= extra <= 1.4 * counted, (extra, counted)
+
+
 def test_the_shared_prefix_and_a_micro_batch_budget_shrink_the_activations_and_the_budget_is_what_fits():
     from transformers import AutoConfig
 
@@ -310,7 +357,11 @@ def test_the_shared_prefix_and_a_micro_batch_budget_shrink_the_activations_and_t
     # 64 rows of 1024 + 256 padded; 8 prompts once + 64 responses of 256 shared
     assert "81,920 tokens per forward (64 padded rows)" in padded["activations"].how
     assert "24,576 tokens per forward (8 prompts once, 64 responses)" in shared["activations"].how
-    assert shared["activations"].bytes * 81_920 == padded["activations"].bytes * 24_576
+    # the blocks in proportion to their tokens, plus each response's copy of its prompt's keys and values
+    # (28 layers x K,V x 256 x 64 responses x 1024 positions in bf16) that the split attention keeps
+    assert "(65,536 positions a block)" in shared["activations"].how
+    copies = 28 * 2 * 256 * 65_536 * 2
+    assert (shared["activations"].bytes - copies) * 81_920 == padded["activations"].bytes * 24_576
     total = sum(line.bytes for line in shared.values())
     available = total - 10 * GiB
     budget = fitting_microbatch(
