@@ -22,9 +22,13 @@ results too); fastppo's ``max_new_tokens`` bounds the sampled tokens and ``max_t
 rest.
 
 Reported per trainer: seconds per iteration (median over the iterations after the first two, which
-pay for warm-up), generated tokens per second, and the reward reached at equal wall-clock: the
-mean reward of the last 5 iterations each trainer had finished when the slower one's run would
-have been cut to the faster one's total time.
+pay for warm-up), the system CPU seconds in them (the kernel's time, on a CPU run mostly page
+faults on memory the process maps afresh: glibc maps tensors above its mmap threshold anew each
+time and trims its heap's free top, so they fall over the first iterations and rise again in one
+that sets a new peak; on a KVM guest a fault costs about 10 us), generated
+tokens per second, and the reward reached at equal wall-clock: the mean reward of the last 5
+iterations each trainer had finished when the slower one's run would have been cut to the faster
+one's total time.
 """
 
 import statistics
@@ -34,7 +38,17 @@ from dataclasses import asdict
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not a POSIX system: no system time to report
+    resource = None
+
 TOOL_TOKENS = 64  # the tools workload's room for results and scaffolding per episode
+
+
+def system_seconds() -> float:
+    """This process's system CPU seconds so far (all its threads; 0 where there is no ``resource``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime if resource is not None else 0.0
 
 
 def _workload_fields(workload: str, samples: int, max_new_tokens: int) -> dict:
@@ -85,13 +99,14 @@ def _fastppo_run(model, device, prompts, samples, max_new_tokens, lr, iterations
     rows = []
     for i in range(iterations):
         sampled.clear()
-        start = time.perf_counter()
+        start, system = time.perf_counter(), system_seconds()
         metrics = trainer.iteration(i)
         if device.type == "cuda":
             torch.cuda.synchronize()
         rows.append(
             {
                 "seconds": time.perf_counter() - start,
+                "system": system_seconds() - system,
                 "reward": metrics["reward_mean"],
                 "tokens": metrics.get("sampled_length", metrics["response_length"]) * prompts * samples,
                 "prefill_per_episode": sampler.prefill_tokens / (prompts * samples),
@@ -188,12 +203,12 @@ def _trl_run(
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *_, **__):
-            starts.append((time.perf_counter(), prefilled[0]))
+            starts.append((time.perf_counter(), prefilled[0], system_seconds()))
 
         def on_step_end(self, *_, **__):
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            ends.append((time.perf_counter(), prefilled[0]))
+            ends.append((time.perf_counter(), prefilled[0], system_seconds()))
 
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-versus-fastppo-"),
@@ -232,12 +247,13 @@ def _trl_run(
     return [
         {
             "seconds": end - start,
+            "system": end_system - start_system,
             "reward": log["reward"],
             "tokens": log["completions/mean_length"] * prompts * samples,
             "prefill_per_episode": (end_prefill - start_prefill) / (prompts * samples),
             "calling": None,
         }
-        for (start, start_prefill), (end, end_prefill), log in zip(starts, ends, logs)
+        for (start, start_prefill, start_system), (end, end_prefill, end_system), log in zip(starts, ends, logs)
     ]
 
 
@@ -250,6 +266,7 @@ WORKLOADS = {
 
 def _summary(name: str, rows: list, cutoff: float) -> dict:
     steady = [r["seconds"] for r in rows[2:]] or [r["seconds"] for r in rows]
+    steady_system = [r["system"] for r in rows[2:]] or [r["system"] for r in rows]
     elapsed, finished = 0.0, []
     for r in rows:
         elapsed += r["seconds"]
@@ -263,6 +280,7 @@ def _summary(name: str, rows: list, cutoff: float) -> dict:
         "seconds_median": statistics.median(steady),
         "seconds_min": min(steady),
         "seconds_max": max(steady),
+        "system_median": statistics.median(steady_system),
         "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
         "total_seconds": sum(r["seconds"] for r in rows),
         "reward_first5": statistics.mean(r["reward"] for r in rows[:5]),
@@ -353,16 +371,22 @@ def markdown(result: dict, machine: str) -> str:
         f"Equal wall-clock: {result['cutoff_seconds']:.1f} s. fastppo speed-up: "
         f"**{result['speedup']:.2f}x** against {result['against']} (median seconds per iteration).",
         "",
-        "| trainer | s/iteration median (min-max) | generated tokens/s | reward, first 5 | "
-        "iterations by the cutoff | reward at the cutoff (last 5) | prefill tokens per episode |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| trainer | s/iteration median (min-max) | system CPU s/iteration | generated tokens/s | "
+        "reward, first 5 | iterations by the cutoff | reward at the cutoff (last 5) | prefill tokens per episode |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['trainer']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
-            f"{r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | {r['iterations_by_cutoff']} | "
-            f"{r['reward_at_cutoff']:.3f} | {r['prefill_per_episode']:.0f} |"
+            f"{r['system_median']:.2f} | {r['tokens_per_s']:.0f} | {r['reward_first5']:.3f} | "
+            f"{r['iterations_by_cutoff']} | {r['reward_at_cutoff']:.3f} | {r['prefill_per_episode']:.0f} |"
         )
+    lines += [
+        "",
+        "System CPU seconds: the kernel's time in an iteration (median over the same iterations, all threads), on "
+        "a CPU run mostly page faults on memory mapped afresh, which fall over the first iterations and rise in one "
+        "that sets a new peak.",
+    ]
     from .limits import gflops
 
     limits = result["limits"]

@@ -4,6 +4,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -102,6 +103,7 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
     assert result["speedup"] == pytest.approx(fastest["seconds_median"] / result["rows"][0]["seconds_median"])
     for row in result["rows"]:
         assert row["iterations"] == 3 and row["seconds_median"] > 0 and row["tokens_per_s"] > 0
+        assert 0 <= row["system_median"] <= (os.cpu_count() or 1) * row["seconds_median"]  # CPU s, all cores
         # 0 when the other trainer's whole run ended before this one's first iteration did
         assert 0 <= row["reward_at_cutoff"] <= 1 and 0 <= row["iterations_by_cutoff"] <= 3
     assert math.isfinite(result["speedup"]) and result["speedup"] > 0
