@@ -121,8 +121,7 @@ class Rollouts:
         reset with its row's fields from the instances of ``pool`` (``Agent.reset``): ``(turns,
         texts, ids, per_prompt)``, each row's prompt text and the prompts' ids, ``per_prompt`` rows
         each: ``n``, or 1 where a reset's observation made each row's prompt its own."""
-        texts = [prompts.texts[i] for i in chosen for _ in range(n)]
-        ids, per_prompt = [prompts.ids[i] for i in chosen], n
+        texts, ids, per_prompt = prompts.row_texts(chosen, n), [prompts.ids[i] for i in chosen], n
         rows = [i for i in chosen for _ in range(n)]
         instances, observations = self.agent.reset(
             [prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows], pool
@@ -145,9 +144,9 @@ class Rollouts:
         whose environments are reset with their rows' fields. ``held_out``: by the held-out sampler."""
         sampler = self.held_out_sampler if held_out else self.sampler
         if self.agent is None:
-            texts = [prompts.texts[i] for i in chosen for _ in range(n)]
             ids = [prompts.ids[i] for i in chosen]
-            return Sampled(self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler), texts)
+            rollout = self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler)
+            return Sampled(rollout, prompts.row_texts(chosen, n))
         turns, texts, ids, per_prompt = self.episodes(prompts, chosen, n)
         rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns, sampler)
         return Sampled(rollout, texts, turns.rows, sampler.tool_wait_seconds)

@@ -95,8 +95,7 @@ class Streaming:
             self.stream.load_state_dict(self.saved["stream"])
             n = c.rollout.samples_per_prompt
             self.batches.extend(
-                (chosen, None, [rollouts.prompts.texts[i] for i in chosen for _ in range(n)])
-                for chosen in self.saved["batches"]
+                (chosen, None, rollouts.prompts.row_texts(chosen, n)) for chosen in self.saved["batches"]
             )
             self.saved = None
 
@@ -106,7 +105,7 @@ class Streaming:
         evaluation's): the ``ahead + 1`` batches in flight never share an instance."""
         rollouts = self.rollouts
         prompts, n = rollouts.prompts, rollouts.config.rollout.samples_per_prompt
-        turns, texts = None, [prompts.texts[i] for i in chosen for _ in range(n)]
+        turns, texts = None, prompts.row_texts(chosen, n)
         ids, per_prompt = [prompts.ids[i] for i in chosen], n
         if rollouts.agent is not None:
             pool = 1 + self.added % (self.ahead + 1)

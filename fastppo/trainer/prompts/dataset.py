@@ -31,6 +31,10 @@ class Prompts:
         """Every field any row has, in order of first appearance: each reward call gets all of them."""
         return list(dict.fromkeys(k for row in self.fields for k in row))
 
+    def row_texts(self, chosen: list, n: int) -> list:
+        """The text of each of ``n`` rows (samples) for each prompt ``chosen``."""
+        return [self.texts[i] for i in chosen for _ in range(n)]
+
     def select(self, keep: list) -> "Prompts":
         kept = (self.texts, self.ids, self.fields, self.origins, self.messages, self.rows)
         return Prompts(*([values[i] for i in keep] for values in kept))
