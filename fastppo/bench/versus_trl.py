@@ -265,8 +265,8 @@ WORKLOADS = {
 
 
 def _summary(name: str, rows: list, cutoff: float) -> dict:
-    steady = [r["seconds"] for r in rows[2:]] or [r["seconds"] for r in rows]
-    steady_system = [r["system"] for r in rows[2:]] or [r["system"] for r in rows]
+    kept = rows[2:] or rows  # the iterations after warm-up
+    steady = [r["seconds"] for r in kept]
     elapsed, finished = 0.0, []
     for r in rows:
         elapsed += r["seconds"]
@@ -280,7 +280,7 @@ def _summary(name: str, rows: list, cutoff: float) -> dict:
         "seconds_median": statistics.median(steady),
         "seconds_min": min(steady),
         "seconds_max": max(steady),
-        "system_median": statistics.median(steady_system),
+        "system_median": statistics.median(r["system"] for r in kept),
         "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
         "total_seconds": sum(r["seconds"] for r in rows),
         "reward_first5": statistics.mean(r["reward"] for r in rows[:5]),
