@@ -116,12 +116,15 @@ class Rollouts:
             tool_window=t.tool_window,
         )
 
-    def episodes(self, prompts, chosen: list, n: int, pool: int = 0) -> tuple:
-        """The episodes of ``n`` rows for each row ``chosen`` of ``prompts``, each row's environment
-        reset with its row's fields from the instances of ``pool`` (``Agent.reset``): ``(turns,
-        texts, ids, per_prompt)``, each row's prompt text and the prompts' ids, ``per_prompt`` rows
-        each: ``n``, or 1 where a reset's observation made each row's prompt its own."""
+    def prompted(self, prompts, chosen: list, n: int, pool: int = 0) -> tuple:
+        """What the sampler gets for ``n`` rows of each row ``chosen`` of ``prompts``: ``(turns, texts,
+        ids, per_prompt)``, the rows' episodes (None without tools; each row's environment reset with
+        its row's fields from the instances of ``pool``, ``Agent.reset``), each row's prompt text,
+        and the prompts' ids, ``per_prompt`` rows each: ``n``, or 1 where a reset's observation made
+        each row's prompt its own."""
         texts, ids, per_prompt = prompts.row_texts(chosen, n), [prompts.ids[i] for i in chosen], n
+        if self.agent is None:
+            return None, texts, ids, per_prompt
         rows = [i for i in chosen for _ in range(n)]
         instances, observations = self.agent.reset(
             [prompts.rows[i] for i in rows], [prompts.origins[i] for i in rows], pool
@@ -143,12 +146,10 @@ class Rollouts:
         """``n`` responses to each row ``chosen`` of ``prompts`` (:meth:`sample`); with tools, episodes
         whose environments are reset with their rows' fields. ``held_out``: by the held-out sampler."""
         sampler = self.held_out_sampler if held_out else self.sampler
-        if self.agent is None:
-            ids = [prompts.ids[i] for i in chosen]
-            rollout = self.sample(ids, temperature, n, seed, on_rows_ended, sampler=sampler)
-            return Sampled(rollout, prompts.row_texts(chosen, n))
-        turns, texts, ids, per_prompt = self.episodes(prompts, chosen, n)
+        turns, texts, ids, per_prompt = self.prompted(prompts, chosen, n)
         rollout = self.sample(ids, temperature, per_prompt, seed, on_rows_ended, turns, sampler)
+        if turns is None:
+            return Sampled(rollout, texts)
         return Sampled(rollout, texts, turns.rows, sampler.tool_wait_seconds)
 
     def _observed(self, prompts, i: int, observation, text: str) -> str:

@@ -103,13 +103,9 @@ class Streaming:
         """A batch of the prompts ``chosen`` into the stream; with tools, as episodes, whose
         environments are reset from a pool of the batch's own (pool 0 stays the held-out
         evaluation's): the ``ahead + 1`` batches in flight never share an instance."""
-        rollouts = self.rollouts
-        prompts, n = rollouts.prompts, rollouts.config.rollout.samples_per_prompt
-        turns, texts = None, prompts.row_texts(chosen, n)
-        ids, per_prompt = [prompts.ids[i] for i in chosen], n
-        if rollouts.agent is not None:
-            pool = 1 + self.added % (self.ahead + 1)
-            turns, texts, ids, per_prompt = rollouts.episodes(prompts, chosen, n, pool)
+        rollouts, n = self.rollouts, self.rollouts.config.rollout.samples_per_prompt
+        pool = 1 + self.added % (self.ahead + 1)
+        turns, texts, ids, per_prompt = rollouts.prompted(rollouts.prompts, chosen, n, pool)
         try:
             self.stream.add(ids, turns, per_row=per_prompt < n)
         except KVMemoryError as error:  # a prompt whose samples the cache could never hold at once

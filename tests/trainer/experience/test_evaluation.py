@@ -33,7 +33,7 @@ def test_the_metrics_of_fixed_outcomes_equal_a_hand_computation(tmp_path, monkey
     )
     calls = []
 
-    def sample(prompt_ids, temperature, n, seed, on_rows_ended=None, sampler=None):
+    def sample(prompt_ids, temperature, n, seed, on_rows_ended=None, turns=None, sampler=None):  # Rollouts.sample
         prompts = [trainer.tokenizer.decode(ids) for ids in prompt_ids]
         calls.append((len(prompts), n))
         texts = [OUTCOMES[p][0] if temperature == 0 else OUTCOMES[p][1][j] for p in prompts for j in range(n)]
@@ -97,9 +97,9 @@ def test_evaluation_draws_apart_from_the_training_of_its_iteration(tmp_path):
     seeds, sample = {"train": set(), "eval": set()}, trainer.rollouts.sample
     phase = []
 
-    def recording(prompt_ids, temperature, n, seed, on_rows_ended=None, sampler=None):
+    def recording(prompt_ids, temperature, n, seed, on_rows_ended=None, turns=None, sampler=None):  # Rollouts.sample
         seeds[phase[-1]].add(seed)
-        return sample(prompt_ids, temperature, n, seed, on_rows_ended, sampler=sampler)
+        return sample(prompt_ids, temperature, n, seed, on_rows_ended, turns, sampler)
 
     trainer.rollouts.sample = recording
     for iteration in range(3):
