@@ -441,9 +441,11 @@ class RolloutLoop:
         """Prefill as many waiting prompts as ``free`` slots hold (all samples of a prompt together)
         and draw their first tokens."""
         chosen = []
-        while self.pending and len(free) >= self._samples(self.pending[0]):
+        while self.pending:
             j = self.pending[0]
             P, size = len(self.prompts[j]), self._samples(j)
+            if len(free) < size:
+                break
             if not self.decoder.claim(free[:size], P, self.cap(j), P + self.sync_every):
                 self.memory_waits += 1
                 break
