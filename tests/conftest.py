@@ -55,14 +55,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def released_memory(monkeypatch):
-    """The runs a test asks to return freed memory to the OS (``host_memory.py``), recorded and not
-    done: it is the process's setting for good, and would slow every test after it. Its effect is
-    measured in a process of its own (``test_plan.py``)."""
+def heap_choices(monkeypatch):
+    """What the runs of a test ask glibc's heap to do with freed memory (``host_memory.py``):
+    ``"release"`` or ``"keep"``, recorded and not done: it is the process's setting for good, and
+    would change every test after it. Each is measured in a process of its own (``test_plan.py``)."""
     from fastppo.trainer.modeling import host_memory
 
     calls = []
-    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: calls.append(True) or True)
+    for choice in ("release", "keep"):
+        monkeypatch.setattr(host_memory, f"{choice}_freed_memory", lambda choice=choice: calls.append(choice) or True)
     return calls
 
 

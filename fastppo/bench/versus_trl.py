@@ -21,19 +21,23 @@ TRL's ``max_completion_length`` is ``max_new_tokens`` + ``TOOL_TOKENS`` (its bud
 results too); fastppo's ``max_new_tokens`` bounds the sampled tokens and ``max_tool_tokens`` the
 rest.
 
-Reported per trainer: seconds per iteration (median over the iterations after the first two, which
-pay for warm-up), the system CPU seconds in them (the kernel's time, on a CPU run mostly page
-faults on memory the process maps afresh: glibc maps tensors above its mmap threshold anew each
-time and trims its heap's free top, so they fall over the first iterations and rise again in one
-that sets a new peak; on a KVM guest a fault costs about 10 us), generated
-tokens per second, and the reward reached at equal wall-clock: the mean reward of the last 5
-iterations each trainer had finished when the slower one's run would have been cut to the faster
-one's total time.
+Each trainer runs as its users would run it: fastppo in this process, each TRL run after it in a
+fresh one (fastppo's run sets glibc's heap policy for its process). Reported per trainer: seconds
+per iteration (median over the iterations after the first two, which pay for warm-up), the system
+CPU seconds in them (the kernel's time, on a CPU run mostly page faults on memory the process maps
+afresh: under glibc's default policy, tensors above its mmap threshold are mapped anew each time
+and its heap's free top is trimmed, so faults fall over the first iterations and rise again in one
+that sets a new peak; on a KVM guest a fault costs about 10 us; fastppo keeps freed memory for
+the next iteration), generated tokens per second, and the reward reached at equal wall-clock: the
+mean reward of the last 5 iterations each trainer had finished when the slower one's run would
+have been cut to the faster one's total time.
 """
 
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 
 import torch
@@ -257,6 +261,14 @@ def _trl_run(
     ]
 
 
+def _on_its_own(run, *args, **kwargs):
+    """``run(*args, **kwargs)`` in a fresh interpreter, so that a TRL run starts as a TRL user's would:
+    fastppo's run before it sets glibc's heap policy for its whole process (it keeps freed memory
+    for the next iteration, ``trainer/modeling/host_memory.py``) and leaves that memory behind."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run, *args, **kwargs).result()
+
+
 WORKLOADS = {
     "arithmetic": "arithmetic task",
     "chat": "chat workload (prompts of 150-300 tokens, gsm8k verifier)",
@@ -326,10 +338,12 @@ def compare(
     limits = measure(device)
     runs = {
         "fastppo train": _fastppo_run(model, device, **shape, limits=limits),
-        "TRL GRPOTrainer": _trl_run(model, device, **shape, checkpointing=True),
+        "TRL GRPOTrainer": _on_its_own(_trl_run, model, device, **shape, checkpointing=True),
     }
     if trl_without_checkpointing:
-        runs["TRL GRPOTrainer, no gradient checkpointing"] = _trl_run(model, device, **shape, checkpointing=False)
+        runs["TRL GRPOTrainer, no gradient checkpointing"] = _on_its_own(
+            _trl_run, model, device, **shape, checkpointing=False
+        )
     cutoff = min(sum(r["seconds"] for r in rows) for rows in runs.values())
     summaries = [_summary(name, rows, cutoff) for name, rows in runs.items()]
     ours, theirs = summaries[0], min(summaries[1:], key=lambda r: r["seconds_median"])

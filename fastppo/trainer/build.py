@@ -60,8 +60,11 @@ def build_models(config, ranks, policy=None, tokenizer=None) -> Models:
     """The run's models on its device (``cuda:<local rank>`` under torchrun), from ``policy`` and
     ``tokenizer`` when given, else loaded from ``--model``."""
     device = config.device
-    if torch.device(device).type == "cpu" and config.releases_cpu_memory:
-        host_memory.release_freed_memory()  # before the model loads: every tensor of the run is served so
+    if torch.device(device).type == "cpu":  # before the model loads: every tensor of the run is served so
+        if config.releases_cpu_memory:
+            host_memory.release_freed_memory()
+        else:
+            host_memory.keep_freed_memory()
     if ranks.world > 1 and torch.device(device).type == "cuda":
         device = f"cuda:{ranks.local_rank}"
     if policy is None:

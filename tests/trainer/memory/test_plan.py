@@ -279,18 +279,18 @@ def test_returning_freed_memory_cuts_the_peak_of_a_lora_update():
 
 
 @pytest.mark.parametrize(
-    "fields,released",
+    "fields,choice",
     [
-        ({"lora_rank": 4}, True),
-        ({}, False),
-        ({"cpu_release_memory": True}, True),
-        ({"lora_rank": 4, "cpu_release_memory": False}, False),
+        ({"lora_rank": 4}, "release"),
+        ({}, "keep"),
+        ({"cpu_release_memory": True}, "release"),
+        ({"lora_rank": 4, "cpu_release_memory": False}, "keep"),
     ],
 )
-def test_a_cpu_run_returns_freed_memory_by_default_when_it_is_lora(tmp_path, released_memory, fields, released):
+def test_a_cpu_run_returns_freed_memory_when_it_is_lora_and_keeps_it_otherwise(tmp_path, heap_choices, fields, choice):
     tokenizer = char_tokenizer()
     PPOTrainer(config(tmp_path, task="vowels", **fields), policy=tiny_policy(tokenizer, seed=0), tokenizer=tokenizer)
-    assert released_memory == [True] * released
+    assert heap_choices == [choice]
 
 
 def saved_bytes(attention, *tensors) -> int:
