@@ -4,8 +4,9 @@ for the next iteration's tensors.
 By default glibc serves a large allocation with ``mmap`` and unmaps it when it is freed, until the
 first large block is freed: it then raises its mmap threshold to that block's size (up to 32 MiB
 on 64-bit), so later tensors up to that size come from its heap, whose freed top it gives back
-past 128 KiB. A PPO iteration allocates and frees the same tensors again and again, so neither
-way suits it:
+past 128 KiB. A PPO iteration allocates and frees the same tensors again and again, and the
+default serves it badly either way: it maps afresh (and faults in) what the next iteration will
+need again, and it keeps what a LoRA run, short of memory, will never need. So a run sets one of:
 
 * **Release** (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``: the threshold fixed at glibc's own default,
   which also stops the raising): every large tensor is mapped and returned when freed. A LoRA
@@ -18,10 +19,10 @@ way suits it:
 * **Keep** (the threshold at ``KEEP_BELOW`` and the heap trimmed only past ``KEEP_TOP``): tensors
   come from the heap, and the space they free stays there for the next iteration's. Under the
   default the process faults pages in afresh in every iteration that sets a new peak or outgrows
-  the raised threshold: on a 2-core AMD EPYC, SmolLM2-135M's chat workload (2 x 8 rows of 280 +
-  96 tokens) faulted 0.16-1.2 million pages an iteration, 0.6-8 s of system time, and its updates
-  took 11.1-16.8 s; kept, it faults none after the second iteration, and its updates take
-  11.0-12.0 s, at the same peak resident memory (``bench/results/``).
+  the raised threshold: on a 2-core AMD EPYC guest, SmolLM2-135M's chat workload (2 x 8 rows of 280 +
+  96 tokens) faulted 0.08-1.25 million pages an iteration, 0.3-8 s of system time; kept, none once
+  the run has reached its peak, at the same peak resident memory
+  (``bench/results/cpu-2cores-2026-12-07-amd-kept-heap.md``).
 
 Release is on by default for LoRA runs, whose point is memory, and keep for the others
 (``cpu_release_memory`` chooses). It is the process's setting, for good: the test suite leaves its
