@@ -70,6 +70,7 @@ def test_time_budget_skips_the_rest():
     assert {r["status"] for r in rows if r["contender"] == "fastppo"} == {"skipped: time budget"}
 
 
+@pytest.mark.slow
 def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
     pytest.importorskip("trl")
     assert (

@@ -178,6 +178,7 @@ def test_from_hidden_model_charges_what_each_plan_moves():
     assert bare == pytest.approx(3 * 2 * N * H * V / 788e12 * 1e3)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compiles for sm_90 on a CPU machine")
 def test_sass_report_runs_and_names_its_figures(tmp_path):

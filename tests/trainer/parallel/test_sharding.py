@@ -280,6 +280,7 @@ def _gradient_worker(rank, port, out_dir, fields):
     leave()
 
 
+@pytest.mark.slow
 def test_under_bf16_autocast_sharded_ranks_compute_what_replicated_ranks_do(tmp_path):
     """Mixed precision as on one device: the blocks' linear weights gathered in bf16 (what autocast
     casts), their norms and the embeddings in fp32. Gathering everything in bf16 would make the
