@@ -58,7 +58,8 @@ def pytest_collection_modifyitems(config, items):
 def heap_choices(monkeypatch):
     """What the runs of a test ask glibc's heap to do with freed memory (``host_memory.py``):
     ``"release"`` or ``"keep"``, recorded and not done: it is the process's setting for good, and
-    would change every test after it. Each is measured in a process of its own (``test_plan.py``)."""
+    would change every test after it. Each is measured in processes of their own
+    (``tests/trainer/modeling/test_host_memory.py``; the peak releasing cuts: ``test_plan.py``)."""
     from fastppo.trainer.modeling import host_memory
 
     calls = []
