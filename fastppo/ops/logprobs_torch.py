@@ -9,6 +9,8 @@ import torch
 
 # fp32 elements per chunk: 4 MiB per temporary keeps a chunk's working set in cache on a CPU.
 ROW_CHUNK_ELEMENTS = 1 << 20
+# A log-prob below which exp is 0 in fp32 (its least subnormal is exp(-103.3)).
+LOG_P_FLOOR = -128.0
 
 
 def _row_chunks(B: int, T: int, V: int):
@@ -90,23 +92,49 @@ def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index,
         lse[r0:r1] = row_lse.masked_fill(ignored, 0.0)  # as the kernel, which never reads those rows
 
 
+def _box(t, b0, b1, t0, t1):
+    """``t``'s rows of one box as a ``(n, V)`` view, or None where they are not one (strided rows)."""
+    rows = t[b0:b1, t0:t1]
+    return rows.view(-1, t.shape[2]) if rows.is_contiguous() else None
+
+
 def logprobs_backward(
     logits, grad, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
 ):
-    """The launcher of ``launchers.py``, a box of rows at a time."""
+    """The launcher of ``launchers.py``, a box of rows at a time: ``dz = scale x (g ([label] - p) -
+    g_H p (log p + H))`` per row, ``g`` and ``g_H`` the upstream gradients of the log-prob and the
+    entropy, ``p`` the softmax. Four passes over a box without the entropy, eight with it, in place
+    in the box of ``grad`` where that is fp32 and its rows are one run (else in a box of their own,
+    copied in), and one temporary the size of a box with the entropy. ``g ([label] - p)`` is summed
+    before the entropy's term is added: at a peaked row's label ``p`` rounds to 1 and the sum to 0,
+    and the entropy's tiny term (``p (log p + H)`` ~ 1e-17) must not be lost in ``g``'s rounding."""
     B, T, V = logits.shape
     for b0, b1, t0, t1 in _row_chunks(B, T, V):
-        z, r0, r1, scale = _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1)
+        r0, r1 = b0 * T + t0, (b1 - 1) * T + t1
+        scale = inv_temperature if temperature is None else (1.0 / temperature[r0:r1]).unsqueeze(1)
         in_range, ignored, safe = _label_masks(labels[r0:r1], V, ignore_index)
-        g_lp = torch.where(in_range, grad_logp[r0:r1], float("nan")).masked_fill(ignored, 0.0)
-        log_p = z.sub_(lse[r0:r1].unsqueeze(1))  # (n, V)
-        p = log_p.exp()
-        dz = p * -g_lp.unsqueeze(1)
-        dz.scatter_add_(1, safe.unsqueeze(1), torch.where(in_range, g_lp, 0.0).unsqueeze(1))
-        if grad_entropy is not None:
+        g_lp = torch.where(in_range, grad_logp[r0:r1], float("nan")).masked_fill(ignored, 0.0).unsqueeze(1)
+        z = logits[b0:b1, t0:t1].reshape(-1, V).float()  # (n, V); a half one is upcast, as the kernel's tiles
+        out = _box(grad, b0, b1, t0, t1) if grad.dtype == torch.float32 else None
+        dz = torch.empty(z.shape, dtype=torch.float32, device=z.device) if out is None else out
+        if isinstance(scale, float) and scale == 1.0:
+            torch.sub(z, lse[r0:r1].unsqueeze(1), out=dz)  # log p: (n, V)
+        else:
+            torch.mul(z, scale, out=dz).sub_(lse[r0:r1].unsqueeze(1))
+        label = safe.unsqueeze(1)
+        labelled = torch.where(in_range.unsqueeze(1), g_lp, 0.0)  # (n, 1)
+        if grad_entropy is None:
+            dz.exp_().mul_(-g_lp).scatter_add_(1, label, labelled)  # g ([label] - p)
+        else:
             g_ent = grad_entropy[r0:r1].masked_fill(ignored, 0.0).unsqueeze(1)
-            term = p.mul_(log_p.add_(entropy[r0:r1].unsqueeze(1)))  # p * (log p + H), in place
-            dz -= g_ent * term.masked_fill_(log_p == float("-inf"), 0.0)
-        dz *= scale
+            # below log p = -104 p is 0 in fp32: a clamp there keeps p (log p + H) 0, not 0 x -inf
+            log_p = dz.clamp_(min=LOG_P_FLOOR)
+            p = log_p.exp()  # (n, V)
+            term = log_p.add_(entropy[r0:r1].unsqueeze(1)).mul_(p)  # p (log p + H), in dz
+            p.mul_(-g_lp).scatter_add_(1, label, labelled)  # g ([label] - p)
+            torch.addcmul(p, term, g_ent, value=-1.0, out=dz)
+        if not (isinstance(scale, float) and scale == 1.0):
+            dz *= scale
         dz.masked_fill_(ignored.unsqueeze(1), 0.0)  # exactly 0 in an ignored row, whatever its logits hold
-        grad[b0:b1, t0:t1] = dz.view(b1 - b0, t1 - t0, V)
+        if out is None:
+            grad[b0:b1, t0:t1] = dz.view(b1 - b0, t1 - t0, V)
