@@ -27,7 +27,7 @@ from .dispatch import implementation
 from .ppo_loss import STATS, loss_spec, summarize
 from .ppo_loss_from_logits import masked_labels
 from .rollout_is_weights import rollout_is_weights_unchecked
-from .token_logprobs_from_hidden import HiddenArgs, InputGrads, chunk_logits, matmul_weight, row_slice
+from .token_logprobs_from_hidden import ChunkBuffers, HiddenArgs, InputGrads, matmul_weight, row_slice
 
 
 @torch.library.custom_op("fastppo::ppo_loss_from_hidden", mutates_args=())
@@ -64,6 +64,7 @@ def _op(
     N = hidden.shape[0]
     logprob_kernels, loss_kernels = implementation(backend, "logprobs"), implementation(backend, "ppo_loss")
     w = matmul_weight(weight)
+    buffers = ChunkBuffers(N, w, chunk_size)
     grads = InputGrads(hidden, weight, need_hidden, need_weight, need_bias)
     backward = need_hidden or need_weight or need_bias
     partials = []
@@ -71,7 +72,7 @@ def _op(
     for r0 in range(0, N, chunk_size):
         r1 = min(N, r0 + chunk_size)
         n = r1 - r0
-        logits = chunk_logits(hidden[r0:r1], w, bias).unsqueeze(0)  # (1, n, V) fp32
+        logits = buffers.chunk_logits(hidden[r0:r1], bias).unsqueeze(0)  # (1, n, V) fp32
         logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
         logprob_kernels.logprobs_forward(
             logits, labels[r0:r1], row_slice(temperature, r0, r1), inv_temperature, ignore_index, logp, entropy, lse
@@ -106,7 +107,7 @@ def _op(
         partials.append(chunk_partials)
         if backward:
             grad_entropy = -entropy_coef * weights[r0:r1] if entropy_coef != 0 else None
-            grad_logits = InputGrads.logit_grad_buffer(logits, w)
+            grad_logits = buffers.logit_grad(logits)
             logprob_kernels.logprobs_backward(
                 logits,
                 grad_logits,

@@ -5,7 +5,7 @@ import torch
 
 import fastppo
 from fastppo.bench.measure import LiveBytes
-from fastppo.ops.token_logprobs_from_hidden import InputGrads, add_matmul_fp32, default_chunk_size
+from fastppo.ops.token_logprobs_from_hidden import ChunkBuffers, add_matmul_fp32, default_chunk_size
 from tests.conftest import BACKENDS_KERNEL_SLOW
 from tests.ops.inputs import DTYPES, make_labels
 from tests.oracles import assert_grad_close, assert_values_close, logprobs_from_hidden_oracle
@@ -148,10 +148,49 @@ def test_the_weight_gradient_of_no_rows_is_zero(backend, device):
 
 
 def test_the_logit_gradient_buffer_is_the_logits_unless_the_matmuls_take_half():
-    logits = torch.randn(1, 4, 9)
-    assert InputGrads.logit_grad_buffer(logits, torch.randn(9, 3)) is logits
-    half = InputGrads.logit_grad_buffer(logits, torch.randn(9, 3).bfloat16())
+    hidden = torch.randn(4, 3)
+    buffers = ChunkBuffers(10, torch.randn(9, 3), chunk_size=4)
+    logits = buffers.chunk_logits(hidden, None).unsqueeze(0)
+    assert buffers.logit_grad(logits) is logits
+    half = ChunkBuffers(10, torch.randn(9, 3).bfloat16(), chunk_size=4).logit_grad(logits)
     assert half.dtype == torch.bfloat16 and half.shape == logits.shape
+
+
+@pytest.mark.parametrize("op", ["token_logprobs_from_hidden", "ppo_loss_from_hidden"])
+def test_every_chunk_writes_its_logits_into_one_buffer(op, monkeypatch):
+    # One chunk's logits alive at a time, as the memory plan counts them: a chunk making its own
+    # would hold the previous one's too at the moment it is made, so two chunks' addresses differ.
+    from fastppo.ops import logprobs_torch
+
+    seen = []
+    for name in ("logprobs_forward", "logprobs_backward"):
+        launcher = getattr(logprobs_torch, name)
+
+        def recording(logits, *args, launcher=launcher, name=name):
+            seen.append((name, logits.data_ptr()))
+            return launcher(logits, *args)
+
+        monkeypatch.setattr(logprobs_torch, name, recording)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(21, 8, requires_grad=True)
+    labels = torch.randint(0, 21, (10,))
+    if op == "token_logprobs_from_hidden":
+        out = fastppo.token_logprobs_from_hidden(hidden, weight, labels, chunk_size=4, backend="torch")
+    else:
+        out, _ = fastppo.ppo_loss_from_hidden(
+            hidden,
+            weight,
+            labels,
+            None,
+            torch.randn(10),
+            torch.ones(10, dtype=torch.bool),
+            chunk_size=4,
+            backend="torch",
+        )
+    out.sum().backward()
+    for name in ("logprobs_forward", "logprobs_backward"):
+        addresses = [address for called, address in seen if called == name]
+        assert len(addresses) == 3 and len(set(addresses)) == 1, (name, addresses)
 
 
 def test_only_hidden_needs_grad(backend, device):
