@@ -12,8 +12,9 @@ runs as two dense SDPA calls that hold (almost) no masked pair:
   right-padded into one batch, with a mask that opens the prompt's real keys and its own keys
   causally.
 
-Queries, keys and values are each gathered from the rows in one read (the keys of a response: its
-prompt's, then its own), and each real token's output put back where its row holds it; autograd
+Queries are gathered from the rows in one read, keys and values in two (the prompts', the
+responses'; a response's keys are its prompt's, then its own), and each real token's output put
+back where its row holds it; autograd
 carries the gradients back through both (the prompt's keys receive the sum over their samples, as
 under the dense mask). A layout pad, which belongs to no
 unit, gets a zero output: no real token reads it, and its own state is never scored.
@@ -49,8 +50,8 @@ class UnitPlan:
     as flat indices into ``N * L``: the ``U`` prompts right-padded to ``P`` tokens, the ``S``
     responses to ``Rn``, each pad the index of its prompt's or response's first token."""
 
-    queries: Tensor  # (U * P + S * Rn,) the prompts' tokens, then the responses'
-    keys: Tensor  # (U * P + S * (P + Rn),) the prompts' tokens, then each response's prompt and its own
+    tokens: Tensor  # (U * P + S * Rn,) the prompts' tokens, then the responses'
+    response_unit: Tensor  # (S,) the unit whose prompt each response follows
     response_mask: Tensor  # (S, 1, Rn, P + Rn) bool: its unit's real prompt keys, then its own causally
     real: Tensor  # (T,) the real tokens' rows among the padded outputs (U * P prompt rows, then S * Rn)
     scatter: Tensor  # (T,) where each real token lies in the layout
@@ -85,9 +86,8 @@ def plan_units(units: list, responses: list, rows: int, length: int, device) -> 
     real = torch.cat((real_prompt, real_response)).nonzero().squeeze(1)
     prompts = torch.stack([padded(start, p, P) for start, p in units])  # (U, P)
     answers = torch.stack([padded(start, n, Rn) for start, n, _ in responses])  # (S, Rn)
-    queries = torch.cat((prompts.flatten(), answers.flatten()))
-    keys = torch.cat((prompts.flatten(), torch.cat((prompts[unit], answers), dim=1).flatten()))
-    tensors = (t.to(device) for t in (queries, keys, mask[:, None], real, queries[real]))
+    tokens = torch.cat((prompts.flatten(), answers.flatten()))
+    tensors = (t.to(device) for t in (tokens, unit, mask[:, None], real, tokens[real]))
     return UnitPlan(*tensors, shape=(len(units), P, len(responses), Rn))
 
 
@@ -103,10 +103,9 @@ def with_plan(mask: Tensor, plan: Optional[UnitPlan]) -> Tensor:
 def _gather(x: Tensor, index: Tensor, sizes: tuple) -> tuple:
     """``x`` (N, h, L, D) at the flat token indices ``index``, in one read, split into the
     ``(n, m)`` of ``sizes``: a ``(n, h, m, D)`` view each. One ``index_select`` per tensor: its
-    backward zero-fills one gradient and adds into it once. A gather per part by indexing
-    (``flat[index]``), whose backward zero-fills a gradient per part, adds with ``index_put``'s
-    accumulation and then sums the parts, took 1.15x as long forward and backward (SmolLM2-135M's
-    chat shapes, 2-core AMD EPYC)."""
+    backward zero-fills one gradient and adds into it once, where a gather per part by indexing
+    (``flat[index]``) zero-fills a gradient per part, adds with ``index_put``'s accumulation and
+    sums the parts."""
     flat = x.transpose(1, 2).flatten(0, 1)  # (N * L, h, D)
     parts = flat.index_select(0, index).split([n * m for n, m in sizes])
     return tuple(part.view(n, m, *flat.shape[1:]).transpose(1, 2) for part, (n, m) in zip(parts, sizes))
@@ -118,9 +117,19 @@ def split_attention(query: Tensor, key: Tensor, value: Tensor, plan: UnitPlan, s
     N, H, L, D = query.shape
     gqa = H != key.shape[1]
     U, P, S, Rn = plan.shape
-    prompt_q, response_q = _gather(query, plan.queries, ((U, P), (S, Rn)))  # (U, H, P, D), (S, H, Rn, D)
-    # (U, KVH, P, D): the prompts'; (S, KVH, P + Rn, D): each response's prompt, then its own
-    (prompt_k, keys), (prompt_v, values) = (_gather(x, plan.keys, ((U, P), (S, P + Rn))) for x in (key, value))
+    parts = ((U, P), (S, Rn))
+    prompt_q, response_q = _gather(query, plan.tokens, parts)  # (U, H, P, D), (S, H, Rn, D)
+    # the keys and values in two reads: a response's own, copied into its keys below, are then
+    # freed, where a view of one read would keep them alive beside the copy until the backward
+    prompts, answers = plan.tokens[: U * P], plan.tokens[U * P :]
+    (prompt_k,), (own_k,) = _gather(key, prompts, parts[:1]), _gather(key, answers, parts[1:])  # (U|S, KVH, P|Rn, D)
+    (prompt_v,), (own_v,) = _gather(value, prompts, parts[:1]), _gather(value, answers, parts[1:])
+    # (S, KVH, P + Rn, D): each response's prompt, then its own. A prompt key's gradient is its
+    # samples' parts summed, then its prompt's added: fp32 sums depend on the grouping, and gathering
+    # a response's keys straight from the rows (a few percent faster a layer) added the samples' parts one
+    # by one onto the prompt's, which moved the default run's trained figures.
+    keys = torch.cat((prompt_k.index_select(0, plan.response_unit), own_k), dim=2)
+    values = torch.cat((prompt_v.index_select(0, plan.response_unit), own_v), dim=2)
     prompt_out = F.scaled_dot_product_attention(
         prompt_q, prompt_k, prompt_v, is_causal=True, scale=scale, enable_gqa=gqa
     )  # (U, H, P, D)
