@@ -30,23 +30,21 @@ def _row_chunks(B: int, T: int, V: int):
                 yield b0, b0 + 1, t0, min(T, t0 + rows)
 
 
-def _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1):
-    """fp32 scaled logits ``(n, V)`` of one box, its flat row range, and the per-row scale.
-
-    A fresh tensor, which the caller may overwrite."""
-    T = logits.shape[1]
+def _rows_and_scale(T: int, temperature, inv_temperature, b0, b1, t0, t1):
+    """A box's flat row range ``r0, r1`` and its rows' logit scale: None where it is 1, else the
+    scalar or, with per-row temperatures, ``(n, 1)``."""
     r0, r1 = b0 * T + t0, (b1 - 1) * T + t1
-    z = logits[b0:b1, t0:t1].reshape(-1, logits.shape[2]).float()  # (n, V)
-    scale = inv_temperature if temperature is None else (1.0 / temperature[r0:r1]).unsqueeze(1)
-    return z * scale, r0, r1, scale
+    if temperature is not None:
+        return r0, r1, (1.0 / temperature[r0:r1]).unsqueeze(1)
+    return r0, r1, None if inv_temperature == 1.0 else inv_temperature
 
 
 def _scaled(logits, temperature, inv_temperature, b0, b1, t0, t1):
-    """Like ``_chunk``, for reading only: the logits themselves when they need no cast or scale."""
-    if temperature is None and inv_temperature == 1.0 and logits.dtype == torch.float32:
-        T = logits.shape[1]
-        return logits[b0:b1, t0:t1].reshape(-1, logits.shape[2]), b0 * T + t0, (b1 - 1) * T + t1
-    return _chunk(logits, temperature, inv_temperature, b0, b1, t0, t1)[:3]
+    """fp32 scaled logits ``(n, V)`` of one box and its flat row range, for reading only: the
+    logits themselves when they need no cast or scale."""
+    r0, r1, scale = _rows_and_scale(logits.shape[1], temperature, inv_temperature, b0, b1, t0, t1)
+    z = logits[b0:b1, t0:t1].reshape(-1, logits.shape[2]).float()  # (n, V)
+    return (z if scale is None else z * scale), r0, r1
 
 
 def _label_masks(labels, V, ignore_index):
@@ -110,14 +108,13 @@ def logprobs_backward(
     and the entropy's tiny term (``p (log p + H)`` ~ 1e-17) must not be lost in ``g``'s rounding."""
     B, T, V = logits.shape
     for b0, b1, t0, t1 in _row_chunks(B, T, V):
-        r0, r1 = b0 * T + t0, (b1 - 1) * T + t1
-        scale = inv_temperature if temperature is None else (1.0 / temperature[r0:r1]).unsqueeze(1)
+        r0, r1, scale = _rows_and_scale(T, temperature, inv_temperature, b0, b1, t0, t1)
         in_range, ignored, safe = _label_masks(labels[r0:r1], V, ignore_index)
         g_lp = torch.where(in_range, grad_logp[r0:r1], float("nan")).masked_fill(ignored, 0.0).unsqueeze(1)
         z = logits[b0:b1, t0:t1].reshape(-1, V).float()  # (n, V); a half one is upcast, as the kernel's tiles
         out = _box(grad, b0, b1, t0, t1) if grad.dtype == torch.float32 else None
         dz = torch.empty(z.shape, dtype=torch.float32, device=z.device) if out is None else out
-        if isinstance(scale, float) and scale == 1.0:
+        if scale is None:
             torch.sub(z, lse[r0:r1].unsqueeze(1), out=dz)  # log p: (n, V)
         else:
             torch.mul(z, scale, out=dz).sub_(lse[r0:r1].unsqueeze(1))
@@ -133,7 +130,7 @@ def logprobs_backward(
             term = log_p.add_(entropy[r0:r1].unsqueeze(1)).mul_(p)  # p (log p + H), in dz
             p.mul_(-g_lp).scatter_add_(1, label, labelled)  # g ([label] - p)
             torch.addcmul(p, term, g_ent, value=-1.0, out=dz)
-        if not (isinstance(scale, float) and scale == 1.0):
+        if scale is not None:
             dz *= scale
         dz.masked_fill_(ignored.unsqueeze(1), 0.0)  # exactly 0 in an ignored row, whatever its logits hold
         if out is None:
