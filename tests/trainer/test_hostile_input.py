@@ -243,6 +243,14 @@ def score(prompts, completions, **_):
     time.sleep(600)
 """
 
+HANGING_IN_C = """
+import hashlib, pathlib
+
+def score(prompts, completions, **_):
+    pathlib.Path(__file__).with_name("scoring").write_text("")
+    hashlib.pbkdf2_hmac("sha256", b"password", b"salt", 10**9)  # minutes in one C call
+"""
+
 
 def hanging_in_a_subprocess(tmp_path, reward_source: str, *options):
     """The real command in a subprocess, scoring with ``hang:score`` (``reward_source``, which
@@ -280,16 +288,21 @@ def hanging_in_a_subprocess(tmp_path, reward_source: str, *options):
 
 
 @pytest.mark.slow  # the real command in a subprocess
-def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tmp_path):
-    process = hanging_in_a_subprocess(tmp_path, HANGING_REWARD)
-    process.send_signal(signal.SIGINT)  # the first asks for a checkpoint after this iteration ...
+@pytest.mark.parametrize(
+    "reward,first,second",
+    [(HANGING_REWARD, "SIGINT", "SIGINT"), (HANGING_IN_C, "SIGTERM", "SIGTERM"), (HANGING_IN_C, "SIGTERM", "SIGINT")],
+    ids=["in Python", "in C", "in C, two kinds"],
+)
+def test_a_second_signal_stops_a_hung_reward_at_once(tmp_path, reward, first, second):
+    process = hanging_in_a_subprocess(tmp_path, reward)
+    process.send_signal(getattr(signal, first))  # the first asks for a checkpoint after this iteration ...
     time.sleep(1)
     assert process.poll() is None  # ... which the hung reward never reaches
-    process.send_signal(signal.SIGINT)
+    process.send_signal(getattr(signal, second))
     _, err = process.communicate(timeout=30)
     assert process.returncode == 130
     assert err.strip().splitlines()[-1] == (
-        "fastppo train: stopped at once by a second signal (SIGINT then SIGINT), "
+        f"fastppo train: stopped at once by a second signal ({first} then {second}), "
         "without a checkpoint; the newest checkpoint is intact"
     )
 
