@@ -6,9 +6,9 @@ variables, under the supervisor of ``sandbox.py``: at most ``sandbox.MAX_PROCESS
 each with limits on CPU seconds, address space and the size of any file it writes, and the wall
 clock (the run's ``--tool-timeout``), after which every process it started is killed, those that
 left its session too. Its output goes to a file (bounded by the file-size limit), of which
-``OUTPUT_BYTES`` come back. What it does not isolate (the network, the file system outside its
-directory, the trainer's user's other processes) is listed in docs/agents.md: run untrusted
-policies in a container or VM if that matters.
+``OUTPUT_BYTES`` come back. As root with namespaces the code is isolated from the trainer (a uid
+and namespaces of its own: ``sandbox.isolation()`` says so at start-up); elsewhere it is not, and
+docs/agents.md lists what it can reach.
 
 ``calculator`` evaluates arithmetic (numbers, + - * / // % **, parentheses) without ``eval``:
 an expression tree with a bound on exponents, so no input can take long.

@@ -1,6 +1,7 @@
 """The built-in tools: ``python`` runs code in a limited process tree that dies whole (processes that
 left its session or were orphaned by a double fork included), bounded in processes, with none of
-the trainer's environment; ``calculator`` evaluates arithmetic without ``eval``."""
+the trainer's environment, and, isolated (as root), unable to see the trainer, reach the network or
+leave its cgroup; ``calculator`` evaluates arithmetic without ``eval``."""
 
 import os
 import sys
@@ -63,6 +64,12 @@ def test_the_code_runs_in_an_empty_directory_of_its_own():
     assert here[1] == "['.output']"
 
 
+@posix
+def test_a_file_past_the_size_limit_stops_the_code():
+    text = run_python(f"open('big', 'wb').write(bytes({builtin.FILE_BYTES + (1 << 20)}))", 10)
+    assert "OSError: [Errno 27] File too large" in text  # Python ignores SIGXFSZ: the write fails
+
+
 def test_calculator():
     assert calculator("(12 + 7) * 3") == "57"
     assert calculator("7 / 2") == "3.5" and calculator("8 / 2") == "4"
@@ -78,6 +85,22 @@ def _cgroups() -> bool:
     if cgroup is not None:
         sandbox.remove_cgroup(cgroup)
     return cgroup is not None
+
+
+@pytest.fixture(params=["isolated", "not isolated"])
+def isolation(request, monkeypatch):
+    """Each test of the supervisor both ways: isolated (namespaces and a uid of its own, where this
+    machine allows it) and as the trainer's user."""
+    if request.param == "isolated" and not sandbox.isolated():
+        pytest.skip("this machine does not let the code be isolated (it takes root and namespaces)")
+    monkeypatch.setattr(sandbox, "ISOLATE", request.param == "isolated")
+    return request.param
+
+
+@pytest.fixture
+def isolated():
+    if not sandbox.isolated():
+        pytest.skip("this machine does not let the code be isolated (it takes root and namespaces)")
 
 
 def _survivors(marker: str) -> list:
@@ -102,7 +125,7 @@ ESCAPES = {
 @linux
 @pytest.mark.parametrize("escape", ESCAPES)
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no cgroup"])
-def test_every_process_the_code_started_dies_with_it_however_it_left(escape, cgroup, monkeypatch):
+def test_every_process_the_code_started_dies_with_it_however_it_left(escape, cgroup, isolation, monkeypatch):
     if not cgroup:
         monkeypatch.setattr(sandbox, "make_cgroup", lambda: None)
     marker = f"fastppo-escape-{os.getpid()}-{len(escape)}"
@@ -132,7 +155,7 @@ FORKS = (
 
 
 @linux
-def test_one_call_runs_a_bounded_number_of_processes():
+def test_one_call_runs_a_bounded_number_of_processes(isolation):
     if not _cgroups():
         pytest.skip("this machine lets no cgroup be made here")
     marker = f"fastppo-forks-{os.getpid()}"
@@ -143,10 +166,101 @@ def test_one_call_runs_a_bounded_number_of_processes():
 
 @linux
 def test_without_a_cgroup_a_call_past_the_bound_is_stopped(monkeypatch):
+    """As root without isolation nothing bounds a fork where it happens (root is exempt from
+    RLIMIT_NPROC): the count of the tree stops the call."""
     monkeypatch.setattr(sandbox, "make_cgroup", lambda: None)
+    monkeypatch.setattr(sandbox, "ISOLATE", False)
     marker = f"fastppo-forks-{os.getpid()}-watched"
     text = run_python(FORKS.format(marker=marker), 10)
-    assert text.endswith(f"[stopped: it ran more than {sandbox.MAX_PROCESSES} processes at once]")
+    if os.geteuid() == 0:
+        assert text.endswith(f"[stopped: it ran more than {sandbox.MAX_PROCESSES} processes at once]")
+    else:  # RLIMIT_NPROC: the user's processes and MAX_PROCESSES more
+        assert int(text.split()[0]) < sandbox.MAX_PROCESSES
+    assert not _survivors(marker)
+
+
+@linux
+def test_isolated_without_a_cgroup_a_burst_of_forks_is_bounded_where_they_happen(isolated, monkeypatch):
+    monkeypatch.setattr(sandbox, "make_cgroup", lambda: None)
+    marker = f"fastppo-forks-{os.getpid()}-nproc"
+    text = run_python(FORKS.format(marker=marker), 10)
+    assert int(text.split()[0]) == sandbox.MAX_PROCESSES - 1, text  # RLIMIT_NPROC of its own uid
+    assert not _survivors(marker)
+
+
+READ_THE_TRAINER = """
+import os
+found = []
+for pid in [{trainer}] + [int(p) for p in os.listdir('/proc') if p.isdigit()]:
+    for what in ('environ', 'mem', 'cmdline'):
+        try:
+            with open(f'/proc/{{pid}}/{{what}}', 'rb') as f:
+                seen = f.read(1 << 20)
+        except OSError:
+            continue
+        if pid == {trainer} or b'{secret}'[::-1] in seen:  # the secret, not this code's text
+            found.append((pid, what))
+print(found)
+"""
+
+
+@linux
+def test_isolated_code_sees_nothing_of_the_trainer(isolated, monkeypatch):
+    """The trainer's environment, memory and command line, through its pid or any pid /proc shows."""
+    monkeypatch.setenv("FAKE_OPENAI_API_KEY", "sk-fastppo-test-secret")
+    code = READ_THE_TRAINER.format(trainer=os.getpid(), secret="sk-fastppo-test-secret"[::-1])
+    assert run_python(code, 10) == "[]\n"
+    # and through the supervisor's parent, as the issue's one line tried
+    parent = "import os; print(os.getppid(), open(f'/proc/{os.getppid()}/stat').read().split(') ')[1].split()[1])"
+    assert run_python(parent, 10) == "1 0\n"  # the namespace's init, whose parent is outside it
+
+
+@linux
+def test_isolated_code_has_no_network(isolated):
+    text = run_python("import socket; socket.create_connection(('127.0.0.1', 9), timeout=5)", 10)
+    assert "Network is unreachable" in text or "Connection refused" not in text and "OSError" in text
+
+
+LEAVE_THE_CGROUP = """
+import glob, os, signal, subprocess, sys, time  # {marker}
+moved = 0
+for procs in glob.glob('/sys/fs/cgroup/**/cgroup.procs', recursive=True):
+    try:
+        with open(procs, 'w') as f:
+            f.write(str(os.getpid()))
+        moved += 1
+    except OSError:
+        pass
+subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'], start_new_session=True)
+killed = 0
+for pid in [os.getppid(), 1] + [int(p) for p in os.listdir('/proc') if p.isdigit()]:
+    if pid != os.getpid():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:
+            pass
+started = 0
+for _ in range(40):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    started += 1
+print(moved, killed, started, flush=True)
+"""
+
+
+@linux
+def test_isolated_code_cannot_leave_its_cgroup_kill_its_supervisor_or_outlive_its_call(isolated):
+    marker = f"fastppo-leave-{os.getpid()}"
+    text = run_python(LEAVE_THE_CGROUP.format(marker=marker), 10)
+    moved, killed, started = map(int, text.split())
+    assert moved == 0 and started <= sandbox.MAX_PROCESSES - 2, text  # it and its sleeper count
+    assert killed <= 1, text  # the sleeper it started itself, at most
     assert not _survivors(marker)
 
 
@@ -158,9 +272,10 @@ def test_the_trainers_environment_stays_out_of_the_code(monkeypatch):
 
 
 @linux
-def test_code_that_kills_its_supervisor_is_said_and_its_cgroup_emptied():
+def test_code_that_kills_its_supervisor_is_said_and_its_cgroup_emptied(monkeypatch):
     if not _cgroups():
         pytest.skip("this machine lets no cgroup be made here")
+    monkeypatch.setattr(sandbox, "ISOLATE", False)  # isolated, it cannot (the test above)
     marker = f"fastppo-parricide-{os.getpid()}"
     code = (
         f"import os, signal, subprocess, sys  # {marker}\n"
@@ -169,3 +284,19 @@ def test_code_that_kills_its_supervisor_is_said_and_its_cgroup_emptied():
     )
     assert run_python(code, 10).endswith("[stopped: it killed the process that watched it]")
     assert not _survivors(marker)
+
+
+def test_a_run_with_the_python_tool_says_at_start_what_it_isolates():
+    from types import SimpleNamespace
+
+    from fastppo.trainer.configuration.config import TrainConfig
+    from fastppo.trainer.run.summaries import episodes
+
+    config = TrainConfig()
+    config.tools.tools = ["python", "calculator"]
+    agent = SimpleNamespace(schemas=[{"function": {"name": name}} for name in config.tools.tools])
+    said = episodes(config, agent)[-1]
+    assert said == sandbox.isolation()
+    assert said.startswith("python tool: isolated" if sandbox.isolated() else "python tool: NOT isolated")
+    config.tools.tools = ["calculator"]
+    assert not any("python tool" in line for line in episodes(config, agent))

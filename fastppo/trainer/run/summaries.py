@@ -1,11 +1,13 @@
 """What a run says of itself. Before it starts (``start_summary``): the model, the rewards, an
-iteration's shape (with tools, its episodes'), the first prompt as the sampler sees it, the memory
-plan's total for one device, and a note when a model of one's own keeps the defaults chosen for the
-shipped toy task. When it ends (``end_summary``): the mean reward of its first and last iterations
-and its held-out scores before and after, read from the whole run's ``metrics.jsonl``."""
+iteration's shape (with tools, its episodes' and what the python tool isolates), the first prompt
+as the sampler sees it, the memory plan's total for one device, and a note when a model of one's
+own keeps the defaults chosen for the shipped toy task. When it ends (``end_summary``): the mean
+reward of its first and last iterations and its held-out scores before and after, read from the
+whole run's ``metrics.jsonl``."""
 
 from pathlib import Path
 
+from ...agents import sandbox
 from ...limits import GiB
 from ..configuration.config import TrainConfig
 from ..memory.plan import memory_plan
@@ -48,7 +50,7 @@ def start_summary(config, models, rollouts, longest_prompt: int, world: int) -> 
 
 
 def episodes(config, agent) -> list:
-    """A line on the episodes of a run with tools."""
+    """A line on the episodes of a run with tools, and one on what the built-in python tool isolates."""
     if agent is None:
         return []
     t = config.tools
@@ -56,7 +58,7 @@ def episodes(config, agent) -> list:
     return [
         f"episodes: tools {names}; up to {t.max_tool_calls} calling turns, {t.max_tool_tokens} tokens of "
         f"results, {t.tool_timeout:g} s a call"
-    ]
+    ] + ([sandbox.isolation()] if "python" in (t.tools or ()) else [])
 
 
 def toy_defaults(config) -> list:

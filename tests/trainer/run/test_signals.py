@@ -3,7 +3,6 @@ reward stuck in C) stop the process at once, exit 130, with the names in the ord
 Python code the stop at once is an exception a caller sees."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
