@@ -57,13 +57,12 @@ class Episodes(Turns):
         episode.started = self.runner.submit(calls, episode.tools)
         return True
 
-    def continuation(self, row: int) -> list:
+    def continuation(self, row: int, room: int) -> list:
         episode = self.rows[row]
         results, episode.started = self.runner.results(episode.started), None
         for result in results:
-            episode.messages.append(
-                {"role": "tool", "name": result.name, "content": self.template.escaped(result.text)}
-            )
+            text = self.template.escaped(self.template.cut(result.text, room))
+            episode.messages.append({"role": "tool", "name": result.name, "content": text})
             episode.calls += 1
             episode.failures += result.status == "failed"
             episode.timeouts += result.status == "timeout"

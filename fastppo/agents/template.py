@@ -37,7 +37,16 @@ class ToolTemplate:
         self.tokenizer, self.chat_template, self.schemas = tokenizer, chat_template, schemas
         self.stop_text = tokenizer.decode([stop_id])
         self._tokens = _added_tokens(tokenizer) if escape_tokens else None
+        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)  # characters of text one token covers
         self._check()
+
+    def cut(self, result: str, room: int) -> str:
+        """``result`` cut where it would take ``room`` tokens or more whatever follows: no token
+        covers more than ``longest_token`` characters, so a result of ``room x longest_token``
+        characters tokenises to ``room`` tokens at least and its row is truncated either way. Never
+        tokenising the rest keeps a result of megabytes from holding the rollout (tokenising is
+        superlinear in a text's length, in C, where no signal is seen)."""
+        return result[: max(room, 0) * self.longest_token + 1]
 
     def escaped(self, result: str) -> str:
         """``result`` as the model reads it: with ``escape_tokens``, each added token's text in it

@@ -59,7 +59,7 @@ class TimedTools(Turns):
     def ready(self, row):
         return time.monotonic() >= self.due[row]
 
-    def continuation(self, row):
+    def continuation(self, row, room):
         time.sleep(max(0.0, self.due[row] - time.monotonic()))
         return self.answer
 

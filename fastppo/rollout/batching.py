@@ -347,10 +347,10 @@ class RolloutLoop:
             if self.active[: self.b].any():
                 return
 
-    def _continuation(self, row: int) -> list:
-        """Output row ``row``'s continuation, once its tools are done."""
+    def _continuation(self, row: int, room: int) -> list:
+        """Output row ``row``'s continuation, once its tools are done; ``room``: its context's tokens left."""
         self._wait(lambda: self.turns.ready(row))
-        return list(self.turns.continuation(row))
+        return list(self.turns.continuation(row, room))
 
     def _wait(self, found: Callable):
         """What ``found()`` gives once it is true, asked every ``TOOL_POLL`` seconds; the wait counted
@@ -395,7 +395,7 @@ class RolloutLoop:
         for s, (row, d, P, last) in zip(slots, state):
             tokens = self.continued.pop(row, None)
             if tokens is None:
-                tokens = self._continuation(row)
+                tokens = self._continuation(row, self.max_len - P - d)
             if P + d + len(tokens) >= self.max_len:
                 del self.paused[s]
                 self.turns.truncated(row)

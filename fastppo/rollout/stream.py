@@ -62,9 +62,9 @@ class RingTurns(Turns):
         turns, own = self._of(row)
         return turns.turn_ended(own, turn, may_continue)
 
-    def continuation(self, row: int) -> list:
+    def continuation(self, row: int, room: int) -> list:
         turns, own = self._of(row)
-        return turns.continuation(own)
+        return turns.continuation(own, room)
 
     def ready(self, row: int) -> bool:
         turns, own = self._of(row)

@@ -22,9 +22,11 @@ class Turns(ABC):
         under way and :meth:`continuation` will give what follows."""
 
     @abstractmethod
-    def continuation(self, row: int) -> list:
+    def continuation(self, row: int, room: int) -> list:
         """The token ids that follow row ``row``'s last turn, up to and including the next
-        assistant turn's header; waits for the row's calls (each bounded by its timeout)."""
+        assistant turn's header; waits for the row's calls (each bounded by its timeout). ``room``
+        is how many tokens the row's context has left: a continuation of ``room`` tokens or more is
+        truncated (:meth:`truncated`) whatever it holds, so it may be cut short of the rest."""
 
     def ready(self, row: int) -> bool:
         """Whether :meth:`continuation` would return at once for row ``row`` (its calls are done, or

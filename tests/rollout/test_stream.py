@@ -172,7 +172,7 @@ class Scripted(RingTurns.__mro__[1]):
         self.asked.append(row)
         return False
 
-    def continuation(self, row):
+    def continuation(self, row, room):
         raise AssertionError("no episode goes on")
 
     def truncated(self, row):

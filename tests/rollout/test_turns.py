@@ -37,7 +37,7 @@ class Scripted(Turns):
         self.calls[row] = done + 1
         return True
 
-    def continuation(self, row):
+    def continuation(self, row, room):
         if self.delay:
             time.sleep(random.random() * self.delay)
         self.given.append((row, self.tokens(row, self.calls[row] - 1)))
@@ -203,10 +203,10 @@ class Timed(Scripted):
     def ready(self, row):
         return time.monotonic() >= self.done_at[row]
 
-    def continuation(self, row):
+    def continuation(self, row, room):
         self.taken.append((row, self.steps[0] - self.paused_at[row], self.ready(row)))
         time.sleep(max(0.0, self.done_at[row] - time.monotonic()))
-        return super().continuation(row)
+        return super().continuation(row, room)
 
 
 def timed_rollout(seconds, **schedule):

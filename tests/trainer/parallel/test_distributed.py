@@ -28,8 +28,8 @@ class Shifted(Turns):
     def turn_ended(self, row, turn, may_continue):
         return self.turns.turn_ended(self.first + row, turn, may_continue)
 
-    def continuation(self, row):
-        return self.turns.continuation(self.first + row)
+    def continuation(self, row, room):
+        return self.turns.continuation(self.first + row, room)
 
     def truncated(self, row):
         self.turns.truncated(self.first + row)
