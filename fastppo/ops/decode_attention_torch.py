@@ -30,9 +30,12 @@ def read_rows(cache, table, rows, span: int):
         return cache[:rows, :span] if isinstance(rows, int) else cache[rows, :span]
     page = cache.shape[1]
     table = table[:rows] if isinstance(rows, int) else table[rows]
-    blocks = table[:, : math.ceil(span / page)]  # (B, nb)
-    gathered = cache.index_select(0, blocks.flatten().long())
-    return gathered.view(blocks.shape[0], blocks.shape[1] * page, *cache.shape[2:])[:, :span]
+    blocks = table[:, : math.ceil(span / page)].flatten().long()  # (B * nb,)
+    named = (blocks >= 0) & (blocks < cache.shape[0])  # an entry the pool has (-1, past its end: not)
+    gathered = cache.index_select(0, blocks.clamp(0, cache.shape[0] - 1))
+    if not named.all():  # NaN where such a block is read; a column past a row's length is never read
+        gathered[~named] = float("nan")
+    return gathered.view(table.shape[0], -1, *cache.shape[2:])[:, :span]
 
 
 def live_keys(lengths, span: int, window):

@@ -212,6 +212,25 @@ def test_lengths_past_max_length_are_caught_when_checking(monkeypatch):
         decode_attention(**_arguments(), max_length=5)
 
 
+@pytest.mark.parametrize("entry", [-1, 10**6], ids=["-1", "past the pool"])
+def test_a_block_table_entry_no_row_reads_may_hold_anything(backend, entry):
+    arguments = _arguments()  # row 0 reads 1 block of 16, row 1 reads 1: columns 1 and on are read by none
+    expected = decode_attention(**arguments, max_length=20, backend=backend)  # both rows gather 2 columns
+    arguments["block_table"][:, 1:] = entry
+    assert torch.equal(decode_attention(**arguments, max_length=20, backend=backend), expected)
+
+
+@pytest.mark.parametrize("entry", [-1, 10**6], ids=["-1", "past the pool"])
+def test_a_block_table_entry_a_row_reads_out_of_the_pool_gives_nan_or_names_the_argument(monkeypatch, entry):
+    arguments = _arguments()
+    arguments["block_table"][1, 0] = entry  # row 1's only block
+    out = decode_attention(**arguments, backend="torch")
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+    monkeypatch.setenv("FASTPPO_CHECK", "1")
+    with pytest.raises(ValueError, match=rf"block_table must name blocks of the pool in \[0, \d+\) .*got \[{entry}\]"):
+        decode_attention(**arguments)
+
+
 @pytest.mark.gpu
 def test_8192_rows_over_a_pool_past_2_31_elements():
     """Offsets in int64: the rows' blocks lie at the end of a bf16 pool of more than 2**31 elements
