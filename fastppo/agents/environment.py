@@ -107,6 +107,9 @@ class Environments:
                 observation = instance.reset(**arguments)
             except Exception as error:  # the user's code: named, not a crash deep in the sampler
                 raise UsageError(f"{self.what}: reset raised {type(error).__name__}: {error}") from None
+            if inspect.iscoroutine(observation):
+                observation.close()  # never run: closed, so no "never awaited" warning beside the error
+                raise UsageError(f"{self.what}: reset is async; it must be a plain method (get_reward may be async)")
             if observation is not None and not isinstance(observation, str):
                 raise UsageError(
                     f"{self.what}: reset returned {type(observation).__name__}; it must return a string "

@@ -82,7 +82,7 @@ def _real(value):
 
 def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
     """Call the reward function and check what it returns: one finite real number per completion,
-    within fp32's range, or None (no score)."""
+    within fp32's range, or None or NaN (no score, as TRL reads both)."""
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     try:  # copies: a function that changes its lists in place changes nothing here
         returned = reward_fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
@@ -111,6 +111,14 @@ def score(reward_fn, prompts: list, completions: list, fields: dict) -> list:
             raise UsageError(
                 f"reward function {name} returned {type(value).__name__} {value!r} for completion "
                 f"{i}: scores must be real numbers (or None: no score)"
+            )
+        if math.isnan(real):  # no score, as TRL reads a NaN
+            values.append(None)
+            continue
+        if isinstance(value, numbers.Integral) and math.isinf(real):
+            raise UsageError(
+                f"reward function {name} returned an integer of {len(str(abs(int(value))))} digits for "
+                f"completion {i}: it is out of float range (|score| <= {FLOAT32_MAX:.3g})"
             )
         if not (math.isfinite(real) and abs(real) <= FLOAT32_MAX):
             raise UsageError(

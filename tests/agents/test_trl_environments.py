@@ -72,6 +72,16 @@ class Rude(Guess):
         return "great"
 
 
+class Unsure(Guess):
+    def get_reward(self):
+        return float("nan") if len(self.answer * "x") % 2 else 1.0  # no score for odd answers, as TRL reads NaN
+
+
+class Eager(Guess):
+    async def reset(self, **kwargs):
+        pass
+
+
 def make_guess():
     return Guess()
 
@@ -160,6 +170,27 @@ def test_what_get_reward_returns_wrong_names_the_class(tmp_path, trl_envs, steps
     trainer = trainer_of(tmp_path, ROWS, environment="trl_envs:Rude")
     with pytest.raises(UsageError, match=r"reward function Rude.get_reward returned str 'great' for completion 0"):
         trainer.rollout(0)
+
+
+def test_a_nan_from_get_reward_is_no_score_as_none_is(tmp_path, trl_envs, steps):
+    trainer = trainer_of(tmp_path, ROWS, environment="trl_envs:Unsure")
+    with pytest.warns(UserWarning, match="no reward function scored 4 of 8 completions.*their score is 0"):
+        scored = trainer.rollout(0)
+    odd = torch.tensor([episode.environment.answer % 2 == 1 for episode in scored.episodes])
+    assert scored.each_reward["Unsure"][odd].isnan().all() and torch.equal(scored.raw[odd], torch.zeros(4))
+    assert torch.equal(scored.each_reward["Unsure"][~odd], torch.ones(4))
+
+
+def test_an_async_reset_is_one_line_and_no_warning(tmp_path, trl_envs, steps):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would be a RuntimeWarning
+        with pytest.raises(UsageError, match="--environment trl_envs:Eager: reset is async; it must be a plain"):
+            trainer_of(tmp_path, ROWS, environment="trl_envs:Eager").rollout(0)
+        import gc
+
+        gc.collect()  # where a coroutine never closed would warn
 
 
 def test_a_class_given_as_a_tool_is_one_line(tmp_path, trl_envs, capsys):

@@ -40,9 +40,11 @@ def test_a_reward_that_fails_or_exits_ends_the_run_as_a_failure(tmp_path, monkey
     assert f"reward function score {said}" in failed_line(capsys, [*argv, *TINY])
 
 
-def test_a_reward_past_floats_range_is_refused_as_not_finite(tmp_path):
+def test_a_reward_past_floats_range_is_refused_as_out_of_it(tmp_path):
     trainer = PPOTrainer(config(tmp_path, save=False), reward_fn=lambda p, c, **_: [10**400] * len(c))
-    with pytest.raises(UsageError, match="returned inf for completion 0: scores must be finite"):
+    with pytest.raises(
+        UsageError, match="returned an integer of 401 digits for completion 0: it is out of float range"
+    ):
         trainer.rollout(0)
 
 
