@@ -261,6 +261,13 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
         )
         if field in overrides and overrides[field] != saved.get(field)
     ]
+    was, now = TrainConfig.from_flat(saved).rollout_is_cap, config.rollout_is_cap
+    if was != now:
+        inexact.append(
+            f"the changed max_staleness {'drops' if now is None else 'sets'} the importance weights' cap "
+            f"({was} -> {now}; rollout_is_cap keeps one), so the update weighs tokens otherwise than the "
+            "uninterrupted run would"
+        )
 
     inputs.check(run_dir)
     metrics = run_dir / "metrics.jsonl"

@@ -1,6 +1,7 @@
 """What a user can get wrong, refused at start-up in one line naming the field, file or line:
 config values and files, prompt files, reward return values, models, and runs that train nothing."""
 
+import re
 import json
 import subprocess
 import sys
@@ -294,3 +295,15 @@ def test_the_help_shows_no_markup_and_no_default_of_none(capsys):
     text = capsys.readouterr().out
     assert "``" not in text and "(default: None)" not in text
     assert "default: only for gae" in text and "(default: 0.0005)" in text
+
+
+def test_the_docs_name_every_field_a_resume_may_change_and_no_other():
+    from pathlib import Path
+
+    from fastppo.trainer.configuration.config import RESUMABLE, TrainConfig
+
+    docs = (Path(__file__).parents[3] / "docs" / "distributed.md").read_text()
+    paragraph = docs[docs.index("A resume may change only") : docs.index("Anything\n  else is refused")]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph))
+    assert named - {"iterations"} <= set(TrainConfig().flat()), named  # every name a field
+    assert named == RESUMABLE, (sorted(named - RESUMABLE), sorted(RESUMABLE - named))

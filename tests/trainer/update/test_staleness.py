@@ -38,15 +38,18 @@ def test_stale_tokens_are_recorded_and_reported(tmp_path):
     assert trainer.rollouts.streaming.stream.in_flight == 0  # the run's last iteration drained it
 
 
-@pytest.mark.parametrize("epochs", [1, 2])
-def test_the_stale_update_equals_a_float64_decoupled_ppo_reference(tmp_path, epochs):
+@pytest.mark.parametrize("epochs,cap", [(1, None), (2, None), (1, 1.001)], ids=["1 epoch", "2 epochs", "a low cap"])
+def test_the_stale_update_equals_a_float64_decoupled_ppo_reference(tmp_path, epochs, cap):
     """Iteration 1 of a run at staleness 1: its batch holds tokens drawn by the weights before
     iteration 0's update. Its loss and gradient equal, in float64, the token mean of
     -min(r A w, clip(r, 1 - eps, 1 + eps) A w), r the ratio of the policy to the policy at the
     update's start and w = min(pi_start / pi_behaviour, cap), pi_behaviour the sampler's recorded
     log-probs. One epoch: the update's own forward is the policy at its start (every r is 1); two:
-    the start's log-probs are a pass of their own, and the policy has moved a step from them."""
-    trainer = untrained(tmp_path, max_staleness=1, iterations=2, clip_eps=0.1, ppo_epochs=epochs, **FIELDS)
+    the start's log-probs are a pass of their own, and the policy has moved a step from them. The
+    cap is the default, ``STALE_IS_CAP``, or one low enough that some weights reach it."""
+    fields = dict(max_staleness=1, iterations=2, clip_eps=0.1, ppo_epochs=epochs, rollout_is_cap=cap, **FIELDS)
+    trainer = untrained(tmp_path, **fields)
+    assert trainer.config.rollout_is_cap == (cap or STALE_IS_CAP)
     trainer.iteration(0)
     scored = trainer.rollout(1)
     assert (scored.rollout.versions[scored.rollout.response_mask] == 0).any()  # stale tokens
@@ -77,7 +80,8 @@ def test_the_stale_update_equals_a_float64_decoupled_ppo_reference(tmp_path, epo
     old = logp.detach() if on_policy else batch.old_logprobs.double()
     behaviour = batch.sampler_logprobs.double()
     ratio = torch.exp(logp - old)
-    weight = torch.exp(old - behaviour).clamp(max=STALE_IS_CAP)
+    weight = torch.exp(old - behaviour).clamp(max=cap or STALE_IS_CAP)
+    assert cap is None or (torch.exp(old - behaviour)[mask] > cap).any()  # the cap is met
     advantage = batch.advantages.double() * weight
     eps = 0.1
     per_token = -torch.minimum(ratio * advantage, ratio.clamp(1 - eps, 1 + eps) * advantage)
@@ -114,8 +118,12 @@ def test_a_resume_that_changes_max_staleness_warns_and_samples_the_batches_in_fl
         killed.train()
     in_flight = killed.rollouts.streaming.batches[0][0]  # iteration 2's prompts, drawn at iteration 1
     for changed in (2, 0):
-        with pytest.warns(UserWarning, match="batch\\(es\\) in flight are sampled again from their prompts"):
+        with pytest.warns(UserWarning) as said:
             resumed, start = PPOTrainer.resume(tmp_path / "run", {"max_staleness": changed})
+        said = [str(warning.message) for warning in said]
+        assert any("batch(es) in flight are sampled again from their prompts" in text for text in said)
+        dropped = f"the changed max_staleness drops the importance weights' cap ({STALE_IS_CAP} -> None;"
+        assert any(dropped in text for text in said) == (changed == 0), said
         assert start == 2
     assert list(resumed.rollouts.waiting) == [in_flight] and resumed.rollouts.streaming is None
     history = resumed.train(start)
