@@ -1,8 +1,8 @@
 """What a user can get wrong, refused at start-up in one line naming the field, file or line:
 config values and files, prompt files, reward return values, models, and runs that train nothing."""
 
-import re
 import json
+import re
 import subprocess
 import sys
 
