@@ -73,6 +73,17 @@ def test_paged_rows_match_the_oracle(backend, dtype, G, window, page):
     check(out, q, k, v, lengths, 0.2, block_table=table, window=window)
 
 
+def test_layers_mixing_sliding_and_full_windows_over_one_step_each_get_their_own(backend):
+    """A decode step's layers pass one ``lengths`` tensor (the twin builds its mask once a step):
+    alternating windows, as Gemma 3 and GPT-OSS layers do, each attend with their own."""
+    lengths_list, KVH, D, page = [7, 30, 41], 2, 16, 16
+    k, v, table = paged_cache(lengths_list, KVH, D, page, torch.float32, poison=False)  # SDPA's path, not NaN's
+    q, lengths = torch.randn(3, 4, D), torch.tensor(lengths_list)
+    for window in (None, 4, None, 9, 4):
+        out = decode_attention(q, k, v, lengths, scale=0.3, block_table=table, window=window, backend=backend)
+        check(out, q, k, v, lengths, 0.3, block_table=table, window=window)
+
+
 @pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("window", [None, 3])
 def test_static_rows_match_the_oracle(backend, head_major, window):
