@@ -175,7 +175,7 @@ def test_user_prompts_and_reward_fields(tmp_path):
     [
         (lambda prompts, completions, **_: 1 / 0, "raised ZeroDivisionError"),
         (lambda prompts, completions, **_: [1.0], "returned 1 scores for 128 completions"),
-        (lambda prompts, completions, **_: [float("nan")] * len(completions), "scores must be finite"),
+        (lambda prompts, completions, **_: [float("inf")] * len(completions), "scores must be finite"),
     ],
 )
 def test_reward_faults_are_clear(tmp_path, reward, match):
