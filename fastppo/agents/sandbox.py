@@ -36,6 +36,7 @@ it. So the processes, and with them the memory and CPU time of one call, are bou
 ``MAX_PROCESSES`` times the per-process limits. What is not isolated is listed in docs/agents.md.
 """
 
+import ctypes
 import functools
 import json
 import os
@@ -241,15 +242,12 @@ def descendants(root: int) -> set:
 
 
 def _libc():
-    import ctypes
-
     return ctypes.CDLL(None, use_errno=True)
 
 
 def _check(result: int, call: str) -> None:
+    """An ``OSError`` naming ``call`` when a libc call returned non-zero."""
     if result != 0:
-        import ctypes
-
         errno = ctypes.get_errno()
         raise OSError(errno, f"{call}: {os.strerror(errno)}")
 
