@@ -124,6 +124,30 @@ def test_a_stream_loaded_from_its_state_continues_bitwise(cache, ahead):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
+def test_a_row_stalled_for_memory_at_the_save_is_stalled_after_the_load():
+    """A row waiting for KV memory when the stream is saved waits after the load too (it is fed its
+    last token again when memory comes), and both go on alike."""
+    options = {**OPTIONS, "stop_token_ids": (5, 9)}
+    streams, models = [], []
+    for _ in range(2):
+        models.append(tiny("llama"))
+        streams.append(sampler(models[-1], "paged").stream(prompts_per_batch=2, ahead=1, max_new_tokens=14, **options))
+    run(streams[0], models[0], batches(), 1, stop_at=1)
+    stalled = {min(streams[0].loop.offset)}  # a row in flight, as a refused grant leaves it
+    streams[0].loop.stalled = set(stalled)
+    streams[1].load_state_dict(streams[0].state_dict())
+    models[1].load_state_dict(models[0].state_dict())
+    assert streams[1].loop.stalled == stalled
+    assert streams[0].loop.added == 3  # every batch is in: what is left is taking them
+    for k in (1, 2):
+        outs = []
+        for model, stream in zip(models, streams):
+            nudge(model, k)
+            outs.append(stream.next(version=k))
+        for name in ("response_ids", "response_mask", "logprobs", "versions"):
+            assert torch.equal(getattr(outs[0], name), getattr(outs[1], name)), name
+
+
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_batch_whose_rows_have_prompts_of_their_own_is_generate_of_one_sample_each(cache):
     model = tiny("llama")

@@ -94,6 +94,19 @@ def test_the_stale_update_equals_a_float64_decoupled_ppo_reference(tmp_path, epo
         assert (got.double() - want).norm() / want.norm().clamp(min=1e-12) < 1e-4
 
 
+def test_every_rank_streams_with_a_seed_of_its_own(tmp_path, monkeypatch):
+    """Ranks that drew alike would draw the same random numbers for their rows: one seed per rank."""
+    from types import SimpleNamespace
+
+    trainer = untrained(tmp_path, max_staleness=1, iterations=2, **FIELDS)
+    streaming, seeds = trainer.rollouts.streaming, []
+    monkeypatch.setattr(trainer.rollouts.sampler, "stream", lambda **options: seeds.append(options["seed"]))
+    for rank in range(4):
+        monkeypatch.setattr(trainer.rollouts, "ranks", SimpleNamespace(world=4, rank=rank))
+        streaming._start()
+    assert len(set(seeds)) == 4, seeds
+
+
 @pytest.mark.parametrize("ahead", [1, 2])
 def test_resume_with_rows_in_flight_is_exact(tmp_path, ahead):
     """4 iterations at staleness ``ahead``, killed after checkpoint-2 (rows of iterations 3 and on in
