@@ -90,30 +90,33 @@ def _finish(m, den, acc, heads, sinks_ptr, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def _where_in_pool(table_ptr, stride_t, row, pos, ok, page, PAGED: tl.constexpr):
-    # Positions pos (BLOCK_N,) of ``row`` -> (block, position in it), int64 each: through the block
-    # table (one load for keys and values alike), or a static cache's own slot.
+def _where_in_pool(table_ptr, stride_t, row, pos, ok, page, num_blocks, PAGED: tl.constexpr):
+    # Positions pos (BLOCK_N,) of ``row`` -> (block, position in it), int64 each, and whether the
+    # pool has that block: through the block table (one load for keys and values alike; an entry out
+    # of [0, num_blocks) is never read), or a static cache's own slot.
     if PAGED:
         block = tl.load(table_ptr + row * stride_t + pos // page, mask=ok, other=0).to(tl.int64)
-        return block, (pos % page).to(tl.int64)
+        return block, (pos % page).to(tl.int64), (block >= 0) & (block < num_blocks)
     else:
-        return row + tl.zeros_like(pos).to(tl.int64), pos.to(tl.int64)
+        return row + tl.zeros_like(pos).to(tl.int64), pos.to(tl.int64), ok
 
 
 @triton.jit
 def _keys(
-    k_ptr, v_ptr, table_ptr, stride_t, row, pos, ok, page, k_strides, v_strides, kv_head, d, d_ok, PAGED: tl.constexpr
-):
+    k_ptr, v_ptr, table_ptr, stride_t, row, pos, ok, page, num_blocks, k_strides, v_strides, kv_head, d, d_ok,
+    PAGED: tl.constexpr,
+):  # fmt: skip
     # The keys and values of positions pos (BLOCK_N,) of ``row`` at one KV head -> (BLOCK_N, BLOCK_D)
-    # each, 0 where not ok; nothing else is read.
+    # each, 0 where not ok; nothing else is read. A position whose table entry names no block of the
+    # pool has a NaN key (a row that sees it gives NaN, as the twin does) and a 0 value.
     kb, kp, kh = k_strides
     vb, vp, vh = v_strides
-    at = ok[:, None] & d_ok[None, :]
-    block, offset = _where_in_pool(table_ptr, stride_t, row, pos, ok, page, PAGED)
+    block, offset, named = _where_in_pool(table_ptr, stride_t, row, pos, ok, page, num_blocks, PAGED)
+    at = (ok & named)[:, None] & d_ok[None, :]
     k_at, v_at = block * kb + offset * kp, block * vb + offset * vp  # (BLOCK_N,) each
     k = tl.load(k_ptr + k_at[:, None] + kv_head.to(tl.int64) * kh + d[None, :], mask=at, other=0.0)
     v = tl.load(v_ptr + v_at[:, None] + kv_head.to(tl.int64) * vh + d[None, :], mask=at, other=0.0)
-    return k, v
+    return tl.where((ok & ~named)[:, None], float("nan"), k), v
 
 
 @triton.jit
@@ -125,8 +128,8 @@ def _queries(q_ptr, rows, heads, stride_qb, stride_qh, d, r_ok, d_ok):
 
 @triton.jit
 def _attend_range(
-    q, k_ptr, v_ptr, table_ptr, stride_t, table_row, begin, end, lo, length, page, k_strides, v_strides,
-    kv_head, d, d_ok, scale2,
+    q, k_ptr, v_ptr, table_ptr, stride_t, table_row, begin, end, lo, length, page, num_blocks, k_strides,
+    v_strides, kv_head, d, d_ok, scale2,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
     PER_ROW: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -140,7 +143,21 @@ def _attend_range(
         pos = p0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         ok = pos < end
         k, v = _keys(
-            k_ptr, v_ptr, table_ptr, stride_t, table_row, pos, ok, page, k_strides, v_strides, kv_head, d, d_ok, PAGED
+            k_ptr,
+            v_ptr,
+            table_ptr,
+            stride_t,
+            table_row,
+            pos,
+            ok,
+            page,
+            num_blocks,
+            k_strides,
+            v_strides,
+            kv_head,
+            d,
+            d_ok,
+            PAGED,
         )
         sees = ok[None, :]  # (1, BLOCK_N)
         if PER_ROW:
@@ -198,6 +215,7 @@ def _decode_kernel(
     scale2,
     window,
     page,
+    num_blocks,
     split_len,
     stride_qb,
     stride_qh,
@@ -251,7 +269,7 @@ def _decode_kernel(
 
     q = _queries(q_ptr, row, heads, stride_qb, stride_qh, d, r_ok, d_ok)  # (BLOCK_R, BLOCK_D)
     m, den, acc = _attend_range(
-        q, k_ptr, v_ptr, table_ptr, stride_t, slot, begin, end, lo, length, page,
+        q, k_ptr, v_ptr, table_ptr, stride_t, slot, begin, end, lo, length, page, num_blocks,
         (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2,
         BLOCK_R, BLOCK_D, BLOCK_N, PAGED, False, IEEE,
     )  # fmt: skip
@@ -284,6 +302,7 @@ def _prefix_kernel(
     scale2,
     window,
     page,
+    num_blocks,
     split_len,
     rows,
     stride_qb,
@@ -331,7 +350,7 @@ def _prefix_kernel(
     first = tl.min(tl.where(r_ok, member, rows))
     end = tl.where(first < rows, end, begin)
     m, den, acc = _attend_range(
-        q, k_ptr, v_ptr, table_ptr, stride_t, first, begin, end, lo, length, page,
+        q, k_ptr, v_ptr, table_ptr, stride_t, first, begin, end, lo, length, page, num_blocks,
         (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2,
         BLOCK_R, BLOCK_D, BLOCK_N, True, True, IEEE,
     )  # fmt: skip
@@ -462,7 +481,7 @@ def decode_attention(
         members = cascade.members
         _prefix_kernel[(E, KVH, SP)](
             q, k_cache, v_cache, table, lengths, members, cascade.shared, part_m, part_den, part_o,
-            scale2, window or 0, k_cache.shape[1], triton.cdiv(triton.cdiv(cascade.longest, SP), BLOCK_N) * BLOCK_N,
+            scale2, window or 0, k_cache.shape[1], k_cache.shape[0], triton.cdiv(triton.cdiv(cascade.longest, SP), BLOCK_N) * BLOCK_N,
             B, q.stride(0), q.stride(1), *cache_strides, table.stride(0), members.stride(0), total,
             MEMBERS=MEMBERS, BLOCK_R=_next_power_of_2(MEMBERS * G, 16), HAS_WINDOW=window is not None, **common,
         )  # fmt: skip
@@ -471,7 +490,7 @@ def decode_attention(
         q, k_cache, v_cache, table if paged else lengths, rows if rows is not None else lengths, lengths,
         starts if starts is not None else lengths,
         sinks if sinks is not None else q, out, part_m, part_den, part_o,
-        scale2, window or 0, k_cache.shape[1], split_len,
+        scale2, window or 0, k_cache.shape[1], k_cache.shape[0], split_len,
         q.stride(0), q.stride(1), *cache_strides, table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         SP, total,
         BLOCK_R=_next_power_of_2(G, 16), PAGED=paged, HAS_ROWS=rows is not None, HAS_WINDOW=window is not None,

@@ -124,7 +124,9 @@ def decode_attention(
             ``block_table``, a pool ``(num_blocks, block_size, KVH, D)``. H is a multiple of KVH
             (query head h reads KV head ``h // (H // KVH)``). A cache of another dtype is cast.
         lengths: ``(B,)`` each row's cached positions (>= 1), its new key included.
-        block_table: ``(slots, blocks)`` int32: cache row s's i-th block of positions.
+        block_table: ``(slots, blocks)`` int32: cache row s's i-th block of positions. An entry no
+            row reads may hold anything (-1); one a row reads that names no block of the pool is never
+            read: the row's output is NaN (with ``FASTPPO_CHECK=1``, a ``ValueError``).
         rows: ``(B,)`` integer, the cache row (slot) each query reads, several queries may read one
             (a continuation's tokens, each with its own length); None: query b reads row b.
         max_length: an int at least every length (the decoder knows it); None reads it from
