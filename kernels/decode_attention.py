@@ -481,7 +481,8 @@ def decode_attention(
         members = cascade.members
         _prefix_kernel[(E, KVH, SP)](
             q, k_cache, v_cache, table, lengths, members, cascade.shared, part_m, part_den, part_o,
-            scale2, window or 0, k_cache.shape[1], k_cache.shape[0], triton.cdiv(triton.cdiv(cascade.longest, SP), BLOCK_N) * BLOCK_N,
+            scale2, window or 0, k_cache.shape[1], k_cache.shape[0],
+            triton.cdiv(triton.cdiv(cascade.longest, SP), BLOCK_N) * BLOCK_N,
             B, q.stride(0), q.stride(1), *cache_strides, table.stride(0), members.stride(0), total,
             MEMBERS=MEMBERS, BLOCK_R=_next_power_of_2(MEMBERS * G, 16), HAS_WINDOW=window is not None, **common,
         )  # fmt: skip
