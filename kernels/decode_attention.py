@@ -57,11 +57,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, ok, scale2, m, den, acc, IEEE: tl.constexpr):
+def _attend_tile(q, k, v, ok, lost, scale2, m, den, acc, IEEE: tl.constexpr):
     # q (R, BLOCK_D); k, v (BLOCK_N, BLOCK_D) in q's dtype, 0 where not loaded; ok (R or 1, BLOCK_N):
-    # the keys each query row may see; m, den (R,) and acc (R, BLOCK_D) fp32: the running max (base 2),
-    # the sum of exp2 and the weighted values -> the three, updated.
-    s = tl.where(ok, _dot(q, tl.trans(k), IEEE) * scale2, float("-inf"))  # (R, BLOCK_N)
+    # the keys each query row may see; lost (BLOCK_N,): keys that could not be read, NaN to a row that
+    # sees one; m, den (R,) and acc (R, BLOCK_D) fp32: the running max (base 2), the sum of exp2 and
+    # the weighted values -> the three, updated.
+    s = tl.where(lost[None, :], float("nan"), _dot(q, tl.trans(k), IEEE) * scale2)
+    s = tl.where(ok, s, float("-inf"))  # (R, BLOCK_N)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while a row has seen no key
     decay = exp2(m - ref)  # 0 while m is -inf
@@ -107,8 +109,8 @@ def _keys(
     PAGED: tl.constexpr,
 ):  # fmt: skip
     # The keys and values of positions pos (BLOCK_N,) of ``row`` at one KV head -> (BLOCK_N, BLOCK_D)
-    # each, 0 where not ok; nothing else is read. A position whose table entry names no block of the
-    # pool has a NaN key (a row that sees it gives NaN, as the twin does) and a 0 value.
+    # each, 0 where not ok; nothing else is read; and the positions whose table entry names no block
+    # of the pool (BLOCK_N,), read as 0 (a row that sees one gives NaN, as the twin does).
     kb, kp, kh = k_strides
     vb, vp, vh = v_strides
     block, offset, named = _where_in_pool(table_ptr, stride_t, row, pos, ok, page, num_blocks, PAGED)
@@ -116,7 +118,7 @@ def _keys(
     k_at, v_at = block * kb + offset * kp, block * vb + offset * vp  # (BLOCK_N,) each
     k = tl.load(k_ptr + k_at[:, None] + kv_head.to(tl.int64) * kh + d[None, :], mask=at, other=0.0)
     v = tl.load(v_ptr + v_at[:, None] + kv_head.to(tl.int64) * vh + d[None, :], mask=at, other=0.0)
-    return tl.where((ok & ~named)[:, None], float("nan"), k), v
+    return k, v, ok & ~named
 
 
 @triton.jit
@@ -142,7 +144,7 @@ def _attend_range(
     for p0 in range(begin, end, BLOCK_N):
         pos = p0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         ok = pos < end
-        k, v = _keys(
+        k, v, lost = _keys(
             k_ptr,
             v_ptr,
             table_ptr,
@@ -162,7 +164,7 @@ def _attend_range(
         sees = ok[None, :]  # (1, BLOCK_N)
         if PER_ROW:
             sees = sees & (pos[None, :] >= lo[:, None]) & (pos[None, :] < length[:, None])  # (BLOCK_R, BLOCK_N)
-        m, den, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), sees, scale2, m, den, acc, IEEE)
+        m, den, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), sees, lost, scale2, m, den, acc, IEEE)
     return m, den, acc
 
 
