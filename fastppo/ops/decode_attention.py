@@ -68,12 +68,16 @@ def _check_cache(q, k_cache, v_cache, block_table, lengths, max_length, own_rows
         )
 
 
-def _check_blocks_read(block_table, rows, lengths, pool: tuple) -> None:
-    """With ``FASTPPO_CHECK=1``: every block a row reads (its first ``ceil(length / block_size)``
-    entries) is one of the pool's ``num_blocks``; an entry no row reads may hold anything (-1)."""
+def _check_blocks_read(block_table, rows, lengths, window, pool: tuple) -> None:
+    """With ``FASTPPO_CHECK=1``: every block a row reads (those holding its positions
+    ``[max(0, length - window), length)``) is one of the pool's ``num_blocks``; an entry no row reads
+    may hold anything (-1)."""
     num_blocks, page = pool
     table = block_table[: lengths.shape[0]] if rows is None else block_table[rows.long()]  # (B, blocks)
-    read = torch.arange(table.shape[1], device=table.device)[None, :] * page < lengths[:, None]
+    first = torch.arange(table.shape[1], device=table.device)[None, :] * page  # (1, blocks): each one's first position
+    read = first < lengths[:, None]
+    if window is not None:
+        read &= first + page > lengths[:, None] - window
     named = (table >= 0) & (table < num_blocks)
     if not bool((named | ~read).all()):
         raise ValueError(
@@ -169,7 +173,7 @@ def decode_attention(
     if checks.value_checks_enabled() and B and not bool(((lengths >= 1) & (lengths <= max_length)).all()):
         raise ValueError(f"lengths must be in [1, max_length={max_length}], got {lengths.tolist()}")
     if checks.value_checks_enabled() and B and block_table is not None:
-        _check_blocks_read(block_table, rows, lengths, k_cache.shape[:2])
+        _check_blocks_read(block_table, rows, lengths, window, k_cache.shape[:2])
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:
         return out

@@ -242,6 +242,17 @@ def test_a_block_table_entry_a_row_reads_out_of_the_pool_gives_nan_or_names_the_
         decode_attention(**arguments)
 
 
+def test_a_block_before_a_rows_window_is_not_read_nor_checked(backend, monkeypatch):
+    monkeypatch.setenv("FASTPPO_CHECK", "1")
+    lengths = torch.tensor([20, 40])
+    k, v, table = paged_cache(lengths.tolist(), 2, 16, 8, torch.float32, poison=False)
+    q = torch.randn(2, 4, 16)
+    expected = decode_attention(q, k, v, lengths, scale=0.25, block_table=table, window=6, backend=backend)
+    table[:, 0] = -1  # positions 0-7: before both windows (14-19, 34-39)
+    out = decode_attention(q, k, v, lengths, scale=0.25, block_table=table, window=6, backend=backend)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)  # the twin's NaN path rounds otherwise
+
+
 @pytest.mark.gpu
 def test_8192_rows_over_a_pool_past_2_31_elements():
     """Offsets in int64: the rows' blocks lie at the end of a bf16 pool of more than 2**31 elements

@@ -265,7 +265,7 @@ def _resumable(run_dir: Path, config_path: Path, overrides: dict) -> tuple:
     if was != now:
         inexact.append(
             f"the changed max_staleness {'drops' if now is None else 'sets'} the importance weights' cap "
-            f"({was} -> {now}; rollout_is_cap keeps one), so the update weighs tokens otherwise than the "
+            f"({was} -> {now}; give rollout_is_cap to keep one), so the update weighs tokens otherwise than the "
             "uninterrupted run would"
         )
 
