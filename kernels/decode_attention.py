@@ -27,6 +27,9 @@ How the work is laid out:
   whose ``start`` is 0 takes nothing from the prefix partials.
 * **Attention sinks** (GPT-OSS): one logit per query head that joins every row's softmax with no
   value, added once, where a row is finished.
+* **Logit soft-capping** (Gemma 2): each score ``s`` becomes ``softcap * tanh(s / softcap)`` before
+  the softmax; the kernel then takes ``scale / softcap`` and ``softcap * log2(e)`` as its two
+  factors (``HAS_SOFTCAP``), one tanh per score.
 
 The online softmax works in base 2 (``scale * log2(e)`` folded in once). A query row whose keys in a
 tile are all masked (a cascade member whose window starts past the tile) keeps its state: its
@@ -38,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fastmath import _INTERPRETED, LOG2E, exp2
+from .fastmath import _INTERPRETED, LOG2E, exp2, tanh
 
 SMS_WITHOUT_GPU = 132  # the splits the interpreter and the sm_90 study size for: an H200's multiprocessors
 PROGRAMS_PER_SM = 4  # split a row until the grid holds this many programs per multiprocessor
@@ -57,12 +60,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, ok, lost, scale2, m, den, acc, IEEE: tl.constexpr):
+def _attend_tile(q, k, v, ok, lost, scale2, cap2, m, den, acc, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     # q (R, BLOCK_D); k, v (BLOCK_N, BLOCK_D) in q's dtype, 0 where not loaded; ok (R or 1, BLOCK_N):
     # the keys each query row may see; lost (BLOCK_N,): keys that could not be read, NaN to a row that
     # sees one; m, den (R,) and acc (R, BLOCK_D) fp32: the running max (base 2), the sum of exp2 and
-    # the weighted values -> the three, updated.
-    s = tl.where(lost[None, :], float("nan"), _dot(q, tl.trans(k), IEEE) * scale2)
+    # the weighted values -> the three, updated. The scores in base 2: ``q.k * scale2``, or soft-capped
+    # ``cap2 * tanh(q.k * scale2)``.
+    s = _dot(q, tl.trans(k), IEEE) * scale2
+    if HAS_SOFTCAP:
+        s = cap2 * tanh(s)
+    s = tl.where(lost[None, :], float("nan"), s)
     s = tl.where(ok, s, float("-inf"))  # (R, BLOCK_N)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while a row has seen no key
@@ -131,9 +138,9 @@ def _queries(q_ptr, rows, heads, stride_qb, stride_qh, d, r_ok, d_ok):
 @triton.jit
 def _attend_range(
     q, k_ptr, v_ptr, table_ptr, stride_t, table_row, begin, end, lo, length, page, num_blocks, k_strides,
-    v_strides, kv_head, d, d_ok, scale2,
+    v_strides, kv_head, d, d_ok, scale2, cap2,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-    PER_ROW: tl.constexpr, IEEE: tl.constexpr,
+    PER_ROW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     # The keys [begin, end) of ``table_row``'s blocks at one KV head, a tile of BLOCK_N a trip, for the
     # query rows q (BLOCK_R, BLOCK_D) -> their state (m, den, acc). PER_ROW: each query row sees only
@@ -164,7 +171,9 @@ def _attend_range(
         sees = ok[None, :]  # (1, BLOCK_N)
         if PER_ROW:
             sees = sees & (pos[None, :] >= lo[:, None]) & (pos[None, :] < length[:, None])  # (BLOCK_R, BLOCK_N)
-        m, den, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), sees, lost, scale2, m, den, acc, IEEE)
+        m, den, acc = _attend_tile(
+            q, k.to(q.dtype), v.to(q.dtype), sees, lost, scale2, cap2, m, den, acc, HAS_SOFTCAP, IEEE
+        )
     return m, den, acc
 
 
@@ -215,6 +224,7 @@ def _decode_kernel(
     part_den_ptr,
     part_o_ptr,
     scale2,
+    cap2,
     window,
     page,
     num_blocks,
@@ -242,6 +252,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -272,8 +283,8 @@ def _decode_kernel(
     q = _queries(q_ptr, row, heads, stride_qb, stride_qh, d, r_ok, d_ok)  # (BLOCK_R, BLOCK_D)
     m, den, acc = _attend_range(
         q, k_ptr, v_ptr, table_ptr, stride_t, slot, begin, end, lo, length, page, num_blocks,
-        (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2,
-        BLOCK_R, BLOCK_D, BLOCK_N, PAGED, False, IEEE,
+        (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2, cap2,
+        BLOCK_R, BLOCK_D, BLOCK_N, PAGED, False, HAS_SOFTCAP, IEEE,
     )  # fmt: skip
     if DIRECT:
         o = _finish(m, den, acc, heads, sinks_ptr, HAS_SINKS)
@@ -302,6 +313,7 @@ def _prefix_kernel(
     part_den_ptr,
     part_o_ptr,
     scale2,
+    cap2,
     window,
     page,
     num_blocks,
@@ -325,6 +337,7 @@ def _prefix_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     # grid (cascade entries, KV heads, prefix splits): an entry's shared positions [0, shared) read
@@ -353,8 +366,8 @@ def _prefix_kernel(
     end = tl.where(first < rows, end, begin)
     m, den, acc = _attend_range(
         q, k_ptr, v_ptr, table_ptr, stride_t, first, begin, end, lo, length, page, num_blocks,
-        (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2,
-        BLOCK_R, BLOCK_D, BLOCK_N, True, True, IEEE,
+        (stride_kb, stride_kp, stride_kh), (stride_vb, stride_vp, stride_vh), kv_head, d, d_ok, scale2, cap2,
+        BLOCK_R, BLOCK_D, BLOCK_N, True, True, HAS_SOFTCAP, IEEE,
     )  # fmt: skip
     # Every split stores, an empty one its empty state (m -inf, den 0), so the combine reads no stale slot.
     _store_partial(
@@ -444,6 +457,7 @@ def decode_attention(
     max_length,
     scale,
     window,
+    softcap,
     sinks,
     cascade,
     out,
@@ -476,14 +490,18 @@ def decode_attention(
         part_den = torch.empty_like(part_m)
         part_o = torch.empty(B, H, total, D, device=q.device, dtype=torch.float32)
     paged = table is not None
-    scale2 = scale * 1.4426950408889634
-    common = dict(G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=num_warps)
+    log2e = 1.4426950408889634
+    scale2, cap2 = (scale * log2e, 0.0) if softcap is None else (scale / softcap, softcap * log2e)
+    common = dict(
+        G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+    )  # fmt: skip
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if cascade is not None:
         members = cascade.members
         _prefix_kernel[(E, KVH, SP)](
             q, k_cache, v_cache, table, lengths, members, cascade.shared, part_m, part_den, part_o,
-            scale2, window or 0, k_cache.shape[1], k_cache.shape[0],
+            scale2, cap2, window or 0, k_cache.shape[1], k_cache.shape[0],
             triton.cdiv(triton.cdiv(cascade.longest, SP), BLOCK_N) * BLOCK_N,
             B, q.stride(0), q.stride(1), *cache_strides, table.stride(0), members.stride(0), total,
             MEMBERS=MEMBERS, BLOCK_R=_next_power_of_2(MEMBERS * G, 16), HAS_WINDOW=window is not None, **common,
@@ -493,7 +511,7 @@ def decode_attention(
         q, k_cache, v_cache, table if paged else lengths, rows if rows is not None else lengths, lengths,
         starts if starts is not None else lengths,
         sinks if sinks is not None else q, out, part_m, part_den, part_o,
-        scale2, window or 0, k_cache.shape[1], k_cache.shape[0], split_len,
+        scale2, cap2, window or 0, k_cache.shape[1], k_cache.shape[0], split_len,
         q.stride(0), q.stride(1), *cache_strides, table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         SP, total,
         BLOCK_R=_next_power_of_2(G, 16), PAGED=paged, HAS_ROWS=rows is not None, HAS_WINDOW=window is not None,

@@ -8,7 +8,8 @@ logits' scale once per row) and call the flush-to-zero forms, ``ex2.approx.ftz.f
 anything a softmax over 10**6 entries can resolve in fp32.
 
 Triton's interpreter, which runs the kernels on CPU in the tests, has no libdevice; there the
-same functions are ``tl.exp2`` / ``tl.log2`` (which keep denormals, the only difference).
+same functions are ``tl.exp2`` / ``tl.log2`` (which keep denormals, the only difference), and
+``tanh`` is written out with ``tl.exp2`` (within ~1e-7 absolute of libdevice's).
 """
 
 import os
@@ -36,3 +37,12 @@ def log2(x):
         return tl.log2(x)
     else:
         return libdevice.fast_log2f(x)
+
+
+@triton.jit
+def tanh(x):
+    if _INTERPRETED:
+        # 1 - 2 / (e^2x + 1): +-1 where e^2x overflows or vanishes, NaN kept
+        return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+    else:
+        return libdevice.tanh(x)

@@ -241,11 +241,13 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def decode_attention_oracle(q, k_cache, v_cache, lengths, scale, block_table=None, window=None, sinks=None, rows=None):
+def decode_attention_oracle(
+    q, k_cache, v_cache, lengths, scale, block_table=None, window=None, sinks=None, rows=None, softcap=None
+):
     """float64 decode attention, query by query: query b's ``q[b]`` ``(H, D)`` over the positions
     ``[max(0, L - window), L)`` of its cache row (``rows[b]``, else b), read position by position
-    (through ``block_table`` when paged), query head h on KV head ``h // (H // KVH)``, each head's
-    sink one more logit with no value."""
+    (through ``block_table`` when paged), query head h on KV head ``h // (H // KVH)``, each score
+    soft-capped (``softcap * tanh(s / softcap)``), each head's sink one more logit with no value."""
     B, H, D = q.shape
     KVH, page = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty(B, H, D, dtype=torch.float64)
@@ -261,6 +263,8 @@ def decode_attention_oracle(q, k_cache, v_cache, lengths, scale, block_table=Non
         for h in range(H):
             kv = h // (H // KVH)
             scores = keys[:, kv] @ q[b, h].double() * scale  # (n,)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:
                 scores = torch.cat((scores, sinks[h].double().view(1)))
             weights = torch.softmax(scores, dim=0)[: len(at)]

@@ -162,7 +162,7 @@ def decode_attention_cases(rows=256, positions=4096, groups=64, samples=8, promp
     S = decode_attention._splits(rows * KVH, positions, BLOCK_N, decode_attention.SMS_WITHOUT_GPU)
 
     def run():
-        decode_attention.decode_attention(q, k, v, table, None, lengths, positions, 0.088, None, None, None, out)
+        decode_attention.decode_attention(q, k, v, table, None, lengths, positions, 0.088, None, None, None, None, out)
 
     cases = [
         KernelCase(
@@ -185,7 +185,9 @@ def decode_attention_cases(rows=256, positions=4096, groups=64, samples=8, promp
     partial_bytes = B * H * (D + 2) * 4  # one split's (m, l, acc) of every row and head
 
     def run_cascade():
-        decode_attention.decode_attention(q, k, v, table, None, lengths, positions, 0.088, None, None, cascade, out)
+        decode_attention.decode_attention(
+            q, k, v, table, None, lengths, positions, 0.088, None, None, None, cascade, out
+        )
 
     shape_name = f"bf16 {groups} x {samples} rows, {prompt} shared + {positions - prompt} own keys"
     own = positions - prompt

@@ -14,6 +14,7 @@ import fastppo
 
 from ..machine import device_name
 from .advantages import gae_cases, whiten_cases
+from .decoders import decoder_cases
 from .logprobs import logprobs_cases, logprobs_from_hidden_cases
 from .losses import ppo_loss_cases, ppo_loss_hidden_cases, ppo_loss_tokens_cases, value_loss_cases
 from .measure import copy_bandwidth_gbps, peak_memory_bytes, time_call
@@ -30,6 +31,7 @@ FAMILIES = {
     "gae": gae_cases,
     "sampler": sampler_cases,
     "rollout": paged_cases,
+    "decoders": decoder_cases,
     "tools": tool_latency_cases,
     "sampling": sampling_cases,
     "trainer": trainer_cases,

@@ -117,6 +117,7 @@ def decode_attention(
     rows: Optional[Tensor] = None,
     max_length: Optional[int] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
     cascade: Optional[Cascade] = None,
     backend: str = "auto",
@@ -136,6 +137,8 @@ def decode_attention(
         max_length: an int at least every length (the decoder knows it); None reads it from
             ``lengths``, a host sync.
         window: a sliding window: a row sees its last ``window`` positions only.
+        softcap: logit soft-capping (Gemma 2): each score ``s = scale * q.k`` becomes
+            ``softcap * tanh(s / softcap)`` before the softmax.
         sinks: ``(H,)`` one logit per query head in every row's softmax, with no value (GPT-OSS).
         cascade: a group's shared prompt read once for its rows (``Cascade``; paged caches).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``fastppo.ops.dispatch``).
@@ -152,6 +155,8 @@ def decode_attention(
         raise ValueError(f"scale must be a real number, got {scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+    if softcap is not None and (not checks.is_real(softcap) or not 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
     B, H, _ = q.shape
     if sinks is not None:
         checks.check_floating(sinks, "sinks")
@@ -181,6 +186,7 @@ def decode_attention(
     with torch.no_grad():
         implementation(resolved, "decode_attention").decode_attention(
             q.detach(), k_cache, v_cache, block_table, rows, lengths, max_length, float(scale), window,
-            None if sinks is None else sinks.float().contiguous(), cascade, out,
+            None if softcap is None else float(softcap), None if sinks is None else sinks.float().contiguous(),
+            cascade, out,
         )  # fmt: skip
     return out

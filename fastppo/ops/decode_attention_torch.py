@@ -13,7 +13,7 @@ masked position through (NaN + -inf, and 0 x NaN): where its result holds a NaN,
 taken again written out, masked keys and values selected away, so whatever a row does not own
 changes nothing, as in the kernel, which never reads it. Attention sinks, which SDPA has no
 argument for, take that path too: each head's sink joins its row's scores as one more column with
-no value.
+no value, and so does logit soft-capping (``softcap * tanh(scores / softcap)``, Gemma 2).
 """
 
 import math
@@ -71,11 +71,13 @@ class _StepMasks:
 _step_masks = _StepMasks()
 
 
-def _exact(grouped, keys, values, live, scale, sinks):
+def _exact(grouped, keys, values, live, scale, softcap, sinks):
     """The softmax written out in fp32, masked keys and values selected away (so whatever they hold
-    changes nothing), each head's sink one more logit with no value."""
+    changes nothing), the scores soft-capped, each head's sink one more logit with no value."""
     B, KVH, G, _ = grouped.shape
     scores = (grouped.float() @ keys.float().transpose(2, 3)) * scale  # (B, KVH, G, span)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = torch.where(live[:, None, None, :], scores, float("-inf"))
     if sinks is not None:
         scores = torch.cat((scores, sinks.float().view(1, KVH, G, 1).expand(B, -1, -1, 1)), dim=3)
@@ -83,7 +85,9 @@ def _exact(grouped, keys, values, live, scale, sinks):
     return weights @ torch.where(live[:, None, :, None], values.float(), 0.0)
 
 
-def decode_attention(q, k_cache, v_cache, table, rows, lengths, max_length, scale, window, sinks, cascade, out):
+def decode_attention(
+    q, k_cache, v_cache, table, rows, lengths, max_length, scale, window, softcap, sinks, cascade, out
+):
     """The launcher of ``fastppo/ops/launchers.py``. On the CPU, SDPA first, and only where it gives
     NaN (a NaN in a masked position, or in a live one) the exact softmax (the check costs no sync
     there); on another device, the exact softmax."""
@@ -95,9 +99,9 @@ def decode_attention(q, k_cache, v_cache, table, rows, lengths, max_length, scal
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     grouped = q.view(B, KVH, H // KVH, D)  # (B, KVH, G, D)
     o = None
-    if sinks is None and q.device.type == "cpu":
+    if sinks is None and softcap is None and q.device.type == "cpu":
         mask = _step_masks.get(lengths, max_length, window, q.dtype)
         o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     if o is None or math.isnan(o.sum()):  # a NaN anywhere (3 us, where isnan().any() takes 15)
-        o = _exact(grouped, keys, values, live_keys(lengths, max_length, window), scale, sinks)
+        o = _exact(grouped, keys, values, live_keys(lengths, max_length, window), scale, softcap, sinks)
     out.copy_(o.reshape(B, H, D))  # (B, KVH, G, D) -> (B, H, D)

@@ -62,13 +62,16 @@ def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs):
     keyed by ``seed`` (an int in ``[0, 2**63)``); the log-prob is the full vocabulary's."""
 
 
-def decode_attention(q, k_cache, v_cache, table, rows, lengths, max_length, scale, window, sinks, cascade, out):
+def decode_attention(
+    q, k_cache, v_cache, table, rows, lengths, max_length, scale, window, softcap, sinks, cascade, out
+):
     """Fill ``out`` ``(B, H, D)`` (contiguous, q's dtype) with each query's attention over its cache
     row's positions ``[max(0, lengths[b] - window), lengths[b])`` (``window`` None: from 0), every
     length at most the int ``max_length``. ``k_cache``, ``v_cache``: a static ``(slots, max_len, KVH,
     D)`` (``table`` None) or a pool of blocks ``(num_blocks, block_size, KVH, D)`` with ``table``
     ``(slots, blocks)`` int32; the last dimension contiguous. ``rows``: ``(B,)`` integer, the cache
-    row (slot) each query reads, or None: query b reads row b. ``sinks``: fp32 ``(H,)`` or None;
+    row (slot) each query reads, or None: query b reads row b. ``softcap``: a float > 0 (each score
+    ``s`` becomes ``softcap * tanh(s / softcap)``) or None. ``sinks``: fp32 ``(H,)`` or None;
     ``cascade``: a ``layout.Cascade`` or None (only with ``rows`` None)."""
 
 

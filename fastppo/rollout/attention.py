@@ -14,6 +14,10 @@ chooses.
 Extend (a multi-turn row's continuation) stores a few rows' new keys after the ones they hold and
 attends over each row's prefix so far: on CUDA by the same kernel, each of a continuation's tokens
 a query of its row up to its own position (no gather), elsewhere with SDPA.
+
+What SDPA has no argument for, a layer's logit soft-capping (Gemma 2) and attention sinks (GPT-OSS),
+the decode kernel and its twin take as arguments; prefill and the CPU's extend then write the
+softmax out (``written_out``).
 """
 
 from typing import Callable, Optional
@@ -26,6 +30,26 @@ from ..ops.decode_attention_torch import live_keys
 from ..ops.dispatch import implementation
 
 
+def written_out(q, k, v, allowed, scale: float, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
+    """Attention with its softmax written out in fp32, for what SDPA cannot take: each score
+    soft-capped (``softcap * tanh(s / softcap)``), each head's sink (``sinks`` ``(H,)``) one more logit
+    with no value. q: (B, H, L, D); k, v: (B, KVH, S, D); ``allowed``: bool, broadcast to
+    (B, 1, L, S), the keys each query sees -> (B, H, L, D) in q's dtype. A key or value no query sees
+    changes nothing, whatever it holds."""
+    B, H, L, _ = q.shape
+    G, S = H // k.shape[1], k.shape[2]
+    allowed = allowed.expand(B, 1, L, S)
+    seen = allowed.any(dim=2)[..., None]  # (B, 1, S, 1)
+    k, v = (torch.where(seen, x.float(), 0.0).repeat_interleave(G, dim=1) for x in (k, v))  # (B, H, S, D)
+    scores = (q.float() @ k.transpose(2, 3)) * scale  # (B, H, L, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().view(1, H, 1, 1).expand(B, H, L, 1)), dim=3)
+    return (torch.softmax(scores, dim=3)[..., :S] @ v).to(q.dtype)
+
+
 class CacheAttention:
     def __init__(self, cache, flash_decode: Optional[Callable] = None, backend: str = "torch"):
         self.cache = cache
@@ -33,7 +57,16 @@ class CacheAttention:
         self.backend = backend  # decode_attention's: "triton" (the kernel) or "torch" (its SDPA twin)
 
     def prefill(
-        self, layer: int, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]
+        self,
+        layer: int,
+        slots: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        window: Optional[int],
+        softcap: Optional[float] = None,
+        sinks: Optional[Tensor] = None,
     ) -> Tensor:
         """Store a group of right-padded prompts' keys and values in ``slots`` and attend causally.
         q: (G, H, L, D); k, v: (G, KVH, L, D) -> (G, H, L, D)."""
@@ -42,9 +75,13 @@ class CacheAttention:
         positions = torch.arange(L, device=q.device).repeat(G)
         self.cache.write(layer, rows, positions, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
         mask = None
-        if window is not None and L > window:
+        if (window is not None and L > window) or softcap is not None or sinks is not None:
             pos = torch.arange(L, device=q.device)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (L, L)
+            mask = pos[None, :] <= pos[:, None]  # (L, L)
+            if window is not None:
+                mask &= pos[None, :] > pos[:, None] - window
+        if softcap is not None or sinks is not None:
+            return written_out(q, k, v, mask, scale, softcap, sinks)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -60,6 +97,8 @@ class CacheAttention:
         lengths: Tensor,
         scale: float,
         window: Optional[int],
+        softcap: Optional[float] = None,
+        sinks: Optional[Tensor] = None,
     ) -> Tensor:
         """Store rows' continuation keys and values at ``positions`` of ``slots`` and attend over
         each row's keys up to each query's position (and within its window).
@@ -77,13 +116,15 @@ class CacheAttention:
             attended = torch.empty_like(out[real])  # (N, H, D)
             implementation("triton", "decode_attention").decode_attention(
                 q.transpose(1, 2)[real], *self.cache.kernel_args(layer), row, positions[real] + 1, span, scale,
-                window, None, None, attended,
+                window, softcap, sinks, None, attended,
             )  # fmt: skip
             out[real] = attended
             return out.transpose(1, 2)
         # Not the twin (which would gather a row's keys once per token): its mask of live keys, per token.
         mask = live_keys(positions.flatten() + 1, span, window).view(n, C, span)
         cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, slots, span))
+        if softcap is not None or sinks is not None:
+            return written_out(q, cached_k, cached_v, mask[:, None], scale, softcap, sinks)
         return F.scaled_dot_product_attention(
             q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -109,6 +150,8 @@ class CacheAttention:
         scale: float,
         window: Optional[int],
         context: tuple,
+        softcap: Optional[float] = None,
+        sinks: Optional[Tensor] = None,
     ) -> Tensor:
         """Store the new key and value of slots ``0 .. B-1`` at their positions and attend over each
         row's keys so far.
@@ -116,19 +159,29 @@ class CacheAttention:
         q: (B, H, 1, D); k, v: (B, KVH, 1, D); positions: (B,) int64, each < span; ``context`` from
         :meth:`decode_context` -> (B, H, 1, D).
         """
-        if self.flash_decode is not None:
-            return self._flash(layer, q, k, v, positions, span, scale, window)
+        if self.flash_decode is not None:  # no sinks: the decoder does not choose flash-attn for them
+            return self._flash(layer, q, k, v, positions, span, scale, window, softcap)
         at, lengths, cascade = context
         self.cache.store(layer, at, k[:, :, 0], v[:, :, 0])
         out = torch.empty_like(q)  # (B, H, 1, D)
         # The op's launcher, not the op: these arguments are right by construction, and the op's
         # checks would cost ~2% of a CPU decode step, called for every layer.
         implementation(self.backend, "decode_attention").decode_attention(
-            q[:, :, 0], *self.cache.kernel_args(layer), None, lengths, span, scale, window, None, cascade, out[:, :, 0]
+            q[:, :, 0],
+            *self.cache.kernel_args(layer),
+            None,
+            lengths,
+            span,
+            scale,
+            window,
+            softcap,
+            sinks,
+            cascade,
+            out[:, :, 0],
         )
         return out
 
-    def _flash(self, layer, q, k, v, positions, span, scale, window) -> Tensor:
+    def _flash(self, layer, q, k, v, positions, span, scale, window, softcap) -> Tensor:
         B = q.shape[0]
         # A row's position is its number of cached tokens: the new key goes there, and the query
         # (the last of the row) sees keys [position - (window - 1), position], as HF's window does.
@@ -141,5 +194,6 @@ class CacheAttention:
             softmax_scale=scale,
             causal=True,
             window_size=(-1, -1) if window is None else (window - 1, 0),
+            **({} if softcap is None else {"softcap": softcap}),  # flash-attn >= 2.6 takes it
         )  # (B, 1, H, D)
         return out.transpose(1, 2)

@@ -1,4 +1,5 @@
-"""Choosing the rollout copy's layout (``layouts.py``) by timing it here, once per machine.
+"""Choosing by timing here, once per machine: the rollout copy's layout (``layouts.py``), and for a
+family with a hand-written forward whether it or the model's own modules decode faster.
 
 Which layout a decode step reads fastest depends on the CPU or GPU, the math library's small-M
 paths, the dtype and the batch, so the sampler times each layout that runs here on the model's
@@ -9,6 +10,13 @@ then timed over ``PASSES`` passes, the best pass counting. That is a few hundred
 at most, and the choice is kept in ``layouts.json`` under :func:`~fastppo.machine.cache_root`, by
 machine, torch version, thread count, dtype, rows and shapes, so the next sampler on this machine
 reads it instead.
+
+The decoders (``decoders.py``) are timed the same way, at whole decode steps: each over a short
+static cache of the sampler's rows, warmed once, the best of ``PASSES`` steps counting, plus what a
+decoder runs once a rollout (the packed copy's refresh) spread over a rollout of as many steps as
+the sampler's context; kept under the model's shapes as well. The hand-written forward stays where
+it is faster; on a GPU both are timed eagerly, where the CUDA graphs they decode with would shorten
+both.
 """
 
 import json
@@ -24,6 +32,7 @@ from .layouts import LAYOUTS, layouts_for
 
 SAMPLE_BYTES = 64 << 20  # the matrices timed: more than any core's cache holds
 PASSES = 3
+TIMED_SPAN = 64  # the positions of the decoders' timing cache: a step's cost is then mostly its weights
 
 logger = logging.getLogger(__name__)
 
@@ -127,3 +136,41 @@ def choose_layout(matrices, rows: int) -> str:
     )
     _write(key, {"layout": best, "ms": {name: round(s * 1e3, 3) for name, s in seconds.items()}})
     return best
+
+
+@torch.no_grad()
+def choose_decoder(decoders: dict, rows: int, steps: int, key: str) -> str:
+    """The name of the faster of ``decoders`` (name -> ``(decoder, refresh)``: a cached decoder over a
+    static cache of ``rows`` rows and ``TIMED_SPAN`` positions, and what it runs once a rollout or
+    None) over a rollout of ``steps`` decode steps, from the cache file under ``key`` (the model's
+    shapes and dtype) or measured now: a step's best time, plus the refresh's over ``steps``."""
+    (first, _), *_ = decoders.values()
+    device = first.device
+    where = f"decoder | {device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    key = f"{where} | {rows} rows, {steps} steps | {key}"
+    cached = _read().get(key, {}).get("decoder")
+    if cached in decoders:
+        return cached
+    tokens = torch.zeros(rows, dtype=torch.long, device=device)
+    positions = torch.full((rows,), TIMED_SPAN - 1, dtype=torch.long, device=device)
+    start = time.perf_counter()
+    for decoder, _ in decoders.values():
+        decoder.decode(tokens, positions, TIMED_SPAN)  # warm-up
+    step = {name: float("inf") for name in decoders}
+    for _ in range(PASSES):  # by turns, so that a drift of the machine's speed falls on both
+        for name, (decoder, _) in decoders.items():
+            step[name] = min(step[name], seconds(device, lambda d=decoder: d.decode(tokens, positions, TIMED_SPAN)))
+    refresh = {name: 0.0 if run is None else seconds(device, run) for name, (_, run) in decoders.items()}
+    cost = {name: step[name] + refresh[name] / steps for name in decoders}
+    choice = min(cost, key=cost.get)
+    logger.info(
+        "rollout decoder: %s for %d rows on %s (a step: %s; once a rollout: %s; measured in %.2f s)",
+        choice,
+        rows,
+        device_name(device),
+        ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in step.items()),
+        ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in refresh.items()),
+        time.perf_counter() - start,
+    )
+    _write(key, {"decoder": choice, "step_ms": {n: round(s * 1e3, 3) for n, s in step.items()}})
+    return choice

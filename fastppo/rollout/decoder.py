@@ -8,10 +8,10 @@ the tokens that follow its turn prefilled onto its cache at its position (``exte
 whose cache is paged (``paged.py``) gives rows memory as they grow: the loop *claims* a group's
 blocks before its prefill, has every row *hold* the positions it will write before each stretch
 of steps, and *releases* a row's blocks when it ends; elsewhere each slot has all of its positions
-from the start, and the defaults below grant everything. Two
-implementations: the lean decoders of ``lean.py``
-(their own forward over a preallocated :class:`~fastppo.rollout.kv_cache.KVCache`) and the
-generic one of ``generic.py`` (any causal LM, through its own forward and cache).
+from the start, and the defaults below grant everything. Two implementations: ``cached.py``'s
+decoders over fastppo's preallocated cache (a hand-written forward, ``lean.py``, or the model's own
+modules, ``interface.py``) and the generic one of ``generic.py`` (any causal LM, through its own
+forward and cache); ``decoders.py`` chooses.
 """
 
 from abc import ABC, abstractmethod

@@ -33,10 +33,18 @@ def _load_flash() -> Callable:
 
 
 def _why_not_flash(
-    device: torch.device, model_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, block_size=None
+    device: torch.device,
+    model_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    head_dim: int,
+    block_size=None,
+    sinks: bool = False,
 ) -> Optional[str]:
     """None when flash-attn's decode can serve this model and cache (paged in blocks of
-    ``block_size`` positions, or static: None), else the reason it cannot."""
+    ``block_size`` positions, or static: None; ``sinks``: its attention has sinks), else the reason
+    it cannot."""
+    if sinks:
+        return "flash-attn's decode has no attention sinks"
     if importlib.util.find_spec("flash_attn") is None:
         return "the flash-attn package is not installed"
     if device.type != "cuda":
@@ -60,12 +68,13 @@ def flash_decode(
     cache_dtype: torch.dtype,
     head_dim: int,
     block_size: Optional[int] = None,
+    sinks: bool = False,
 ) -> Optional[Callable]:
     """``flash_attn_with_kvcache`` if ``attention`` (one of ``ATTENTIONS``) picks it, else None
     (``decode_attention``, on the backend :func:`kernel_backend` names)."""
     if attention in ("triton", "sdpa"):
         return None
-    reason = _why_not_flash(device, model_dtype, cache_dtype, head_dim, block_size)
+    reason = _why_not_flash(device, model_dtype, cache_dtype, head_dim, block_size, sinks)
     if reason is None:
         try:
             return _load_flash()

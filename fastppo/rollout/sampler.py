@@ -1,17 +1,20 @@
 """``Sampler``: batched, KV-cached generation on the live training weights, returning a Rollout.
 
-For the families of ``lean.FAMILIES`` it runs the lean decoders of ``lean.py`` on a rollout copy of
-the projections packed for the step (``packed.py``, refreshed when the weights change) over a KV
-cache allocated once per sampler: paged (``paged.py``: blocks through a block table, a prompt's
-blocks shared by its samples, rows admitted while memory covers them) when its budget is short of
-every slot at the cap, else static (``kv_cache.py``: every one of ``max_batch_size`` slots at
-``max_seq_len``) (decode attention from ``attention.py``, flash-attn or SDPA, chosen in
-``flash.py``; on CUDA each step a replayed CUDA graph). Other causal
-LMs go through ``generic.py``. Both run the continuous-batching loop of ``batching.py``: rows
-enter free slots as earlier rows finish, finished rows leave the batch, and each step's draw is
-``sample_tokens`` (one fused kernel on CUDA). Given a :class:`~fastppo.rollout.turns.Turns`, the
-rows are multi-turn episodes: a row pauses between turns in its slot and its continuation is
-prefilled onto its cache (``turns.py``).
+A model decodes over a KV cache of fastppo's, allocated once per sampler, through a hand-written
+forward (the families of ``lean.FAMILIES``, on a rollout copy of the projections packed for the
+step: ``packed.py``, refreshed when the weights change) or through its own modules, its attention
+handed over at transformers' attention interface (``interface.py``); ``decoders.py`` chooses. The
+cache is paged (``paged.py``: blocks through a block table, a prompt's blocks shared by its
+samples, rows admitted while memory covers them) when its budget is short of every slot at the
+cap, else static (``kv_cache.py``: every one of ``max_batch_size`` slots at ``max_seq_len``); the
+decode attention is ``attention.py``'s (flash-attn, fastppo's decode kernel or its twin, chosen in
+``flash.py``; on CUDA each step a replayed CUDA graph). A model neither serves (state-space or
+linear-attention layers, a keyword its attention passes that the cache attention does not honour)
+goes through ``generic.py``, and ``Sampler.path`` says why. All run the continuous-batching loop of
+``batching.py``: rows enter free slots as earlier rows finish, finished rows leave the batch, and
+each step's draw is ``sample_tokens`` (one fused kernel on CUDA). Given a
+:class:`~fastppo.rollout.turns.Turns`, the rows are multi-turn episodes: a row pauses between turns
+in its slot and its continuation is prefilled onto its cache (``turns.py``).
 """
 
 from typing import Callable, Optional, Sequence, Union
@@ -24,10 +27,10 @@ from ..ops.sampling import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
 from .batching import TOOL_SCHEDULES, TOOL_WINDOW, RolloutLoop, row_cap, sampling_mode, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
+from .decoders import DECODERS, cached_decoder
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
 from .layouts import LAYOUTS
-from .lean import FAMILIES, lean_decoder
 from .packed import WEIGHTS
 from .paged import KVMemoryError
 from .rollout import Rollout
@@ -72,8 +75,8 @@ class Sampler:
             may ask for more: the others wait for free slots.
         max_seq_len: the longest prompt plus response a row may reach.
         dtype: the KV cache's dtype (default: the model's).
-        cuda_graphs: replay the decode step as CUDA graphs (CUDA and the lean path only).
-        attention: the lean path's decode attention: ``"flash"`` (flash-attn's
+        cuda_graphs: replay the decode step as CUDA graphs (CUDA, over fastppo's cache only).
+        attention: the decode attention over fastppo's cache: ``"flash"`` (flash-attn's
             ``flash_attn_with_kvcache``), ``"triton"`` (fastppo's ``decode_attention`` kernel: each
             row's live keys read where they lie, a group's shared prompt once), ``"sdpa"`` (that
             op's PyTorch twin), or ``"auto"``: flash where it can run (flash-attn installed, CUDA, a
@@ -82,7 +85,7 @@ class Sampler:
             every 16 steps on an accelerator, every step on the CPU), the live rows move into the
             holes and the batch shrinks to them; 1 packs whenever a row has ended, 0 never moves
             a row (free slots past the last live one still leave the batch).
-        kv_cache: the lean path's KV layout, ``"paged"``, ``"static"`` or ``"auto"``: paged when
+        kv_cache: the KV layout, ``"paged"``, ``"static"`` or ``"auto"``: paged when
             ``kv_block_size`` is given or ``kv_memory`` is short of every slot at ``max_seq_len``,
             else static (nothing to page).
         kv_block_size: positions per block of the paged cache (default: 256 where flash-attn's
@@ -91,12 +94,15 @@ class Sampler:
         kv_memory: bytes of the paged cache; rows enter while it covers them, so it bounds the
             rows in flight with ``max_batch_size`` (default: enough for every slot at
             ``max_seq_len``, the static layout's memory).
-        weights: what the lean path's projections multiply by: ``"packed"``, a copy with each
+        weights: what a hand-written forward's projections multiply by: ``"packed"``, a copy with each
             layer's projections on one input fused, in the layout fastest on this machine for
             ``max_batch_size`` rows, made again at the start of each ``generate`` (one pass over
             the weights); or ``"live"``, the model's own modules.
         layout: the packed copy's layout (``layouts.LAYOUTS``); default: measured at start and
             kept per machine (``calibration.py``).
+        decoder: ``"lean"`` (a hand-written forward, ``lean.FAMILIES``), ``"modules"`` (the model's own
+            modules, attending over fastppo's cache), ``"generic"`` (its own forward and cache), or
+            ``"auto"``: the first of those that serves the model (``decoders.py``); ``path`` says which.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class Sampler:
         kv_memory: Optional[int] = None,
         weights: str = "packed",
         layout: Optional[str] = None,
+        decoder: str = "auto",
     ):
         self.model = model
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
@@ -135,17 +142,18 @@ class Sampler:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
-        self.lean = lean_decoder(
-            model, max_batch_size, max_seq_len, dtype, attention, kv_cache, kv_block_size, kv_memory, weights, layout
-        )
-        if self.lean is None and attention != "auto":
-            raise ValueError(
-                f"attention={attention!r} applies to the lean decoders ({', '.join(FAMILIES)}); a "
-                f"{model.config.model_type!r} model runs its own attention, chosen with "
-                "attn_implementation when it is loaded"
-            )
-        use_graphs = cuda_graphs and self.lean is not None and self.device.type == "cuda"
-        self.graphs = DecodeGraphs(self.lean) if use_graphs else None
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+        self.cached, path = cached_decoder(
+            model, max_batch_size, max_seq_len, dtype, attention, kv_cache, kv_block_size, kv_memory, weights, layout,
+            decoder,
+        )  # fmt: skip
+        #: Which path this model decodes on and why, one line (``fastppo train`` logs it at start-up).
+        self.path = path
+        if self.cached is None and attention != "auto":
+            raise ValueError(f"attention={attention!r} cannot be used: the sampler's path is {path}")
+        use_graphs = cuda_graphs and self.cached is not None and self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.cached) if use_graphs else None
         #: Slots the last ``generate`` decoded, summed over its steps (free and ended ones included):
         #: against its tokens, what the long tail cost.
         self.rows_decoded = 0
@@ -164,29 +172,29 @@ class Sampler:
 
     @property
     def kv_cache(self):
-        """The lean path's KV cache (``paged.py``'s or ``kv_cache.py``'s), None on the generic path."""
-        return None if self.lean is None else self.lean.cache
+        """fastppo's KV cache (``paged.py``'s or ``kv_cache.py``'s), None on the generic path."""
+        return None if self.cached is None else self.cached.cache
 
     @property
     def weights(self):
-        """The lean path's :class:`~fastppo.rollout.packed.DecoderWeights` (its ``weights``, ``layout``
-        and ``bytes``), None on the generic path."""
-        return None if self.lean is None else self.lean.weights
+        """The :class:`~fastppo.rollout.packed.DecoderWeights` a cached decoder multiplies by (its
+        ``weights``, ``layout`` and ``bytes``; "live" for a model's own modules), None on the generic path."""
+        return None if self.cached is None else self.cached.weights
 
     @property
     def fast_path(self) -> bool:
-        """Whether this model runs the lean decoder (else the generic one)."""
-        return self.lean is not None
+        """Whether this model decodes over fastppo's cache (else the generic path; ``path`` says why)."""
+        return self.cached is not None
 
     @property
     def attention(self) -> str:
         """The decode attention in use: ``"flash"``, ``"triton"`` (fastppo's kernel), ``"sdpa"`` (its
         PyTorch twin), or ``"model"`` (the generic path's own)."""
-        if self.lean is None:
+        if self.cached is None:
             return "model"
-        if self.lean.attention.flash_decode is not None:
+        if self.cached.attention.flash_decode is not None:
             return "flash"
-        return "triton" if self.lean.attention.backend == "triton" else "sdpa"
+        return "triton" if self.cached.attention.backend == "triton" else "sdpa"
 
     def _check_prompts(self, prompts, max_new_tokens, n: int) -> list:
         """Each row's budget, ``n`` rows per prompt, from an int, one per prompt or one per row."""
@@ -239,7 +247,7 @@ class Sampler:
         if windowed:
             raise ValueError(
                 f"multi-turn rollouts of a {self.model.config.model_type!r} model, which attends in "
-                f"windows and has no lean decoder ({', '.join(FAMILIES)}), are not supported"
+                f"windows and decodes on the generic path, are not supported ({self.path})"
             )
 
     def generate(
@@ -385,20 +393,20 @@ class Sampler:
             raise ValueError(f"tool_schedule must be one of {TOOL_SCHEDULES}, got {tool_schedule!r}")
         if isinstance(tool_window, bool) or not isinstance(tool_window, int) or tool_window < 0:
             raise ValueError(f"tool_window must be an int >= 0, got {tool_window!r}")
-        if episodes and self.lean is None:
+        if episodes and self.cached is None:
             self._check_generic_turns()
 
     def refresh(self) -> None:
-        """The lean path's packed copy caught up with the parameters (one pass over the weights),
-        before a rollout or a stream's next batch."""
-        if self.lean is not None:
-            self.lean.weights.refresh()
+        """A hand-written forward's packed copy caught up with the parameters (one pass over the
+        weights), before a rollout or a stream's next batch."""
+        if self.cached is not None:
+            self.cached.weights.refresh()
 
     def _decoder(self) -> tuple:
-        """``(decoder, decode)`` for a rollout: the lean decoder with its CUDA graphs' step where it has
-        them, else a generic decoder."""
-        if self.lean is not None:
-            return self.lean, self.graphs.decode if self.graphs is not None else self.lean.decode
+        """``(decoder, decode)`` for a rollout: the cached decoder with its CUDA graphs' step where it
+        has them, else a generic decoder."""
+        if self.cached is not None:
+            return self.cached, self.graphs.decode if self.graphs is not None else self.cached.decode
         decoder = GenericDecoder(self.model)
         return decoder, decoder.decode
 

@@ -219,8 +219,8 @@ class RolloutStream:
 
     @property
     def saveable(self) -> bool:
-        """Whether :meth:`state_dict` can hold the stream: a lean decoder's cache, no episodes."""
-        return self.sampler.lean is not None and self.loop.turns is None
+        """Whether :meth:`state_dict` can hold the stream: fastppo's cache, no episodes."""
+        return self.sampler.cached is not None and self.loop.turns is None
 
     def add(self, prompts, turns: Optional[Turns] = None, max_new_tokens=None, per_row: bool = False) -> int:
         """Queue a batch of ``prompts_per_batch`` prompts (token-id lists; ``turns`` for episodes, one
@@ -264,7 +264,7 @@ class RolloutStream:
         """The rows in flight (their tokens, log-probs, versions and slots), the schedule, the draw's
         generator and the cache's contents: a stream that loads it continues bitwise."""
         if not self.saveable:
-            raise ValueError("only a lean decoder's stream without episodes can be saved")
+            raise ValueError("only a stream over fastppo's cache (not the generic path) without episodes can be saved")
         loop = self.loop
         generator = self.draw.generator
         return {

@@ -123,7 +123,8 @@ def sampling_kernels():
 def decode_attention_kernels():
     """Qwen2.5-7B's heads (7 query heads to a KV head, 128 wide) in bf16 and fp32, every variant:
     paged in one split (the row finished in place), a window and sinks over splits and a combine,
-    a static cache (head-major, as the sampler keeps it), the cascade, queries naming their rows;
+    a static cache (head-major, as the sampler keeps it), the cascade, queries naming their rows,
+    a soft cap (Gemma 2's) over splits;
     and the other head sizes of the lean families with GQA ratios 1 and 4, paged in one split, in
     bf16."""
     B, page, blocks = 64, 16, 256
@@ -137,19 +138,20 @@ def decode_attention_kernels():
         static = [empty(B, KVH, 4096, D, dtype=DTYPES[dtype]).transpose(1, 2) for _ in range(2)]
         cascade = Cascade(torch.zeros(B // 8, 8, dtype=torch.int32), torch.zeros(B // 8, dtype=torch.int32),
                           torch.zeros(B, dtype=torch.int32), 2048)  # fmt: skip
-        variants = [(pool, table, None, None, None, None, 1)]
+        variants = [(pool, table, None, None, None, None, None, 1)]
         if every_variant:
             variants += [
-                (pool, table, None, 128, empty(KVH * G), None, 4),
-                (static, None, None, None, None, None, 2),
-                (pool, table, None, None, None, cascade, 1),
-                (pool, table, torch.zeros(B, dtype=torch.long), None, None, None, 1),  # queries naming their rows
+                (pool, table, None, 128, None, empty(KVH * G), None, 4),
+                (static, None, None, None, None, None, None, 2),
+                (pool, table, None, None, None, None, cascade, 1),
+                (pool, table, torch.zeros(B, dtype=torch.long), None, None, None, None, 1),  # queries naming rows
+                (pool, table, None, 4096, 50.0, None, None, 4),
             ]
-        for (k, v), tab, rows, window, sinks, casc, splits in variants:
+        for (k, v), tab, rows, window, softcap, sinks, casc, splits in variants:
             ptx = build(
                 decode_attention,
                 lambda: decode_attention.decode_attention(
-                    q, k, v, tab, rows, lengths, 4096, 0.1, window, sinks, casc, out, splits=splits
+                    q, k, v, tab, rows, lengths, 4096, 0.1, window, softcap, sinks, casc, out, splits=splits
                 ),
             )
             if D % 64 == 0:  # a head's keys of a position in whole 16-byte vectors

@@ -117,6 +117,23 @@ def test_sinks_join_the_softmax_with_no_value(backend, window):
     assert out[:, 3].abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("window, splits", [(None, 1), (6, 1), (None, 3)])
+def test_softcap_bounds_the_scores_before_the_softmax(backend, window, splits):
+    lengths = [1, 9, 40]
+    k, v, table = paged_cache(lengths, 2, 16, 16, torch.float32)
+    q = 8 * torch.randn(3, 4, 16)  # scores of tens: a cap of 5 changes the weights a lot
+    lengths = torch.tensor(lengths)
+    if backend == "triton" and splits > 1:  # the launcher's split-K, its partial states merged
+        out = kernel(q, k, v, lengths, table, window=window, softcap=5.0, splits=splits, block_n=16)
+    else:
+        out = decode_attention(
+            q, k, v, lengths, scale=0.3, block_table=table, window=window, softcap=5.0, backend=backend
+        )
+    check(out, q, k, v, lengths, 0.3, block_table=table, window=window, softcap=5.0)
+    uncapped = decode_attention_oracle(q, k, v, lengths, 0.3, block_table=table, window=window)
+    assert (out.double() - uncapped).abs().max() > 0.1
+
+
 def test_a_strided_query_and_a_cache_in_another_dtype(backend):
     lengths = torch.tensor([5, 18])
     k, v, table = paged_cache(lengths.tolist(), 2, 16, 16, torch.bfloat16)
@@ -131,9 +148,9 @@ def kernel(q, k, v, lengths, table, **options):
     from fastppo.kernels import decode_attention as kernels
 
     out = torch.empty_like(q)
-    window, cascade = options.pop("window", None), options.pop("cascade", None)
+    window, cascade, softcap = options.pop("window", None), options.pop("cascade", None), options.pop("softcap", None)
     kernels.decode_attention(
-        q, k, v, table, None, lengths, int(lengths.max()), 0.3, window, None, cascade, out, **options
+        q, k, v, table, None, lengths, int(lengths.max()), 0.3, window, softcap, None, cascade, out, **options
     )
     return out
 
@@ -202,6 +219,9 @@ def _arguments():
         (dict(window=0), "window must be an int >= 1"),
         (dict(sinks=torch.zeros(3)), r"sinks must have shape \(H,\)"),
         (dict(scale="0.1"), "scale must be a real number"),
+        (dict(softcap=0.0), "softcap must be a finite number > 0"),
+        (dict(softcap=float("inf")), "softcap must be a finite number > 0"),
+        (dict(softcap="30"), "softcap must be a finite number > 0"),
         (dict(cascade=(1, 2)), "cascade must be a fastppo.kernels.layout.Cascade"),
         (dict(block_table=None, cascade=Cascade(*[torch.zeros(1, dtype=torch.int32)] * 3, 0)), "needs a paged cache"),
         (dict(cascade=Cascade(torch.zeros(1, 2), torch.zeros(1), torch.zeros(2), 0)), "cascade.members must be int32"),

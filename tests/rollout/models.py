@@ -1,8 +1,15 @@
 """The sampler's tests' models and references: tiny random models of every family, Hugging Face's
-greedy decoding and a full forward's log-probs to compare the sampler with, and the prompts."""
+greedy decoding and a full forward's log-probs to compare the sampler with, and the prompts.
+
+``FAMILIES`` holds the hand-written forwards' families, GPT-NeoX (its own modules over fastppo's
+cache) and ``GENERIC``, a family whose attention is its own code (XGLM), which decodes on
+the generic path. ``interface_model`` builds any other family transformers ships from its own
+config class, at the same tiny size."""
 
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
@@ -15,6 +22,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    XGLMConfig,
+    XGLMForCausalLM,
 )
 
 import fastppo
@@ -67,7 +76,52 @@ FAMILIES = {
             eos_token_id=None,
         )
     ),
+    "xglm": lambda: XGLMForCausalLM(
+        XGLMConfig(
+            vocab_size=V,
+            d_model=32,
+            ffn_dim=64,
+            num_layers=2,
+            attention_heads=4,
+            max_position_embeddings=128,
+            init_std=0.02,
+            scale_embedding=False,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    ),
 }
+GENERIC = "xglm"
+
+
+# Any decoder family at the same tiny size, from its own config class: the fields a family does not
+# read are ignored; a window only where the family's config has one (else the config would carry a
+# window its masks never apply).
+INTERFACE_SIZE = dict(
+    LLAMA_LIKE,
+    head_dim=8,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
+INTERFACE_EXTRA = {
+    "gptj": dict(rotary_dim=4),
+    "codegen": dict(rotary_dim=4),
+    "deepseek_v2": dict(num_key_value_heads=4),  # MLA: every head its own keys
+}
+
+
+def interface_model(family, window=6, **extra):
+    fields = {**INTERFACE_SIZE, **INTERFACE_EXTRA.get(family, {}), **extra}
+    if hasattr(AutoConfig.for_model(family), "sliding_window"):
+        fields.setdefault("sliding_window", window)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields)).eval()
 
 
 def tiny(family):

@@ -11,7 +11,7 @@ import torch
 
 import fastppo
 from fastppo.rollout import batching, lean
-from tests.rollout.models import BUDGETS, FAMILIES, RAGGED_PROMPTS, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.models import BUDGETS, FAMILIES, GENERIC, RAGGED_PROMPTS, hf_greedy, recomputed_logprobs, tiny
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_greedy_with_packing_and_refilling_equals_generate(family, often, monkey
         assert spy.late_prefills > 0  # a second wave
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "gpt_neox", GENERIC])
 def test_sampled_rows_with_packing_and_refilling(family, often, monkeypatch):
     """Log-probs equal a recomputed forward, a seed reproduces, and stopping is exact."""
     model = tiny(family)
@@ -163,12 +163,14 @@ def test_prompts_of_length_one_and_of_the_longest_that_fits(often):
 
 
 def test_the_lean_families_are_one_registry():
-    """The sampler's fast path, its errors and these tests read ``lean.FAMILIES``; its page names them."""
-    assert {f for f in FAMILIES if fastppo.Sampler(tiny(f), max_batch_size=1, max_seq_len=8).fast_path} == set(
-        lean.FAMILIES
-    )
-    with pytest.raises(ValueError, match=", ".join(lean.FAMILIES)):
-        fastppo.Sampler(tiny("gpt_neox"), max_batch_size=1, max_seq_len=8, attention="sdpa")
+    """The sampler's paths, its errors and these tests read ``lean.FAMILIES``; its page names them.
+    (The tests pin ``decoder="auto"`` to a hand-written forward where one serves: conftest.py.)"""
+    paths = {f: fastppo.Sampler(tiny(f), max_batch_size=1, max_seq_len=8).path for f in FAMILIES}
+    assert {f for f, path in paths.items() if "hand-written" in path} == set(lean.FAMILIES)
+    assert paths["gpt_neox"] == "fast: gpt_neox's own modules, attending over fastppo's KV cache"
+    assert paths[GENERIC].startswith("generic: the model's own forward and cache, as xglm: 0 of its 2 layers attend")
+    with pytest.raises(ValueError, match="the sampler's path is generic"):
+        fastppo.Sampler(tiny(GENERIC), max_batch_size=1, max_seq_len=8, attention="sdpa")
     section = (Path(__file__).resolve().parents[2] / "docs" / "sampler.md").read_text()
     assert "Lean families: " + ", ".join(f"`{f}`" for f in lean.FAMILIES) + "." in " ".join(section.split())
 
@@ -188,7 +190,7 @@ def test_a_generic_cache_that_cannot_select_rows_keeps_its_batch(monkeypatch):
     from transformers import cache_utils
 
     monkeypatch.delattr(cache_utils.Cache, "batch_select_indices")
-    model = tiny("gpt_neox")
+    model = tiny(GENERIC)
     sampler = fastppo.Sampler(model, max_batch_size=3, max_seq_len=24)
     spy = Spy(monkeypatch, sampler)
     rollout = sampler.generate(RAGGED_PROMPTS, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())

@@ -11,7 +11,7 @@ import torch
 import fastppo
 from fastppo.rollout import flash
 from tests.rollout import flash_reference
-from tests.rollout.models import PROMPTS, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.models import GENERIC, PROMPTS, hf_greedy, recomputed_logprobs, tiny
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -57,7 +57,7 @@ def test_flash_path_logprobs_equal_a_recomputed_forward(flash_on_cpu, family):
 def test_auto_takes_sdpa_here_and_the_generic_path_its_own():
     # An fp32 model never takes flash-attn, on any device.
     assert fastppo.Sampler(tiny("llama"), max_batch_size=2, max_seq_len=16).attention == "sdpa"
-    assert fastppo.Sampler(tiny("gpt_neox"), max_batch_size=2, max_seq_len=16).attention == "model"
+    assert fastppo.Sampler(tiny(GENERIC), max_batch_size=2, max_seq_len=16).attention == "model"
 
 
 @pytest.mark.parametrize(
@@ -76,13 +76,16 @@ def test_why_flash_cannot_run(monkeypatch, args, reason):
     assert reason in flash._why_not_flash(*args)
     assert flash._why_not_flash(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128) is None
     assert flash._why_not_flash(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128, 512) is None
+    assert "no attention sinks" in flash._why_not_flash(
+        torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128, None, True
+    )
 
 
 def test_bad_attention_choices_are_named():
     with pytest.raises(ValueError, match="attention must be one of"):
         fastppo.Sampler(tiny("llama"), max_batch_size=2, max_seq_len=16, attention="xformers")
-    with pytest.raises(ValueError, match="lean decoders"):
-        fastppo.Sampler(tiny("gpt_neox"), max_batch_size=2, max_seq_len=16, attention="flash")
+    with pytest.raises(ValueError, match="cannot be used: the sampler's path is generic"):
+        fastppo.Sampler(tiny(GENERIC), max_batch_size=2, max_seq_len=16, attention="flash")
     with pytest.raises(ValueError, match="attention='flash' cannot be used"):
         fastppo.Sampler(tiny("llama"), max_batch_size=2, max_seq_len=16, attention="flash")  # fp32
 
@@ -167,7 +170,7 @@ def test_flash_path_with_packing_refilling_and_graph_sized_batches(flash_on_cpu,
     monkeypatch.setattr(batching, "CPU_SYNC_EVERY", 2)
     model = tiny(family)
     sampler = fastppo.Sampler(model, max_batch_size=5, max_seq_len=24, attention="flash")
-    sampler.graphs = SimpleNamespace(decode=sampler.lean.decode)  # graph-sized batches, replayed eagerly
+    sampler.graphs = SimpleNamespace(decode=sampler.cached.decode)  # graph-sized batches, replayed eagerly
     rollout = sampler.generate(RAGGED, max_new_tokens=BUDGETS, temperature=0, stop_token_ids=())
     for row, (prompt, budget) in enumerate(zip(RAGGED, BUDGETS)):
         assert rollout.response_ids[row, :budget].tolist() == hf_greedy(model, prompt, budget), f"row {row}"

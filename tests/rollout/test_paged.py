@@ -280,8 +280,8 @@ def test_a_block_longer_than_the_context_is_cut_to_it():
     prompts, common = [[1, 2, 3], [4]], dict(max_new_tokens=[9, 12], stop_token_ids=(), temperature=0)
     static = fastppo.Sampler(model, max_batch_size=4, max_seq_len=16, kv_cache="static")
     huge = fastppo.Sampler(model, max_batch_size=4, max_seq_len=16, kv_block_size=65536)
-    cache = huge.lean.cache
-    assert cache.block_size == 16 and cache.k[0].numel() <= static.lean.cache.k[0].numel() * 5 // 4  # + trash
+    cache = huge.cached.cache
+    assert cache.block_size == 16 and cache.k[0].numel() <= static.cached.cache.k[0].numel() * 5 // 4  # + trash
     _assert_same(static.generate(prompts, **common), huge.generate(prompts, **common))
 
 

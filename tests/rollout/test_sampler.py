@@ -6,21 +6,21 @@ import torch
 
 import fastppo
 from tests.oracles import chi2_critical
-from tests.rollout.models import FAMILIES, LLAMA_LIKE, PROMPTS, V, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.models import FAMILIES, GENERIC, LLAMA_LIKE, PROMPTS, V, hf_greedy, recomputed_logprobs, tiny
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_equals_hf_generate(family):
     model = tiny(family)
     sampler = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64)
-    assert sampler.fast_path == (family != "gpt_neox")
+    assert sampler.fast_path == (family != GENERIC)
     rollout = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0, stop_token_ids=())
     for row, prompt in enumerate(PROMPTS):
         assert rollout.response_ids[row].tolist() == hf_greedy(model, prompt, 10), f"row {row}"
     assert rollout.finish_reason == ["length"] * 3 and rollout.response_mask.all()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox", GENERIC])
 def test_logprobs_equal_a_recomputed_forward(family):
     model = tiny(family)
     rollout = fastppo.Sampler(model, max_batch_size=8, max_seq_len=64).generate(
@@ -60,7 +60,7 @@ def test_a_mistral_window_flagged_off_is_the_windows_hugging_face_decodes_with(w
 def test_one_padded_prefill_of_ragged_prompts_changes_nothing(family, monkeypatch):
     """All prompts in one right-padded prefill (lengths 3, 7, 1; Mistral's window 6 < 7): greedy still
     equals generate() and log-probs a recomputed forward, with several samples per prompt."""
-    from fastppo.rollout import lean as sampler_module
+    from fastppo.rollout import cached as sampler_module
 
     monkeypatch.setattr(sampler_module, "PREFILL_PADDING", 100.0)
     assert sampler_module.prefill_groups([len(p) for p in PROMPTS]) == [[2, 0, 1]]
@@ -81,7 +81,7 @@ def test_one_padded_prefill_of_ragged_prompts_changes_nothing(family, monkeypatc
 
 
 def test_prefill_groups_bound_padding_and_size(monkeypatch):
-    from fastppo.rollout import lean as sampler_module
+    from fastppo.rollout import cached as sampler_module
 
     lengths = [10, 11, 12, 40, 9, 41, 100, 10]
     groups = sampler_module.prefill_groups(lengths)

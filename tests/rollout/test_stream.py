@@ -1,16 +1,24 @@
 """The rollout stream: batches whose rows enter while earlier batches finish. A stream that runs no
 batch ahead is ``generate``; one that runs ahead draws the same greedy tokens with the right
 log-probs, records the weights' version of every token, keeps its rows in flight across weight
-changes, and continues bitwise from its saved state, on both caches."""
+changes, and continues bitwise from its saved state, on both caches, through a hand-written forward
+and through a model's own modules (Qwen3-MoE)."""
 
 import pytest
 import torch
 
 import fastppo
 from fastppo.rollout.stream import RingTurns
-from tests.rollout.models import RAGGED_PROMPTS, hf_greedy, recomputed_logprobs, tiny
+from tests.rollout.models import RAGGED_PROMPTS, hf_greedy, interface_model, recomputed_logprobs, tiny
 
 CACHES = ["static", "paged"]
+FAMILIES = ["llama", "qwen3_moe"]  # a hand-written forward; the model's own modules
+
+
+def model_of(family):
+    return tiny(family) if family == "llama" else interface_model(family, initializer_range=0.2)
+
+
 OPTIONS = dict(temperature=1.0, num_samples_per_prompt=2, seed=11, stop_token_ids=(5,))
 
 
@@ -61,10 +69,11 @@ def test_a_stream_running_nothing_ahead_is_generate(cache):
     assert (got.versions == 0).all()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_greedy_rows_ahead_equal_generate_and_log_probs_a_forward(cache, ahead):
-    model = tiny("llama")
+def test_greedy_rows_ahead_equal_generate_and_log_probs_a_forward(cache, ahead, family):
+    model = model_of(family)
     s = sampler(model, cache, slots=3)  # 2 samples a prompt, 3 slots: a batch always waits for slots
     options = {**OPTIONS, "temperature": 0.0, "stop_token_ids": ()}
     stream = s.stream(prompts_per_batch=2, ahead=ahead, max_new_tokens=9, **options)
@@ -95,17 +104,18 @@ def test_rows_in_flight_record_the_version_that_drew_each_token(cache):
     assert (third.versions[third.response_mask] >= 1).all()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_a_stream_loaded_from_its_state_continues_bitwise(cache, ahead):
+def test_a_stream_loaded_from_its_state_continues_bitwise(cache, ahead, family):
     """Stop after the first batch with rows of the next in flight, save, load into a fresh sampler
     on the same weights: the rest of the run is bitwise the uninterrupted one's."""
     options = {**OPTIONS, "stop_token_ids": (5, 9)}
-    straight_model = tiny("llama")
+    straight_model = model_of(family)
     straight = sampler(straight_model, cache).stream(prompts_per_batch=2, ahead=ahead, max_new_tokens=14, **options)
     expected = run(straight, straight_model, batches(), ahead)
 
-    model = tiny("llama")
+    model = model_of(family)
     stream = sampler(model, cache).stream(prompts_per_batch=2, ahead=ahead, max_new_tokens=14, **options)
     before = run(stream, model, batches(), ahead, stop_at=1)
     state = stream.state_dict()

@@ -12,7 +12,7 @@ import torch
 
 import fastppo
 from fastppo.rollout.turns import Turns
-from tests.rollout.models import FAMILIES, RAGGED_PROMPTS, V, tiny
+from tests.rollout.models import FAMILIES, GENERIC, RAGGED_PROMPTS, V, tiny
 from tests.trainer.runs import ops_on_triton
 
 STOP = tuple(range(2, V, 4))  # many stop ids: a tiny random model's turns end often
@@ -80,7 +80,7 @@ def test_greedy_episodes_equal_a_re_prefilling_reference(family, slots):
     check_greedy_episodes(family, slots)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", GENERIC])
 def test_greedy_episodes_on_the_triton_sampling_kernel(family, monkeypatch):
     """The same with each step's draw on its Triton kernel (the interpreter, without a GPU)."""
     pytest.importorskip("triton")
@@ -95,7 +95,8 @@ def test_greedy_episodes_are_the_reference_s_on_every_tool_schedule(schedule):
 
 
 def check_greedy_episodes(family, slots, sampler_options=(), **schedule):
-    model = tiny(family)
+    """``family``: a name of ``models.FAMILIES``, or a model."""
+    model = tiny(family) if isinstance(family, str) else family
     max_new, max_len = 20, 48
     sampler = fastppo.Sampler(model, max_batch_size=slots, max_seq_len=max_len, **dict(sampler_options))
     turns = Scripted()
@@ -121,7 +122,9 @@ def check_greedy_episodes(family, slots, sampler_options=(), **schedule):
 
 # (family, context, budget) where some continuation does not fit the context of these prompts
 @pytest.mark.parametrize("schedule", ["fixed", "eager"])
-@pytest.mark.parametrize("family, max_len, max_new", [("llama", 16, 9), ("gpt2", 20, 10), ("gpt_neox", 14, 6)])
+@pytest.mark.parametrize(
+    "family, max_len, max_new", [("llama", 16, 9), ("gpt2", 20, 10), ("gpt_neox", 14, 6), (GENERIC, 14, 6)]
+)
 def test_a_continuation_past_the_context_ends_the_episode_truncated(family, max_len, max_new, schedule):
     """Rows whose continuations all end their episodes while none decodes end at one look, on
     either schedule: a look that only ends rows is no stuck loop."""
@@ -140,7 +143,7 @@ def test_a_continuation_past_the_context_ends_the_episode_truncated(family, max_
     assert all(rollout.finish_reason[r] == "length" for r in turns.cut)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", GENERIC])
 def test_sampled_episodes_do_not_depend_on_how_long_tools_take(family):
     model = tiny(family)
     runs = []
@@ -214,13 +217,13 @@ def timed_rollout(seconds, **schedule):
     sampler and the rollout."""
     sampler = fastppo.Sampler(tiny("llama"), max_batch_size=4, max_seq_len=48)
     steps = [0]
-    decode = sampler.lean.decode
+    decode = sampler.cached.decode
 
     def counted(*args):
         steps[0] += 1
         return decode(*args)
 
-    sampler.lean.decode = counted
+    sampler.cached.decode = counted
     turns = Timed(seconds, steps)
     rollout = sampler.generate(
         RAGGED_PROMPTS[:4], max_new_tokens=20, temperature=0, stop_token_ids=STOP, turns=turns, **schedule

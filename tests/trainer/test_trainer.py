@@ -68,7 +68,7 @@ def test_rollouts_through_fewer_slots_than_rows_learn(tmp_path):
     """An iteration's 32 rows through a sampler of 6 slots: the rows wait for free ones, and the
     sampler's log-probs still equal the trainer's."""
     trainer = untrained(tmp_path, rollout_batch_size=6, iterations=30, save=False)
-    assert trainer.rollouts.sampler.max_batch_size == 6 and trainer.rollouts.sampler.lean.cache.slots == 6
+    assert trainer.rollouts.sampler.max_batch_size == 6 and trainer.rollouts.sampler.cached.cache.slots == 6
     history = trainer.train()
     assert mean_reward(history, lambda h: h[-5:]) > mean_reward(history, lambda h: h[:5]) + 0.2
     assert max(h["logprob_mismatch"] for h in history) < 1e-4

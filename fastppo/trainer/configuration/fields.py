@@ -114,6 +114,12 @@ def _rollout_weights() -> tuple:
     return WEIGHTS
 
 
+def _rollout_decoders() -> tuple:
+    from ...rollout.decoders import DECODERS
+
+    return DECODERS
+
+
 def _tool_schedules() -> tuple:
     from ...rollout.batching import TOOL_SCHEDULES
 
@@ -332,6 +338,15 @@ class RolloutConfig:
         "LoRA and --fsdp runs decode live",
         "packed",
         bound=one_of(_rollout_weights),
+    )
+    rollout_decoder: str = _doc(
+        "the sampler's decoder: lean (a hand-written forward, on the packed weights: llama, mistral, "
+        "qwen2, qwen3, gpt2), modules (the model's own modules, attending over fastppo's KV cache: any "
+        "family whose layers attend through transformers' attention interface), generic (the model's "
+        "own forward and cache), or auto: the first of those that serves the model; the start-up log "
+        "says which and why",
+        "auto",
+        bound=one_of(_rollout_decoders),
     )
     rollout_is_cap: Optional[float] = _doc(
         "weight each token's policy-gradient term by min(pi_old / pi_sampler, "

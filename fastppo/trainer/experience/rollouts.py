@@ -63,9 +63,14 @@ class Rollouts:
                 kv_memory=self.kv_memory,
                 # a sharded run's copy is whole only during the rollout; a packed one would stay
                 weights="live" if self.sharded else weights,
+                decoder=r.rollout_decoder,
             )
         except KVMemoryError as error:
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
+        except ValueError as error:  # a decoder asked for that cannot serve the model
+            if str(error).startswith("decoder="):
+                raise UsageError(f"--rollout-{error}") from None
+            raise
 
     @property
     def held_out_sampler(self) -> Sampler:

@@ -81,6 +81,9 @@ def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> Model
     heads = getattr(c, "num_attention_heads", None) or c.n_head
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    if getattr(c, "qk_rope_head_dim", None) is not None:  # MLA: a decompressed key per query head, each
+        # value stored padded to its key's size (rollout/interface.py)
+        kv_heads, head_dim = heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
     lora_params = lora_tensors = 0
     if lora_rank is not None:

@@ -1,9 +1,9 @@
 """What a run says of itself. Before it starts (``start_summary``): the model, the rewards, an
 iteration's shape (with tools, its episodes' and what the python tool isolates), the first prompt
-as the sampler sees it, the memory plan's total for one device, and a note when a model of one's
-own keeps the defaults chosen for the shipped toy task. When it ends (``end_summary``): the mean
-reward of its first and last iterations and its held-out scores before and after, read from the
-whole run's ``metrics.jsonl``."""
+as the sampler sees it, the sampler's path (fast or generic, and why), the memory plan's total for
+one device, and a note when a model of one's own keeps the defaults chosen for the shipped toy task.
+When it ends (``end_summary``): the mean reward of its first and last iterations and its held-out
+scores before and after, read from the whole run's ``metrics.jsonl``."""
 
 from pathlib import Path
 
@@ -33,6 +33,7 @@ def start_summary(config, models, rollouts, longest_prompt: int, world: int) -> 
         + f", up to {r.max_new_tokens} new tokens each, of {len(prompts)} prompts; the first, as the "
         f"sampler sees it: {prompts.texts[0]!r}",
         *episodes(c, rollouts.agent),
+        f"sampler: {rollouts.sampler.path}; decode attention: {rollouts.sampler.attention}",
         "update forwards: "
         + (
             "each prompt encoded once for its samples"

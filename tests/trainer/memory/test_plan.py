@@ -62,7 +62,7 @@ def test_weights_gradients_and_optimizer_state_are_exact(tmp_path, fields):
         assert plan["reference"] == nbytes(trainer.models.reference.parameters())
     if not trainer.models.rollout_weights.shared:
         assert plan["rollout copy"] == nbytes(trainer.models.rollout_weights.model.parameters())
-    assert plan["KV cache"] == nbytes(trainer.rollouts.sampler.lean.cache.k + trainer.rollouts.sampler.lean.cache.v)
+    assert plan["KV cache"] == nbytes(trainer.rollouts.sampler.cached.cache.k + trainer.rollouts.sampler.cached.cache.v)
 
 
 @pytest.mark.parametrize("fields", [{}, {"gradient_checkpointing": True}, {"estimator": "gae"}, {"lora_rank": 4}])

@@ -104,7 +104,7 @@ def test_the_rollout_copy_is_bf16_and_follows_each_optimizer_step(tmp_path):
     copy = trainer.models.rollout_weights.model
     assert trainer.rollouts.sampler.model is copy and copy is not trainer.policy
     assert all(p.dtype == torch.bfloat16 for p in copy.parameters())
-    assert trainer.rollouts.sampler.lean.cache.k[0].dtype == torch.bfloat16  # the KV cache follows the copy
+    assert trainer.rollouts.sampler.cached.cache.k[0].dtype == torch.bfloat16  # the KV cache follows the copy
     addresses = [p.data_ptr() for p in copy.parameters()]
     metrics = trainer.iteration(0)
     assert metrics["logprob_mismatch"] > 1e-4  # bf16 sampling, fp32 recomputation: logged

@@ -128,14 +128,15 @@ def test_a_run_says_what_it_is_before_it_starts(tmp_path, capsys):
         "each iteration: 8 prompts x 4 samples, up to 8 new tokens each, of 256 prompts; "
         "the first, as the sampler sees it: '"
     )
-    assert out[2] == "update forwards: each prompt encoded once for its samples"
-    assert out[3].startswith("memory plan for one cpu device: ") and out[3].endswith(
+    assert out[2] == "sampler: fast: a hand-written llama forward over fastppo's KV cache; decode attention: sdpa"
+    assert out[3] == "update forwards: each prompt encoded once for its samples"
+    assert out[4].startswith("memory plan for one cpu device: ") and out[4].endswith(
         "(the lines: fastppo train --plan)"
     )
     padded = untrained(tmp_path / "padded", iterations=1, save=False, shared_prefix=False, max_tokens_per_microbatch=64)
     padded.train()
     out = capsys.readouterr().out.splitlines()
-    assert out[2] == "update forwards: one padded row per sample (--no-shared-prefix), micro-batches of <= 64 tokens"
+    assert out[3] == "update forwards: one padded row per sample (--no-shared-prefix), micro-batches of <= 64 tokens"
 
 
 def test_a_model_of_one_s_own_with_the_toy_defaults_gets_a_note(tmp_path, capsys):
