@@ -98,14 +98,16 @@ def _case(label: str, model, prompts: list, decoders: tuple, new_tokens: int = N
     )
 
 
+def _random_prompts(vocab: int, lengths: tuple) -> list:
+    return [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
 def decoder_cases(device: torch.device, quick: bool) -> list:
-    """SmolLM2-135M through each decoder, and the random families through theirs; at ``--quick`` sizes
-    tiny random models (a smoke test of the suite builds no 135M model)."""
+    """SmolLM2-135M through each decoder, and the random families through theirs (on random prompts of
+    the chat prompts' lengths where SmolLM2's tokenizer is missing); at ``--quick`` sizes tiny random
+    models (a smoke test of the suite builds no 135M model)."""
     if quick:
-        prompts = [
-            torch.randint(3, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            for n in (12, 9)
-        ]
+        prompts = _random_prompts(TINY["vocab_size"], (12, 9))
         return [
             _case(f"{family}, tiny", random_model(family, device, TINY), prompts, decoders, new_tokens=8)
             for family, decoders in (("Llama", ("lean", "modules", "generic")), ("Qwen3-MoE", ("modules", "generic")))
@@ -113,12 +115,14 @@ def decoder_cases(device: torch.device, quick: bool) -> list:
     try:
         model, tokenizer = load_smollm2(device)
     except Unavailable as why:
-        return [unavailable("decoders", "SmolLM2-135M-Instruct", ["lean", "modules", "generic"], why)]
-    prompts = chat_prompts(tokenizer)
-    cases = [_case("SmolLM2-135M", model, prompts, ("lean", "modules", "generic"))]
-    if device.type == "cpu":  # and in bf16, the rollout dtype of a CPU with bf16 units (packed for them)
-        half = copy.deepcopy(model).to(torch.bfloat16)
-        cases.append(_case("SmolLM2-135M in bf16", half, prompts, ("lean", "modules", "generic")))
+        cases = [unavailable("decoders", "SmolLM2-135M-Instruct", ["lean", "modules", "generic"], why)]
+        prompts = _random_prompts(SMOLLM2["vocab_size"], (280, 282))
+    else:
+        prompts = chat_prompts(tokenizer)
+        cases = [_case("SmolLM2-135M", model, prompts, ("lean", "modules", "generic"))]
+        if device.type == "cpu":  # and in bf16, the rollout dtype of a CPU with bf16 units (packed for them)
+            half = copy.deepcopy(model).to(torch.bfloat16)
+            cases.append(_case("SmolLM2-135M in bf16", half, prompts, ("lean", "modules", "generic")))
     for family in ("Qwen3-MoE", "Gemma 3"):
         cases.append(
             _case(f"{family}, random, SmolLM2's size", random_model(family, device), prompts, ("modules", "generic"))
