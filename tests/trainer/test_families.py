@@ -78,3 +78,22 @@ def test_a_decoder_that_cannot_serve_the_model_is_one_line(tmp_path, capsys):
         "fastppo train: error: --rollout-decoder='lean' cannot be used: no hand-written forward serves this "
         "gemma2 model (they serve llama, mistral, qwen2, qwen3, gpt2)"
     ]
+
+
+@pytest.mark.slow
+def test_a_sharded_run_decodes_a_family_over_the_cache(tmp_path):
+    """Under --fsdp the rollout copy is whole only during a rollout; the sampler, which runs the model
+    once when it is built (the shape of its cache), gets it whole then too."""
+    import subprocess
+    import sys
+
+    from tests.trainer.parallel.test_distributed import free_port
+
+    saved_model(tmp_path / "model", "qwen3_moe")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]
+    train = ["-m", "fastppo", "train", "--model", str(tmp_path / "model"), "--task", "vowels", "--fsdp"]
+    train += ["--device", "cpu", "--iterations", "2", "--out", str(tmp_path / "run"), "--evaluate", "false"]
+    train += ["--prompts-per-iteration", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6"]
+    done = subprocess.run(launch + train, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sampler: fast: qwen3_moe's own modules, attending over fastppo's KV cache" in done.stdout

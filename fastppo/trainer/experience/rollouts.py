@@ -53,18 +53,19 @@ class Rollouts:
 
     def _sampler(self, weights: str) -> Sampler:
         r = self.config.rollout
-        try:
-            return Sampler(
-                self.weights.model,
-                max_batch_size=self.config.sampler_slots,
-                max_seq_len=self.longest_prompt + self.config.response_tokens,
-                cuda_graphs=not self.sharded,
-                kv_block_size=r.rollout_kv_block_size or None,
-                kv_memory=self.kv_memory,
-                # a sharded run's copy is whole only during the rollout; a packed one would stay
-                weights="live" if self.sharded else weights,
-                decoder=r.rollout_decoder,
-            )
+        try:  # the sampler reads the model when it is built (its cache's shape, the faster decoder)
+            with self.weights.whole() as model:
+                return Sampler(
+                    model,
+                    max_batch_size=self.config.sampler_slots,
+                    max_seq_len=self.longest_prompt + self.config.response_tokens,
+                    cuda_graphs=not self.sharded,
+                    kv_block_size=r.rollout_kv_block_size or None,
+                    kv_memory=self.kv_memory,
+                    # a sharded run's copy is whole only during the rollout; a packed one would stay
+                    weights="live" if self.sharded else weights,
+                    decoder=r.rollout_decoder,
+                )
         except KVMemoryError as error:
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
         except ValueError as error:  # a decoder asked for that cannot serve the model

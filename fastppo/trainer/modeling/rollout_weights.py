@@ -19,6 +19,7 @@ at each decode step would move them once per generated token. Freed storage come
 address, so the sampler's CUDA graphs are off then.
 """
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -66,6 +67,19 @@ class RolloutWeights:
             # dtype: half the bytes of gathering fp32
             shard = source.to(device=target.device, dtype=target.dtype) if isinstance(source, DTensor) else None
             target.copy_(source if shard is None else shard.full_tensor())
+
+    @contextmanager
+    def whole(self):
+        """The copy whole while the block runs: a gathered copy whose storage is free is filled (on
+        every rank alike: the gathers are collectives) and freed again after."""
+        freed = self.gathered and bool(self._targets) and self._targets[0].untyped_storage().nbytes() == 0
+        if freed:
+            self.refresh()
+        try:
+            yield self.model
+        finally:
+            if freed:
+                self.release()
 
     def release(self) -> None:
         """Free a gathered copy's storage until the next :meth:`refresh` (no-op otherwise)."""
