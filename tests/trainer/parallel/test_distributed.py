@@ -70,11 +70,16 @@ def prompt_by_prompt(generate):
 
 
 def rank_environment(rank, port):
-    """Rank ``rank`` of two, as torchrun would set it up."""
+    """Rank ``rank`` of two, as torchrun would set it up; its sampler's ``decoder="auto"`` pinned to a
+    hand-written forward, as conftest.py pins it in the tests' own process (a rank's rollouts are
+    compared with that process's)."""
+    from fastppo.rollout import decoders
+
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_default_device("cpu")
+    decoders._modules_faster = lambda *args: False
 
 
 def one_update(config: TrainConfig) -> dict:
