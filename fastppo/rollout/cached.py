@@ -58,6 +58,9 @@ class CachedDecoder(Decoder):
     """The contract over fastppo's cache: a kind of forward supplies ``shapes`` and ``logits_at``;
     prefill, decode, extend and packing are shared."""
 
+    #: The name ``Sampler(decoder=...)`` gives this kind of forward.
+    kind: str
+
     def __init__(self, model, attention: CacheAttention, windows: list, weights: DecoderWeights):
         self.model, self.attention, self.windows, self.weights = model, attention, windows, weights
         self.cache = attention.cache

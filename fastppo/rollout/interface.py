@@ -124,6 +124,8 @@ class _Attending:
 class InterfaceDecoder(CachedDecoder):
     """The model's own forward, each layer's attention over the sampler's cache."""
 
+    kind = "modules"
+
     def __init__(self, model, attention, windows: list, weights):
         super().__init__(model, attention, windows, weights)
         # a forward that can keep only the last column's logits (a decode step's); a prefill keeps

@@ -27,6 +27,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 class LeanDecoder(CachedDecoder):
     """A hand-written forward: a family supplies ``projections``, ``forward`` and ``logits``."""
 
+    kind = "lean"
+
     @classmethod
     @abstractmethod
     def projections(cls, model) -> dict:

@@ -150,6 +150,8 @@ class Sampler:
         )  # fmt: skip
         #: Which path this model decodes on and why, one line (``fastppo train`` logs it at start-up).
         self.path = path
+        #: The decoder in use, by the name ``decoder=`` takes: ``"lean"``, ``"modules"`` or ``"generic"``.
+        self.decoder = "generic" if self.cached is None else self.cached.kind
         if self.cached is None and attention != "auto":
             raise ValueError(f"attention={attention!r} cannot be used: the sampler's path is {path}")
         use_graphs = cuda_graphs and self.cached is not None and self.device.type == "cuda"

@@ -184,10 +184,11 @@ def test_a_decoder_can_be_named():
 
     llama = tiny("llama")
     own = fastppo.Sampler(llama, max_batch_size=2, max_seq_len=40, decoder="modules")
-    assert own.path == "fast: llama's own modules, attending over fastppo's KV cache"
+    assert own.path == "fast: llama's own modules, attending over fastppo's KV cache" and own.decoder == "modules"
+    assert fastppo.Sampler(llama, max_batch_size=2, max_seq_len=40).decoder == "lean"
     _greedy_equals_generate(llama, own)
     generic = fastppo.Sampler(interface_model("qwen3_moe"), max_batch_size=2, max_seq_len=40, decoder="generic")
-    assert not generic.fast_path and "as asked (decoder='generic')" in generic.path
+    assert not generic.fast_path and "as asked (decoder='generic')" in generic.path and generic.decoder == "generic"
     with pytest.raises(ValueError, match="decoder='lean' cannot be used: no hand-written forward serves this gemma2"):
         fastppo.Sampler(interface_model("gemma2"), max_batch_size=2, max_seq_len=40, decoder="lean")
     with pytest.raises(ValueError, match="decoder='modules' cannot be used: xglm: 0 of its 2 layers"):

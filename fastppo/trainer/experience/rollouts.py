@@ -17,6 +17,7 @@ With ``max_staleness`` the batches go through one stream that never drains (``st
 """
 
 from collections import deque
+from typing import Optional
 
 import torch
 
@@ -51,21 +52,32 @@ class Rollouts:
         self.waiting = deque()  # this rank's prompts of batches drawn before a resume, to sample again
         self.streaming = Streaming(self, config.rollout.max_staleness) if config.rollout.max_staleness else None
 
-    def _sampler(self, weights: str) -> Sampler:
+    def _sampler(self, weights: str, decoder: Optional[str] = None) -> Sampler:
+        """The sampler of the rollout weights, with ``decoder`` (default: the run's). With ``"auto"`` on
+        several ranks, rank 0's timing chooses the decoder every rank runs (one run, one decoder)."""
+        decoder = decoder or self.config.rollout.rollout_decoder
+        # the sampler reads the model when it is built (its cache's shape, the faster decoder)
+        with self.weights.whole() as model:
+            if decoder != "auto" or self.ranks is None or self.ranks.world == 1:
+                return self._built(model, weights, decoder)
+            first = self.ranks.on_main(lambda: self._built(model, weights, "auto"))
+            chosen = self.ranks.gather(None if first is None else first.decoder)[0]
+            return first if first is not None else self._built(model, weights, chosen)
+
+    def _built(self, model, weights: str, decoder: str) -> Sampler:
         r = self.config.rollout
-        try:  # the sampler reads the model when it is built (its cache's shape, the faster decoder)
-            with self.weights.whole() as model:
-                return Sampler(
-                    model,
-                    max_batch_size=self.config.sampler_slots,
-                    max_seq_len=self.longest_prompt + self.config.response_tokens,
-                    cuda_graphs=not self.sharded,
-                    kv_block_size=r.rollout_kv_block_size or None,
-                    kv_memory=self.kv_memory,
-                    # a sharded run's copy is whole only during the rollout; a packed one would stay
-                    weights="live" if self.sharded else weights,
-                    decoder=r.rollout_decoder,
-                )
+        try:
+            return Sampler(
+                model,
+                max_batch_size=self.config.sampler_slots,
+                max_seq_len=self.longest_prompt + self.config.response_tokens,
+                cuda_graphs=not self.sharded,
+                kv_block_size=r.rollout_kv_block_size or None,
+                kv_memory=self.kv_memory,
+                # a sharded run's copy is whole only during the rollout; a packed one would stay
+                weights="live" if self.sharded else weights,
+                decoder=decoder,
+            )
         except KVMemoryError as error:
             raise UsageError(_kv_memory_error(error, r.rollout_kv_memory)) from None
         except ValueError as error:  # a decoder asked for that cannot serve the model
@@ -80,7 +92,9 @@ class Rollouts:
         if self.streaming is None:
             return self.sampler
         if self._held_out is None:
-            self._held_out = self._sampler("live")
+            # built by the ranks that evaluate, when they first do: the decoder the rollouts' took,
+            # with no collective
+            self._held_out = self._sampler("live", self.sampler.decoder)
         return self._held_out
 
     def sample(

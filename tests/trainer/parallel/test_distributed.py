@@ -267,6 +267,23 @@ def test_two_ranks_streaming_resume_exactly_with_rows_in_flight(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+def _decoder_worker(rank, port, out_dir, fields):
+    from fastppo.rollout import decoders
+
+    rank_environment(rank, port)
+    decoders._modules_faster = lambda *args: rank == 1  # rank 1 alone times the model's own modules faster
+    trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
+    with open(f"{out_dir}/rank{rank}.txt", "w") as f:
+        f.write(f"{trainer.rollouts.sampler.decoder} {trainer.rollouts.held_out_sampler.decoder}")
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_runs_the_decoder_rank_0_timed_faster(tmp_path):
+    """With ``decoder="auto"``, ranks whose timings disagree still run one decoder: rank 0's."""
+    _spawn(_decoder_worker, str(tmp_path), {**FIELDS, "max_staleness": 1})  # a held-out sampler of its own
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["lean lean", "lean lean"]
+
+
 @pytest.mark.parametrize(
     "nodes, sharded",
     [pytest.param(1, False, marks=pytest.mark.slow), (2, False), pytest.param(2, True, marks=pytest.mark.slow)],
