@@ -24,6 +24,7 @@ from .fields import (
     ShardingConfig,
     ToolsConfig,
 )
+from .rules import check
 
 # Fields a resumed run may change: how long it runs, how it saves and evaluates, how many rows its
 # sampler decodes at once and in how much KV memory (memory bounds, which move where rows draw but not
@@ -223,9 +224,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Each field within its bound (declared beside it), then the rules that span fields (``rules.py``)."""
-        from .rules import check
-
-        check(self)
+        check(self, fields())
         return self
 
 

@@ -9,16 +9,16 @@ from ...errors import UsageError
 from ...limits import FLOAT32_MAX
 from ..prompts.tasks import TASKS
 from ..update import estimators
-from .config import fields
 from .fields import LARGEST_INT
 
 
-def check(config) -> None:
-    """Raise :class:`~fastppo.errors.UsageError` naming the first field that breaks a rule."""
+def check(config, fields: list) -> None:
+    """Raise :class:`~fastppo.errors.UsageError` naming the first field that breaks a rule; ``fields``:
+    every field of every section of ``config`` (``config.fields()``), each with its bound."""
     registered = estimators.ESTIMATORS  # read now: an estimator may be registered after import
 
     flat = config.flat()
-    for f in fields():
+    for f in fields:
         value = flat[f.name]
         numbers = value if isinstance(value, list) else [value]
         if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
