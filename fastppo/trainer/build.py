@@ -44,7 +44,7 @@ class Models:
     lora: Optional[LoRA]
     rollout_weights: RolloutWeights  # what the sampler decodes with
     sharded: bool
-    # how the forwards encode each prompt once for its samples (``shared_prefix.py``); None: padded rows
+    # how the forwards encode each prompt once for its samples (``update/layout.py``); None: padded rows
     shared_prefix: Optional[SharedPrefix] = None
     padded_because: Optional[str] = None
 

@@ -2,7 +2,7 @@
 state and every rank's random states, in format ``CHECKPOINT_FORMAT``) and how a run continues
 from the newest one that verifies.
 
-Each checkpoint is saved atomically with a manifest (``run_directory.py``). Resume verifies the
+Each checkpoint is saved atomically with a manifest (``directory.py``). Resume verifies the
 manifest before loading, so a checkpoint whose bytes changed, or whose manifest no longer lists
 every file it holds, is skipped like a truncated one, for the previous checkpoint; one of another
 format or another number of ranks is refused, never half-loaded. ``--resume RUN_DIR`` writes

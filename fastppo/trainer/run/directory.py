@@ -10,7 +10,7 @@ or whose manifest no longer lists every file it holds, fails :func:`verify_manif
 filesystem that refuses a save (full, read-only) is :class:`SaveFailed`, one line, the previous
 save intact.
 
-A run directory belongs to one run: the live run holds its lock (``run_lock.py``), and a new run
+A run directory belongs to one run: the live run holds its lock (``lock.py``), and a new run
 refuses a non-empty directory unless told to clear it (``--overwrite``). ``metrics.jsonl`` is
 append-only; a resume keeps its rows before the checkpoint and drops a line a kill cut short.
 What a checkpoint holds, and resuming from one, are ``checkpoint.py``'s.
@@ -229,7 +229,7 @@ def check_run_directory(out: Path, overwrite: bool) -> None:
 
 
 def claim_run_directory(run, resuming: bool) -> RunLock:
-    """Hold ``run.out`` for this run (``run_lock.py``), check that a new run may start there (see
+    """Hold ``run.out`` for this run (``lock.py``), check that a new run may start there (see
     :func:`check_run_directory`), and clear what interrupted saves left."""
     out = Path(run.out)
     lock = RunLock.acquire(out)
