@@ -13,7 +13,7 @@ frozen copy in the compute dtype, or for LoRA the base model itself (adapters of
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -32,6 +32,10 @@ from .modeling.weights import disable_dropout, enable_checkpointing, frozen_copy
 from .parallel import sharding
 from .prompts.tasks import TASKS
 from .update.layout import SharedPrefix
+
+if TYPE_CHECKING:  # for the annotations only
+    from .configuration.config import TrainConfig
+    from .parallel.distributed import Ranks
 
 
 @dataclass
@@ -56,7 +60,7 @@ class Models:
         return [m for m in (self.policy, self.critic) if m is not None]
 
 
-def build_models(config, ranks, policy=None, tokenizer=None) -> Models:
+def build_models(config: "TrainConfig", ranks: "Ranks", policy=None, tokenizer=None) -> Models:
     """The run's models on its device (``cuda:<local rank>`` under torchrun), from ``policy`` and
     ``tokenizer`` when given, else loaded from ``--model``."""
     device = config.device
@@ -111,7 +115,7 @@ def build_models(config, ranks, policy=None, tokenizer=None) -> Models:
     return models
 
 
-def shard(models: Models, options, ranks) -> None:
+def shard(models: Models, options, ranks: "Ranks") -> None:
     """The policy, critic and reference sharded over the ranks (``sharding.py``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -136,7 +140,7 @@ def shard(models: Models, options, ranks) -> None:
             )
 
 
-def configured_rewards(config, reward_fn=None, reward_model=None, environment=()) -> "Rewards":
+def configured_rewards(config: "TrainConfig", reward_fn=None, reward_model=None, environment=()) -> "Rewards":
     """A run's rewards: ``reward_fn`` (the Python API's), else each ``--reward`` and the
     ``--reward-model`` (made by ``reward_model(path)``), else the built-in task's; weighted by
     ``--reward-weights``; and the environments' ``[(name, function)]``, each with weight 1."""

@@ -4,6 +4,7 @@ rules that span fields (a group estimator for ``filter_groups``, one weight per 
 error naming the field."""
 
 import math
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ...limits import FLOAT32_MAX
@@ -11,8 +12,11 @@ from ..prompts.tasks import TASKS
 from ..update import estimators
 from .fields import LARGEST_INT
 
+if TYPE_CHECKING:  # for the annotations only
+    from .config import TrainConfig
 
-def check(config, fields: list) -> None:
+
+def check(config: "TrainConfig", fields: list) -> None:
     """Raise :class:`~fastppo.errors.UsageError` naming the first field that breaks a rule; ``fields``:
     every field of every section of ``config`` (``config.fields()``), each with its bound."""
     registered = estimators.ESTIMATORS  # read now: an estimator may be registered after import

@@ -17,7 +17,7 @@ With ``max_staleness`` the batches go through one stream that never drains (``st
 """
 
 from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -31,13 +31,26 @@ from . import responses
 from .sampled import Sampled, Scored
 from .streaming import Streaming, decode_metrics
 
+if TYPE_CHECKING:  # for the annotations only
+    from ..configuration.config import TrainConfig
+    from ..parallel.distributed import Ranks
+
 
 class Rollouts:
     """Samples on the live weights and scores: the sampler over the rollout copy of the weights,
     the rewards, and the training prompts in their epoch order."""
 
     def __init__(
-        self, config, models, rewards, prompts, fields: list, ranks, longest_prompt: int, agent=None, kv_memory=None
+        self,
+        config: "TrainConfig",
+        models,
+        rewards,
+        prompts,
+        fields: list,
+        ranks: "Ranks",
+        longest_prompt: int,
+        agent=None,
+        kv_memory=None,
     ):
         """``fields``: the prompt columns every reward call gets; ``longest_prompt``: the most tokens of
         any prompt the sampler will see, training or held-out; ``agent``: the run's tools, if any;

@@ -35,13 +35,16 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ...limits import GiB
 from ..modeling.precision import Precision, stored_dtype
 from ..update.layout import mask_refusal
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..configuration.config import TrainConfig
 
 
 @dataclass
@@ -118,7 +121,7 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def memory_plan(
-    config,
+    config: "TrainConfig",
     model_config,
     *,
     prompt_tokens: int,
@@ -248,7 +251,13 @@ def memory_plan(
 
 
 def kv_line(
-    config, m: ModelShape, prompt_tokens: int, size: int, memory, mean_response: Optional[int], device_type
+    config: "TrainConfig",
+    m: ModelShape,
+    prompt_tokens: int,
+    size: int,
+    memory,
+    mean_response: Optional[int],
+    device_type,
 ) -> Line:
     """The sampler's KV cache: its budget (``memory`` bytes, else ``--rollout-kv-memory``, else every
     slot at the cap), and the rows in flight it would allow, static and paged (beyond the slots the
@@ -294,7 +303,7 @@ def kv_line(
     )
 
 
-def in_flight_lines(config, m: ModelShape, prompt_tokens: int, size: int) -> list:
+def in_flight_lines(config: "TrainConfig", m: ModelShape, prompt_tokens: int, size: int) -> list:
     """What rollouts that never drain (``max_staleness`` K) hold beyond the KV cache: the outputs of
     the K + 1 batches in flight (each token's id, log-prob, version and mask; the rows in flight hold
     the cache's slots, counted above), and with a held-out evaluation its own sampler's cache (the
@@ -329,7 +338,9 @@ def given_kv_bytes(gib: float) -> int:
     return max(1, math.ceil(gib * GiB))
 
 
-def kv_memory(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> Optional[int]:
+def kv_memory(
+    config: "TrainConfig", model_config, *, prompt_tokens: int, device_type: str, available: int, **plan
+) -> Optional[int]:
     """The sampler's KV budget in bytes: ``--rollout-kv-memory``; else on CUDA what the plan's
     other lines leave of ``available``, less a tenth of it (what the plan does not count: the
     allocator's fragmentation, the CUDA context); else (or when nothing is left) None: every slot
@@ -343,7 +354,7 @@ def kv_memory(config, model_config, *, prompt_tokens: int, device_type: str, ava
     return left if left > 0 else None  # nothing left: the plan does not fit, whatever the cache
 
 
-def _shares(config, model_config, prompt_tokens: int) -> bool:
+def _shares(config: "TrainConfig", model_config, prompt_tokens: int) -> bool:
     """Whether the update encodes each prompt once for its samples (``layout.py``): the shared
     prefix on, samples to share it, and no window of the model refusing its masks."""
     row = prompt_tokens + config.response_tokens
@@ -351,7 +362,7 @@ def _shares(config, model_config, prompt_tokens: int) -> bool:
     return shared and config.rollout.samples_per_prompt > 1
 
 
-def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple:
+def forward_tokens(config: "TrainConfig", model_config, rows: int, prompt_tokens: int) -> tuple:
     """``(tokens, how)``: the most tokens one forward of the update lays out for a minibatch of
     ``rows``, every response at its most tokens (``layout.py``): each prompt once for its samples
     (one more prompt where a minibatch cuts through a group), or a padded row per sample (also
@@ -364,7 +375,7 @@ def forward_tokens(config, model_config, rows: int, prompt_tokens: int) -> tuple
     return tokens, how
 
 
-def _laid_out(config, model_config, rows: int, prompt_tokens: int) -> tuple:
+def _laid_out(config: "TrainConfig", model_config, rows: int, prompt_tokens: int) -> tuple:
     """:func:`forward_tokens` without the micro-batch budget."""
     r = config.rollout
     if _shares(config, model_config, prompt_tokens):
@@ -373,7 +384,7 @@ def _laid_out(config, model_config, rows: int, prompt_tokens: int) -> tuple:
     return rows * (prompt_tokens + config.response_tokens), f"{rows} padded rows"
 
 
-def prompt_copies(config, model_config, rows: int, prompt_tokens: int) -> int:
+def prompt_copies(config: "TrainConfig", model_config, rows: int, prompt_tokens: int) -> int:
     """Prompt positions whose keys and values the update's split attention keeps a second time in
     a layer, for one forward of a minibatch of ``rows``: each response's own copy of its prompt's
     (``update/unit_attention.py``), so as many as the forward lays out responses; none where each
@@ -385,7 +396,9 @@ def prompt_copies(config, model_config, rows: int, prompt_tokens: int) -> int:
     return rows * prompt_tokens * tokens // whole  # a budget's share of the responses (in proportion to its tokens)
 
 
-def fitting_microbatch(config, model_config, *, prompt_tokens: int, device_type: str, available: int, **plan) -> int:
+def fitting_microbatch(
+    config: "TrainConfig", model_config, *, prompt_tokens: int, device_type: str, available: int, **plan
+) -> int:
     """The most tokens per forward (``--max-tokens-per-microbatch``) under which the plan of
     ``config`` fits ``available`` bytes; None when it fits without a budget, or would not fit even
     with one row per forward. ``plan``: :func:`memory_plan`'s other arguments."""

@@ -113,7 +113,7 @@ def print_plan(args) -> int:
     return 0
 
 
-def _what_would_fit(config, total, available: int, budget) -> str:
+def _what_would_fit(config: "TrainConfig", total, available: int, budget) -> str:
     """The options (each alone, then all of them) that would bring the plan's ``total(**changes)``
     under ``available``, with their totals; ``budget``: the micro-batch tokens that would fit
     (:func:`~fastppo.trainer.memory.plan.fitting_microbatch`), or None."""

@@ -5,11 +5,15 @@ for the held-out prompts.
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from .chat import ChatRenderer
 from .columns import map_columns, parse_field_map
 from .files import read_rows
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..configuration.config import TrainConfig
 
 
 @dataclass
@@ -98,7 +102,7 @@ def fitting(
     return prompts.select(keep)
 
 
-def sources(config, rows=None) -> tuple:
+def sources(config: "TrainConfig", rows=None) -> tuple:
     """``(training, held-out or None)`` rows of a run, each ``(rows, origins, source)``, read before
     any model loads (so a bad file costs no wait): from ``rows`` (the Python API's dicts) or the
     ``--prompts`` file, else the built-in task's; from ``--eval-prompts``, else (for a built-in
@@ -121,7 +125,7 @@ def sources(config, rows=None) -> tuple:
     return training, held_out
 
 
-def configured(config, tokenizer, context, read: tuple, schemas=None) -> tuple:
+def configured(config: "TrainConfig", tokenizer, context, read: tuple, schemas=None) -> tuple:
     """``(training prompts, held-out prompts or None)`` as :class:`Prompts` fitting the model's
     ``context`` (with room for a whole response, tools' results included), from what
     :func:`sources` ``read``; the tools' ``schemas`` in the chat prompts."""

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -24,6 +24,9 @@ from ..parallel.distributed import rank, world_size
 from . import inputs
 from .directory import CHECKPOINT_NAME, numbered_checkpoints, save_atomically, verify_manifest
 from .lock import RunLock
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..parallel.distributed import Ranks
 
 STATE_FILE = "trainer_state.pt"
 WORLD_FILE = "world.json"  # the number of ranks that wrote a checkpoint
@@ -44,7 +47,7 @@ class CheckpointFormat(UsageError):
     """A checkpoint in another format than this fastppo writes: refused, not skipped."""
 
 
-def save_models(out: Path, models, ranks, dtype: torch.dtype, merge_lora: bool = False) -> None:
+def save_models(out: Path, models, ranks: "Ranks", dtype: torch.dtype, merge_lora: bool = False) -> None:
     """The policy (and tokenizer) in Hugging Face format under ``out/policy`` in ``dtype``, the critic
     beside it; each written atomically. With LoRA ``policy/`` is the adapter in PEFT format, and with
     ``merge_lora`` ``policy-merged/`` the model with the adapter merged in. Every rank calls it: a
@@ -93,7 +96,7 @@ def _sharded_state(models, optimizers) -> dict:
 
 
 def save_state(
-    directory: Path, next_iteration: int, models, optimizers, state, ranks, rng: list, in_flight: list = None
+    directory: Path, next_iteration: int, models, optimizers, state, ranks: "Ranks", rng: list, in_flight: list = None
 ) -> None:
     """The models (fp32 masters), the optimizers and ``state`` (:class:`~fastppo.trainer.run.state.TrainerState`)
     into ``directory``, so a resumed run is the same run; ``rng`` holds every rank's random states and
@@ -146,7 +149,7 @@ def check_world_size(directory: Path, world: int) -> None:
         raise WorldSizeMismatch(f"{directory} was written by {written} rank(s); resume with as many, not {world}")
 
 
-def load_state(directory: Path, models, optimizers, ranks) -> tuple:
+def load_state(directory: Path, models, optimizers, ranks: "Ranks") -> tuple:
     """Load what :func:`save_state` wrote into the models and optimizers, in place (the optimizer
     and the sampler keep their tensors); put back this rank's random states; return ``(trainer
     state, the iteration to continue at, this rank's rollout batches in flight or None)``."""

@@ -22,11 +22,14 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ...errors import UsageError
 from .inputs import sha256_of
 from .lock import LOCK_FILE, RunLock
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..parallel.distributed import Ranks
 
 MANIFEST_FILE = "MANIFEST.sha256"
 _LEFTOVER = re.compile(r"\.(.+)\.(tmp|old)-\d+")
@@ -130,7 +133,7 @@ def clear_leftovers(directory: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_atomically(target: Path, write: Callable[[Path], None], ranks=None) -> Path:
+def save_atomically(target: Path, write: Callable[[Path], None], ranks: Optional["Ranks"] = None) -> Path:
     """Call ``write(directory)`` on a temporary directory, add the manifest, make it ``target`` in
     one rename. With ``ranks`` (a sharded save) every rank calls this and writes its part into
     rank 0's temporary directory; rank 0 alone makes it ``target``."""

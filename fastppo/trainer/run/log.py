@@ -6,12 +6,16 @@ the end. Rank 0 alone writes; a resumed run first drops the rows past its checkp
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import directory as run_directory
 from . import inputs, plot
 
+if TYPE_CHECKING:  # for the annotations only
+    from ..configuration.config import TrainConfig
 
-def start_run_directory(out: Path, config, start: int) -> None:
+
+def start_run_directory(out: Path, config: "TrainConfig", start: int) -> None:
     """``out`` ready for iteration ``start``: created (cleared first for an ``overwrite`` run from
     0), the config and, for a new run, its pinned inputs written, and for a resumed run the log
     rows from past its checkpoint dropped (a run that went on after it)."""

@@ -15,7 +15,7 @@ from ..modeling.default import DEFAULT_MODEL
 from .directory import read_metrics
 
 
-def start_summary(config, models, rollouts, longest_prompt: int, world: int) -> list:
+def start_summary(config: "TrainConfig", models, rollouts, longest_prompt: int, world: int) -> list:
     """The start-up lines of a run of ``config`` training ``models`` (:class:`~fastppo.trainer.build.Models`)
     on the prompts and rewards of ``rollouts`` (:class:`~fastppo.trainer.experience.rollouts.Rollouts`) over
     ``world`` ranks."""
@@ -50,7 +50,7 @@ def start_summary(config, models, rollouts, longest_prompt: int, world: int) -> 
     ] + toy_defaults(c)
 
 
-def episodes(config, agent) -> list:
+def episodes(config: "TrainConfig", agent) -> list:
     """A line on the episodes of a run with tools, and one on what the built-in python tool isolates."""
     if agent is None:
         return []
@@ -62,7 +62,7 @@ def episodes(config, agent) -> list:
     ] + ([sandbox.isolation()] if "python" in (t.tools or ()) else [])
 
 
-def toy_defaults(config) -> list:
+def toy_defaults(config: "TrainConfig") -> list:
     """A note when a run of a model of one's own keeps defaults chosen for the shipped tiny model."""
 
     def tuned(c):

@@ -12,7 +12,7 @@ defines them.
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -20,6 +20,10 @@ from torch import Tensor
 from ...ops import IGNORE_INDEX, masked_whiten, token_logprobs_from_hidden
 from ..parallel import sharding
 from .layout import Layout, SharedPrefix, groups, microbatches, padded_layout, shared_layout, units
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..configuration.config import TrainConfig
+    from ..parallel.distributed import Ranks
 
 
 @dataclass
@@ -140,7 +144,7 @@ def response_logprobs(model, batch: Batch, layout: Layout, temperature: float) -
     return token_logprobs_from_hidden(hidden, weight, response_labels(batch), bias=bias, temperature=temperature)
 
 
-def forward_parts(batch: Batch, models, config, ranks=None) -> list:
+def forward_parts(batch: Batch, models, config: "TrainConfig", ranks: Optional["Ranks"] = None) -> list:
     """The micro-batches (index tensors into ``batch``) that its forwards run in; as many on every
     one of ``ranks`` when the models are sharded (each forward gathers with the others)."""
     budget, shared = config.algo.max_tokens_per_microbatch, models.shared_prefix
@@ -153,7 +157,9 @@ def forward_parts(batch: Batch, models, config, ranks=None) -> list:
 
 
 @torch.no_grad()
-def prepare(batch: Batch, scores: Tensor, models, config, kl_coef: float, ranks=None) -> Batch:
+def prepare(
+    batch: Batch, scores: Tensor, models, config: "TrainConfig", kl_coef: float, ranks: Optional["Ranks"] = None
+) -> Batch:
     """``batch`` with the old log-probs (unless the update computes them: ``old_logprobs_from_update``),
     the reference log-probs, the values, and the advantages and returns of ``config``'s estimator
     for the sequence ``scores`` (B,); whitened over ``ranks`` when the estimator says so."""

@@ -259,15 +259,15 @@ def model_mask(model, allowed: Tensor, positions: Tensor, plan: Optional[UnitPla
     return {FULL: form(allowed[:, None]), SLIDING: windowed}  # layer types: mask_refusal
 
 
-def mask_refusal(config, span: int) -> Optional[str]:
-    """Why a model of ``config`` cannot take the units' masks on rows of up to ``span`` positions
+def mask_refusal(model_config, span: int) -> Optional[str]:
+    """Why a model of ``model_config`` cannot take the units' masks on rows of up to ``span`` positions
     (``model_mask``), or None. A model whose windows cannot be read is taken as windowed."""
     try:
-        windows = layer_windows(config)
+        windows = layer_windows(model_config)
     except UnknownWindows as unknown:
         return f"{unknown}, and a mask of shared prompts cannot be windowed for it"
     binding = sorted({w for w in windows if w is not None and w < span})
-    if len(set(windows)) > 1 and binding and not getattr(config, "layer_types", None):
+    if len(set(windows)) > 1 and binding and not getattr(model_config, "layer_types", None):
         return (
             f"its layers' sliding windows ({binding[0]} tokens shorter than its rows of up to {span}) differ from "
             "layer to layer, and its forward takes one mask for every layer"

@@ -7,6 +7,8 @@ would in one big batch on one rank; the sequence modes are rescaled from the min
 normaliser to the step's.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -14,9 +16,13 @@ from ...ops import ppo_loss_from_hidden, rollout_is_weights, sequence_ppo_loss, 
 from ...ops.aggregation import denominator
 from .batch import Batch, head_params, response_hidden, response_labels, response_values
 
+if TYPE_CHECKING:  # for the annotations only
+    from ..configuration.config import TrainConfig
+    from ..parallel.distributed import Ranks
+
 
 def minibatch_loss(
-    mb: Batch, models, config, kl_coef: float, tokens: Tensor, on_policy: bool, whole: Tensor = None
+    mb: Batch, models, config: "TrainConfig", kl_coef: float, tokens: Tensor, on_policy: bool, whole: Tensor = None
 ) -> tuple:
     """``(loss, stats)`` of minibatch ``mb``. ``tokens``: the step's valid tokens (over every
     minibatch and rank); ``whole``: the step's :func:`~fastppo.ops.aggregation.denominator` of
@@ -82,7 +88,7 @@ def minibatch_loss(
     return loss, stats
 
 
-def sequence_loss(mb: Batch, layout, models, config, kl: dict) -> tuple:
+def sequence_loss(mb: Batch, layout, models, config: "TrainConfig", kl: dict) -> tuple:
     """GSPO's loss off-policy: each response's token log-probs from the fused op from hidden
     states, then :func:`~fastppo.ops.sequence_ppo_loss` over them, a mean over the responses."""
     a = config.algo
@@ -106,7 +112,7 @@ def sequence_loss(mb: Batch, layout, models, config, kl: dict) -> tuple:
     )
 
 
-def step_normalisers(group: list, config, ranks) -> tuple:
+def step_normalisers(group: list, config: "TrainConfig", ranks: "Ranks") -> tuple:
     """``(tokens, whole)`` of an optimizer step's minibatches ``group``, over every rank: its valid
     tokens, and the :func:`~fastppo.ops.aggregation.denominator` of the run's aggregation (the
     tokens for token-mean, else its rows' normaliser)."""
@@ -116,7 +122,7 @@ def step_normalisers(group: list, config, ranks) -> tuple:
     return tokens, ranks.sum(sum(denominator(mb.mask, config.agg, config.rollout.max_new_tokens) for mb in group))
 
 
-def step_stats(parts: list, agg: str, ranks) -> dict:
+def step_stats(parts: list, agg: str, ranks: "Ranks") -> dict:
     """One optimizer step's statistics from its minibatches' (``parts``, on every rank). A loss
     term normalised by the step's tokens (the value loss always; the policy's pg_loss, kl and
     entropy under token-mean) comes as each minibatch's share of the step's mean, so those are

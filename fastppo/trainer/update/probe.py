@@ -17,7 +17,7 @@ disagrees trains on padded rows, and the start-up summary says why, naming it.
 """
 
 import contextlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -25,6 +25,9 @@ from ..parallel import sharding
 from . import unit_attention
 from .batch import Batch, response_hidden, response_values
 from .layout import SharedPrefix, key_cost, mask_format_of, mask_refusal
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..parallel.distributed import Ranks
 
 # the probe's rows: (prompt, response lengths): units of 12, 5 and 3 tokens, so the second and the
 # third share a padded row (block-diagonal), and the first's samples sit at shifted positions
@@ -65,7 +68,7 @@ def _disagreement(forward, batch: Batch, shared: SharedPrefix) -> float:
 
 
 @torch.no_grad()
-def check_shared_prefix(models, enabled: bool, longest_row: int, ranks=None) -> tuple:
+def check_shared_prefix(models, enabled: bool, longest_row: int, ranks: Optional["Ranks"] = None) -> tuple:
     """``(shared, why_not)``: how the models take the shared layout (:class:`SharedPrefix`), or
     None and the reason they run padded rows. ``longest_row``: the most prompt + response tokens of a row."""
     if not enabled:
@@ -129,15 +132,15 @@ def _narrowed(window):
 
 
 @contextlib.contextmanager
-def narrowed_windows(config):
-    """``config``'s ``sliding_window`` narrowed to ``PROBE_WINDOW`` while the block runs, then
+def narrowed_windows(model_config):
+    """``model_config``'s ``sliding_window`` narrowed to ``PROBE_WINDOW`` while the block runs, then
     restored; a config without one is left as it is."""
-    if not hasattr(config, "sliding_window"):
+    if not hasattr(model_config, "sliding_window"):
         yield
         return
-    window = config.sliding_window
-    config.sliding_window = _narrowed(window)
+    window = model_config.sliding_window
+    model_config.sliding_window = _narrowed(window)
     try:
         yield
     finally:
-        config.sliding_window = window
+        model_config.sliding_window = window
