@@ -1,56 +1,17 @@
 """The rollout loop: continuous batching over a decoder's slots, so finished rows cost nothing.
 
-RL rollouts have a long tail: most responses stop early and a few run to the budget. A static
-batch decodes every row until the last one ends. Here the decode batch is slots ``0 .. b-1`` of
-the decoder (``decoder.py``), and once every ``SYNC_EVERY`` steps (the loop's one host sync; on
-the CPU every step) the rows that have ended leave it:
-
-- **refill**: prompts still waiting are prefilled into the free slots, a whole prompt's samples
-  at once, and draw their first token straight away; rows beyond the cache's slots so run
-  through it as earlier rows finish (the generic decoder, which cannot refill, runs waves);
-- **pack**: when the share of rows still going falls below ``compact_below``, the rows past the
-  end of the live set move into the holes (a copy of their cache slots), and ``b`` shrinks.
-
-Multi-turn rows (episodes, with a :class:`~fastppo.rollout.turns.Turns`): a row whose turn ends
-with a stop token asks the turns whether its episode goes on. If so it *pauses* in its slot with
-its cache while its tools run off this loop, and the other rows keep decoding. When it resumes is
-the *tool schedule*'s choice (``TOOL_SCHEDULES``):
-
-- ``"fixed"`` (the default): ``tool_window`` decode steps later (at once when no row is decoding:
-  the rows due first, then the next while none of those can decode). The resume step depends on
-  step counts alone, never on how long a tool took, so a seed reproduces an episode; a tool still
-  running then is waited for (it is bounded by its timeout), and every row waits with it.
-- ``"eager"``: at the first look after its tools are done (``Turns.ready``), and the loop waits for
-  a tool only when no row can decode, then for the first row whose tools finish. No decode step
-  waits on a slow tool, but when a row resumes depends on the tools' timing: a seed reproduces the
-  episodes in distribution, not token for token.
-
-Either way the loop then takes the row's continuation, prefills it onto the row's cache at the
-row's position (``Decoder.extend``), and the row decodes again; the seconds it spent waiting for
-tools are counted (``tool_wait``). The tokens of a continuation go to the
-row's output with mask 0 and log-prob 0; ``max_new`` bounds the tokens the model draws per
-episode, and a row's context (``max_len``) bounds all its tokens: a continuation that would not
-leave room for one more drawn token ends the episode as truncated.
-
-Memory (a paged cache, ``paged.py``): a prompt's samples enter only when the decoder *claims*
-their memory, and at every check each decoding row must *hold* the positions the steps to the
-next check will write. A row refused *stalls*: it keeps its slot and cache and draws nothing
-until memory comes back (the decoder refuses only what could leave the running rows stuck, so
-some row always goes on), and no prompt is admitted while a row stalls. Ended rows release
-theirs at once. A loop that draws no token for ``STUCK_LOOKS`` looks in a row would spin forever
-(nothing can change it: the schedule depends on step counts only), so it raises
-:class:`RolloutStuck` instead, as it does at once when an empty cache refuses a prompt.
-
-Between checks an ended row stays in the batch, writing only slots and output cells nobody
-reads. Every row keeps its own step count: its token, log-prob and mask go to its own output row
-and column, so a ``Rollout`` comes out in the order of the prompts whatever the schedule. The
-schedule depends on the rows' lengths only, so a seed reproduces a rollout; a row's random draws
-depend on where it sits in the batch, so changing the number of slots or ``compact_below``
-changes sampled (not greedy) tokens.
-
-A stream (``stream.py``) runs this loop over batches queued one after another, stopping at a look
-once a batch's rows have all ended, and records each token's weights' version (``versions_out``).
-"""
+The decode batch is slots ``0 .. b-1`` of the decoder (``decoder.py``). Once every ``SYNC_EVERY``
+steps (the loop's one host sync; on the CPU every step) it looks at the rows: ended ones leave,
+prompts still waiting are prefilled into free slots (*refill*; a generic decoder runs waves), and
+below ``compact_below`` live rows move into the holes (*pack*). A row whose turn ends with a stop
+token in an episode (``turns.py``) pauses in its slot and resumes by the tool schedule
+(``TOOL_SCHEDULES``), its continuation prefilled onto its cache (``Decoder.extend``). Over a paged
+cache prompts are admitted as the decoder *claims* their memory and rows *hold* what the next steps
+write; a refused row stalls, and a loop that draws nothing for ``STUCK_LOOKS`` looks raises
+:class:`RolloutStuck`. Every row writes its own output row, and the schedule depends on step counts
+only (but for ``"eager"`` tools, on when they finish): a seed reproduces a rollout. docs/sampler.md
+says it at length (continuous batching, multi-turn episodes, the paged cache); a stream
+(``stream.py``) runs this loop over batches queued one after another."""
 
 import contextlib
 import time
