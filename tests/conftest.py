@@ -55,7 +55,7 @@ def hand_written_forwards_stay(monkeypatch):
     does not depend on a timing. ``tests/rollout/test_interface.py`` tests the choice itself."""
     from fastppo.rollout import decoders
 
-    monkeypatch.setattr(decoders, "_modules_faster", lambda *args: False)
+    monkeypatch.setattr(decoders, "_faster", lambda *args: ("lean", None))
 
 
 def pytest_collection_modifyitems(config, items):

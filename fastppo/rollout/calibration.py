@@ -24,6 +24,7 @@ import logging
 import os
 import tempfile
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -37,10 +38,14 @@ TIMED_SPAN = 64  # the positions of the decoders' timing cache: a step's cost is
 logger = logging.getLogger(__name__)
 
 
+def _where(device) -> str:
+    """The machine a measurement holds for: the device, torch and the threads it runs on."""
+    return f"{device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
 def _key(device, dtype, rows: int, matrices: list) -> str:
     shapes = sorted({tuple(m.shape) for m in matrices})
-    where = f"{device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-    return f"{where} | {dtype} | {rows} rows | {shapes}"
+    return f"{_where(device)} | {dtype} | {rows} rows | {shapes}"
 
 
 def _cache_file():
@@ -139,18 +144,20 @@ def choose_layout(matrices, rows: int) -> str:
 
 
 @torch.no_grad()
-def choose_decoder(decoders: dict, rows: int, steps: int, key: str) -> str:
-    """The name of the faster of ``decoders`` (name -> ``(decoder, refresh)``: a cached decoder over a
-    static cache of ``rows`` rows and ``TIMED_SPAN`` positions, and what it runs once a rollout or
-    None) over a rollout of ``steps`` decode steps, from the cache file under ``key`` (the model's
-    shapes and dtype) or measured now: a step's best time, plus the refresh's over ``steps``."""
-    (first, _), *_ = decoders.values()
-    device = first.device
-    where = f"decoder | {device_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-    key = f"{where} | {rows} rows, {steps} steps | {key}"
+def choose_decoder(timed: Callable[[], Optional[dict]], default: str, device, rows: int, steps: int, key: str) -> str:
+    """The name of the faster decoder on ``device`` over a rollout of ``steps`` decode steps of ``rows``
+    rows, from the cache file under ``key`` (the model's shapes and dtype) or measured now. ``timed()``
+    builds what is measured, only then: name -> ``(decoder, refresh)``, a cached decoder over a static
+    cache of ``rows`` rows and ``TIMED_SPAN`` positions and what it runs once a rollout (or None); or
+    None when only ``default`` can serve, which is then chosen and not kept. The cost: a step's best
+    time, plus the refresh's over ``steps``."""
+    key = f"decoder | {_where(device)} | {rows} rows, {steps} steps | {key}"
     cached = _read().get(key, {}).get("decoder")
-    if cached in decoders:
+    if cached is not None:
         return cached
+    decoders = timed()
+    if decoders is None:
+        return default
     tokens = torch.zeros(rows, dtype=torch.long, device=device)
     positions = torch.full((rows,), TIMED_SPAN - 1, dtype=torch.long, device=device)
     start = time.perf_counter()

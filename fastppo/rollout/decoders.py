@@ -56,10 +56,14 @@ def cached_decoder(
     shapes = family and family.shapes(model)
     if shapes is not None:
         path = f"fast: a hand-written {family_name} forward over fastppo's KV cache"
-        projections = DecoderWeights(family.projections(model), weights, slots, layout)
-        if decoder == "auto" and _modules_faster(model, family, shapes, projections, slots, max_len, dtype, attention):
+        faster, projections = "lean", None
+        if decoder == "auto":
+            faster, projections = _faster(model, family, shapes, slots, max_len, dtype, attention, weights, layout)
+        if faster == "modules":
             family, projections = InterfaceDecoder, DecoderWeights({}, "live", slots)
             path = f"fast: {family_name}'s own modules, attending over fastppo's KV cache (timed faster here)"
+        elif projections is None:  # else the copy the timing packed
+            projections = DecoderWeights(family.projections(model), weights, slots, layout)
     elif decoder == "lean":
         raise ValueError(
             f"decoder='lean' cannot be used: no hand-written forward serves this {family_name} model "
@@ -104,29 +108,38 @@ def cached_decoder(
     return family(model, CacheAttention(cache, flash, backend), windows, projections), path
 
 
-def _modules_faster(model, lean, shapes, projections, slots: int, max_len: int, dtype, attention: str) -> bool:
-    """Whether ``model``'s own modules decode a rollout of ``max_len`` steps faster on this machine
-    than its hand-written forward ``lean`` on ``projections`` (whose packed copy is made again once a
-    rollout), a step of each timed over a short static cache of ``slots`` rows."""
-    try:
-        if InterfaceDecoder.shapes(model)[:4] != tuple(shapes)[:4]:
-            return False
-    except Unserved:
-        return False
+def _faster(model, lean, shapes, slots: int, max_len: int, dtype, attention: str, weights: str, layout) -> tuple:
+    """``(name, projections)``: ``"lean"`` or ``"modules"``, whichever decodes a rollout of ``max_len``
+    steps faster on this machine, ``model``'s hand-written forward ``lean`` (on ``weights``, its packed
+    copy made again once a rollout) or its own modules, a step of each timed over a short static
+    cache of ``slots`` rows; kept per machine and model, so a later sampler builds nothing to know.
+    ``projections``: the hand-written forward's weights, where the timing made them (else None)."""
     param = next(model.parameters())
-    layers, kv_heads, head_dim, windows, _ = shapes
-    cache = KVCache(layers, slots, kv_heads, TIMED_SPAN, head_dim, dtype or param.dtype, param.device)
-    attend = CacheAttention(cache, None, kernel_backend(attention, param.device))
-    decoders = {
-        "lean": (lean(model, attend, windows, projections), projections.refresh if projections.layout else None),
-        "modules": (InterfaceDecoder(model, attend, windows, DecoderWeights({}, "live", slots)), None),
-    }
     params = sum(p.numel() for p in model.parameters())
     key = f"{model.config.model_type} {tuple(shapes)[:3]} {params} params {param.dtype}"
-    key += f" | {projections.weights} weights, layout {projections.layout}"
+    key += f" | {weights} weights, layout {layout or 'calibrated'}"
+
+    made = []
+
+    def timed():
+        try:
+            if InterfaceDecoder.shapes(model)[:4] != tuple(shapes)[:4]:
+                return None
+        except Unserved:
+            return None
+        layers, kv_heads, head_dim, windows, _ = shapes
+        cache = KVCache(layers, slots, kv_heads, TIMED_SPAN, head_dim, dtype or param.dtype, param.device)
+        attend = CacheAttention(cache, None, kernel_backend(attention, param.device))
+        projections = DecoderWeights(lean.projections(model), weights, slots, layout)
+        made.append(projections)
+        return {
+            "lean": (lean(model, attend, windows, projections), projections.refresh if projections.layout else None),
+            "modules": (InterfaceDecoder(model, attend, windows, DecoderWeights({}, "live", slots)), None),
+        }
+
     was_training = model.training
     model.eval()
     try:
-        return choose_decoder(decoders, slots, max_len, key) == "modules"
+        return choose_decoder(timed, "lean", param.device, slots, max_len, key), (made or [None])[0]
     finally:
         model.train(was_training)

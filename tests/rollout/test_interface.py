@@ -24,7 +24,7 @@ FAMILIES = [
     "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
     "glm4", "granite", "cohere2", "starcoder2",
 ]  # fmt: skip
-MEASURED = decoders._modules_faster  # the choice itself, which the tests' conftest pins elsewhere
+MEASURED = decoders._faster  # the choice itself, which the tests' conftest pins elsewhere
 # and every other family of transformers' that was tried, MLA's decompressed keys (DeepSeek-V2) among them
 MORE = [
     "olmo3", "phimoe", "granitemoe", "granitemoeshared", "ernie4_5", "ernie4_5_moe", "exaone4", "helium",
@@ -208,7 +208,7 @@ def test_auto_keeps_the_hand_written_forward_only_where_it_times_faster(monkeypa
     from fastppo.rollout.lean import LlamaLikeDecoder
     from tests.rollout.models import tiny
 
-    monkeypatch.setattr(decoders, "_modules_faster", MEASURED)
+    monkeypatch.setattr(decoders, "_faster", MEASURED)
     monkeypatch.setattr(calibration, "_cache_file", lambda: tmp_path / "layouts.json")
     slowed = {"lean": LlamaLikeDecoder, "modules": InterfaceDecoder}[slower]
     decode, timed = slowed.decode, []

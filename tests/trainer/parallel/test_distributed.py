@@ -79,7 +79,7 @@ def rank_environment(rank, port):
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_default_device("cpu")
-    decoders._modules_faster = lambda *args: False
+    decoders._faster = lambda *args: ("lean", None)
 
 
 def one_update(config: TrainConfig) -> dict:
@@ -271,7 +271,7 @@ def _decoder_worker(rank, port, out_dir, fields):
     from fastppo.rollout import decoders
 
     rank_environment(rank, port)
-    decoders._modules_faster = lambda *args: rank == 1  # rank 1 alone times the model's own modules faster
+    decoders._faster = lambda *args: ("modules" if rank == 1 else "lean", None)  # rank 1 alone times modules faster
     trainer = PPOTrainer(TrainConfig.from_flat({**fields, "out": f"{out_dir}/run", "device": "cpu"}).validate())
     with open(f"{out_dir}/rank{rank}.txt", "w") as f:
         f.write(f"{trainer.rollouts.sampler.decoder} {trainer.rollouts.held_out_sampler.decoder}")
