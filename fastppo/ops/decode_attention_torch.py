@@ -71,18 +71,27 @@ class _StepMasks:
 _step_masks = _StepMasks()
 
 
-def _exact(grouped, keys, values, live, scale, softcap, sinks):
-    """The softmax written out in fp32, masked keys and values selected away (so whatever they hold
-    changes nothing), the scores soft-capped, each head's sink one more logit with no value."""
-    B, KVH, G, _ = grouped.shape
-    scores = (grouped.float() @ keys.float().transpose(2, 3)) * scale  # (B, KVH, G, span)
+def softmax_written_out(q, k, v, allowed, scale: float, softcap, sinks):
+    """Attention with its softmax written out in fp32, for what SDPA cannot do: keys and values no query
+    sees selected away (so whatever they hold changes nothing), each score soft-capped
+    (``softcap * tanh(s / softcap)``), each head's sink (``sinks`` ``(H,)``) one more logit with no
+    value. q: (B, H, L, D); k, v: (B, KVH, S, D); ``allowed``: bool, broadcast to (B, 1, L, S), the keys
+    each query sees -> (B, H, L, D) fp32. The query heads of a KV head attend as one block of rows."""
+    B, H, L, D = q.shape
+    KVH, S = k.shape[1], k.shape[2]
+    G = H // KVH
+    allowed = allowed.expand(B, 1, L, S)
+    seen = allowed.any(dim=2)[..., None]  # (B, 1, S, 1)
+    k, v = (torch.where(seen, x.float(), 0.0) for x in (k, v))  # (B, KVH, S, D)
+    rows = q.float().reshape(B, KVH, G * L, D)  # head kv * G + g, query l -> row g * L + l
+    scores = (rows @ k.transpose(2, 3)) * scale  # (B, KVH, G * L, S)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = torch.where(live[:, None, None, :], scores, float("-inf"))
+    scores = scores.masked_fill(~allowed[:, :, None].expand(B, 1, G, L, S).reshape(B, 1, G * L, S), float("-inf"))
     if sinks is not None:
-        scores = torch.cat((scores, sinks.float().view(1, KVH, G, 1).expand(B, -1, -1, 1)), dim=3)
-    weights = torch.softmax(scores, dim=3)[..., : keys.shape[2]]
-    return weights @ torch.where(live[:, None, :, None], values.float(), 0.0)
+        sink = sinks.float().view(1, KVH, G, 1, 1).expand(B, KVH, G, L, 1).reshape(B, KVH, G * L, 1)
+        scores = torch.cat((scores, sink), dim=3)
+    return (torch.softmax(scores, dim=3)[..., :S] @ v).view(B, H, L, D)
 
 
 def decode_attention(
@@ -103,5 +112,6 @@ def decode_attention(
         mask = _step_masks.get(lengths, max_length, window, q.dtype)
         o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     if o is None or math.isnan(o.sum()):  # a NaN anywhere (3 us, where isnan().any() takes 15)
-        o = _exact(grouped, keys, values, live_keys(lengths, max_length, window), scale, softcap, sinks)
+        live = live_keys(lengths, max_length, window)[:, None, None, :]  # (B, 1, 1, span)
+        o = softmax_written_out(q.view(B, H, 1, D), keys, values, live, scale, softcap, sinks)
     out.copy_(o.reshape(B, H, D))  # (B, KVH, G, D) -> (B, H, D)

@@ -17,7 +17,7 @@ a query of its row up to its own position (no gather), elsewhere with SDPA.
 
 What SDPA has no argument for, a layer's logit soft-capping (Gemma 2) and attention sinks (GPT-OSS),
 the decode kernel and its twin take as arguments; prefill and the CPU's extend then write the
-softmax out (``written_out``).
+softmax out (the twin's ``softmax_written_out``).
 """
 
 from typing import Callable, Optional
@@ -26,28 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops.decode_attention_torch import live_keys
+from ..ops.decode_attention_torch import live_keys, softmax_written_out
 from ..ops.dispatch import implementation
-
-
-def written_out(q, k, v, allowed, scale: float, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
-    """Attention with its softmax written out in fp32, for what SDPA cannot take: each score
-    soft-capped (``softcap * tanh(s / softcap)``), each head's sink (``sinks`` ``(H,)``) one more logit
-    with no value. q: (B, H, L, D); k, v: (B, KVH, S, D); ``allowed``: bool, broadcast to
-    (B, 1, L, S), the keys each query sees -> (B, H, L, D) in q's dtype. A key or value no query sees
-    changes nothing, whatever it holds."""
-    B, H, L, _ = q.shape
-    G, S = H // k.shape[1], k.shape[2]
-    allowed = allowed.expand(B, 1, L, S)
-    seen = allowed.any(dim=2)[..., None]  # (B, 1, S, 1)
-    k, v = (torch.where(seen, x.float(), 0.0).repeat_interleave(G, dim=1) for x in (k, v))  # (B, H, S, D)
-    scores = (q.float() @ k.transpose(2, 3)) * scale  # (B, H, L, S)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat((scores, sinks.float().view(1, H, 1, 1).expand(B, H, L, 1)), dim=3)
-    return (torch.softmax(scores, dim=3)[..., :S] @ v).to(q.dtype)
 
 
 class CacheAttention:
@@ -81,7 +61,7 @@ class CacheAttention:
             if window is not None:
                 mask &= pos[None, :] > pos[:, None] - window
         if softcap is not None or sinks is not None:
-            return written_out(q, k, v, mask, scale, softcap, sinks)
+            return softmax_written_out(q, k, v, mask, scale, softcap, sinks).to(q.dtype)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -124,7 +104,7 @@ class CacheAttention:
         mask = live_keys(positions.flatten() + 1, span, window).view(n, C, span)
         cached_k, cached_v = (c.transpose(1, 2).to(q.dtype) for c in self.cache.read(layer, slots, span))
         if softcap is not None or sinks is not None:
-            return written_out(q, cached_k, cached_v, mask[:, None], scale, softcap, sinks)
+            return softmax_written_out(q, cached_k, cached_v, mask[:, None], scale, softcap, sinks).to(q.dtype)
         return F.scaled_dot_product_attention(
             q, cached_k, cached_v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -167,18 +147,9 @@ class CacheAttention:
         # The op's launcher, not the op: these arguments are right by construction, and the op's
         # checks would cost ~2% of a CPU decode step, called for every layer.
         implementation(self.backend, "decode_attention").decode_attention(
-            q[:, :, 0],
-            *self.cache.kernel_args(layer),
-            None,
-            lengths,
-            span,
-            scale,
-            window,
-            softcap,
-            sinks,
-            cascade,
+            q[:, :, 0], *self.cache.kernel_args(layer), None, lengths, span, scale, window, softcap, sinks, cascade,
             out[:, :, 0],
-        )
+        )  # fmt: skip
         return out
 
     def _flash(self, layer, q, k, v, positions, span, scale, window, softcap) -> Tensor:
