@@ -128,6 +128,7 @@ class InterfaceDecoder(CachedDecoder):
 
     def __init__(self, model, attention, windows: list, weights):
         super().__init__(model, attention, windows, weights)
+        _register()  # here too: a decoder chosen from a kept timing is built with no probe before it
         # a forward that can keep only the last column's logits (a decode step's); a prefill keeps
         # every column, of which the LM head's pre-hook passes on each row's own
         self.keeps = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -232,6 +232,12 @@ def test_auto_keeps_the_hand_written_forward_only_where_it_times_faster(monkeypa
         }[faster]
     )
     timed.clear()
+    # as in a new process: nothing registered with transformers yet
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from fastppo.rollout.interface import IMPLEMENTATION
+
+    monkeypatch.delitem(ALL_ATTENTION_FUNCTIONS._global_mapping, IMPLEMENTATION)
     again = fastppo.Sampler(llama, max_batch_size=2, max_seq_len=40)
     assert again.path == sampler.path and not timed  # read from the cache file, not timed again
     monkeypatch.setattr(slowed, "decode", decode)
