@@ -1,13 +1,16 @@
-"""Sharded against replicated data parallelism: one PPO iteration on two ranks, with and without ``--fsdp``.
+"""Sharded against replicated data parallelism: one PPO iteration on two ranks, replicated, with
+``--fsdp`` and with ``--fsdp --rollout-tp 2``.
 
 A random Llama of the given shape (the shipped tokenizer's vocabulary, so no download) is trained
 with GAE, a critic and a KL reference, the heaviest set of models, and a bf16 rollout copy (as on
 CUDA), on two gloo ranks of this machine; each mode runs one warm-up iteration and then the timed
 ones. Per rank: seconds per iteration (median), the storage held for the weights of every model and
 the AdamW states (measured from the live tensors, DTensor shards by their local part), the rollout
-copy's storage between rollouts, and the peak of tensor memory during one more iteration: every
-tensor alive before it plus the peak of those it creates (``LiveBytes``), gathered weights and
-activations included. Not the process's resident memory: on a CPU that says more about glibc, which
+copy's storage between rollouts, the refresh that fills it before a rollout (median seconds: the
+replicated copy's cast, ``--fsdp``'s all-gather of every tensor whole, ``--rollout-tp``'s
+redistribute of each FSDP shard into the rank's part), and the peak of tensor memory during one more
+iteration: every tensor alive before it plus the peak of those it creates (``LiveBytes``), gathered
+weights and activations included. Not the process's resident memory: on a CPU that says more about glibc, which
 keeps what FSDP's gathers free, than about the run. The collectives go through gloo here; on GPUs
 NCCL runs the same code.
 """
@@ -53,7 +56,7 @@ def random_llama(directory: Path, *, hidden: int, layers: int) -> Path:
         intermediate_size=hidden * 11 // 4,
         num_hidden_layers=layers,
         num_attention_heads=max(hidden // 64, 1),
-        num_key_value_heads=max(hidden // 256, 1),
+        num_key_value_heads=max(hidden // 256, min(hidden // 64, 2)),  # two at least, to split over two ranks
         max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -70,7 +73,12 @@ def live_tensor_bytes() -> int:
     return storage_bytes(obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
-def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: str) -> None:
+#: The modes compared, each a set of config fields.
+MODES = {"replicated": {}, "--fsdp": {"fsdp": True}, "--fsdp --rollout-tp 2": {"fsdp": True, "rollout_tp": 2}}
+REFRESHES = 5  # timed refreshes of the rollout copy, after one untimed
+
+
+def _rank(rank: int, port: int, model: str, fields: dict, iterations: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -83,7 +91,7 @@ def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: st
             "out": f"{out}/run",
             "save": False,
             "device": "cpu",
-            "fsdp": fsdp,
+            **fields,
             "estimator": "gae",
             "kl_coef": 0.02,
             "prompts_per_iteration": 4,
@@ -99,12 +107,19 @@ def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: st
         start = time.perf_counter()
         trainer.iteration(i)
         seconds.append(time.perf_counter() - start)
+    weights, refreshes = trainer.models.rollout_weights, []
+    for _ in range(REFRESHES + 1):
+        start = time.perf_counter()
+        weights.refresh()
+        refreshes.append(time.perf_counter() - start)
+        weights.release()
     before = live_tensor_bytes()
     with LiveBytes() as during:  # one more iteration, untimed: the mode sees every op
         trainer.iteration(iterations + 1)
     result = {
         **resident_bytes(trainer),
         "seconds": statistics.median(seconds[1:]),
+        "refresh": statistics.median(refreshes[1:]),
         "peak": before + during.peak,
         "params": sum(p.numel() for p in trainer.models.rollout_weights.model.parameters()),
     }
@@ -113,19 +128,19 @@ def _rank(rank: int, port: int, model: str, fsdp: bool, iterations: int, out: st
 
 
 def compare(*, hidden: int = 512, layers: int = 8, iterations: int = 3) -> dict:
-    """Both modes on two ranks; per mode, each rank's measurements."""
+    """Every mode on two ranks; per mode, each rank's measurements."""
     import torch.multiprocessing as mp
 
     work = Path(tempfile.mkdtemp(prefix="fastppo-bench-sharding-"))
     model = str(random_llama(work / "model", hidden=hidden, layers=layers))
     modes = {}
-    for name, fsdp in (("replicated", False), ("--fsdp", True)):
-        out = work / name.strip("-")
+    for name, fields in MODES.items():
+        out = work / name.strip("-").replace(" --", "-").replace(" ", "-")
         out.mkdir()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_rank, args=(port, model, fsdp, iterations, str(out)), nprocs=2, join=True)
+        mp.spawn(_rank, args=(port, model, fields, iterations, str(out)), nprocs=2, join=True)
         modes[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return {"hidden": hidden, "layers": layers, "iterations": iterations, "modes": modes}
 
@@ -140,14 +155,14 @@ def markdown(result: dict, machine: str) -> str:
         f"random Llama with hidden {result['hidden']}, {result['layers']} layers ({params:,} parameters), on 2 "
         f"gloo ranks; median of {result['iterations']} after a warm-up.",
         "",
-        "| mode | rank | s / iteration | weights + AdamW state held | rollout copy between rollouts | "
-        "peak tensor memory |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| mode | rank | s / iteration | refresh of the rollout copy, ms | weights + AdamW state held | "
+        "rollout copy between rollouts | peak tensor memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, ranks in result["modes"].items():
         for rank, r in enumerate(ranks):
             lines.append(
-                f"| {mode} | {rank} | {r['seconds']:.3f} | {r['trained'] / MiB:.1f} MiB | "
+                f"| {mode} | {rank} | {r['seconds']:.3f} | {1000 * r['refresh']:.1f} | {r['trained'] / MiB:.1f} MiB | "
                 f"{r['rollout'] / MiB:.1f} MiB | {r['peak'] / MiB:.0f} MiB |"
             )
     return "\n".join(lines) + "\n"

@@ -111,7 +111,8 @@ class _Attending:
                 (x,) = args
                 return (x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1),)
 
-            self.hook = self.model.get_output_embeddings().register_forward_pre_hook(pick)
+            # first of the head's pre-hooks: a sharded head's own hook then sees the picked columns
+            self.hook = self.model.get_output_embeddings().register_forward_pre_hook(pick, prepend=True)
 
     def __exit__(self, *exc):
         if self.hook is not None:

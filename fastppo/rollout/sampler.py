@@ -156,6 +156,7 @@ class Sampler:
             raise ValueError(f"attention={attention!r} cannot be used: the sampler's path is {path}")
         use_graphs = cuda_graphs and self.cached is not None and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self.cached) if use_graphs else None
+        self._asleep = None  # (tensor, bytes) of the KV cache while :meth:`sleep` holds its memory freed
         #: Slots the last ``generate`` decoded, summed over its steps (free and ended ones included):
         #: against its tokens, what the long tail cost.
         self.rows_decoded = 0
@@ -297,6 +298,7 @@ class Sampler:
         max_new = self._check_prompts(prompts, max_new_tokens, n)
         draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
         self._check_turns(turns is not None, tool_schedule, tool_window)
+        self._wake()
         if self.kv_cache is not None and self.kv_cache.paged:
             self._check_kv_memory(prompts, n, max_new, turns is not None)
             self.kv_cache.reset_peak()
@@ -358,6 +360,7 @@ class Sampler:
         budget = _positive_int(max_new_tokens, "max_new_tokens")
         draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
         self._check_turns(episodes, tool_schedule, tool_window)
+        self._wake()
         decoder, decode = self._decoder()
         loop = StreamLoop(
             decoder,
@@ -397,6 +400,29 @@ class Sampler:
             raise ValueError(f"tool_window must be an int >= 0, got {tool_window!r}")
         if episodes and self.cached is None:
             self._check_generic_turns()
+
+    def sleep(self) -> None:
+        """Free the KV cache's memory until the next ``generate`` or ``stream`` (a trainer's update
+        then has it, as verl's engines sleep): the cache keeps its tensors, their storage goes, and
+        the CUDA graphs that read its addresses are dropped, captured again when next needed. Not
+        while a stream has rows in flight: their keys and values are in it."""
+        if self.cached is None or self._asleep is not None:
+            return
+        cache = self.cached.cache
+        self._asleep = [(t, t.untyped_storage().nbytes()) for t in cache.k + cache.v]
+        for tensor, _ in self._asleep:
+            tensor.untyped_storage().resize_(0)
+
+    def _wake(self) -> None:
+        """The KV cache's memory back, zeroed (as it was made), after :meth:`sleep`."""
+        if self._asleep is None:
+            return
+        for tensor, nbytes in self._asleep:
+            tensor.untyped_storage().resize_(nbytes)
+            tensor.zero_()
+        self._asleep = None
+        if self.graphs is not None:
+            self.graphs = DecodeGraphs(self.cached)
 
     def refresh(self) -> None:
         """A hand-written forward's packed copy caught up with the parameters (one pass over the

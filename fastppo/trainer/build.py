@@ -8,8 +8,14 @@ frozen reference, the sampler's copy of the weights, and, with ``--fsdp``, all o
 over the ranks.
 
 The order matters and is said here once: the critic starts from the full policy before any LoRA
-wrapping (it trains in full); the rollout copy is taken whole before sharding; the reference is a
-frozen copy in the compute dtype, or for LoRA the base model itself (adapters off).
+wrapping (it trains in full); the rollout copy is made before sharding (whole, or split over a
+group of ranks with ``--rollout-tp``, and without storage until its first refresh where the policy
+has none yet); the reference is a frozen copy in the compute dtype, or for LoRA the base model
+itself (adapters off).
+
+Under ``--fsdp`` on several ranks all of that is done on the meta device, as if the weights were
+there, and only the sharded models are given storage, each rank reading its own slices of the
+checkpoint (``parallel/sharded_loading.py``); the policy is checked to be causal once it has them.
 """
 
 from dataclasses import dataclass
@@ -24,12 +30,14 @@ from ..rewards.loading import load_reward
 from ..rewards.scoring import Rewards
 from .modeling import host_memory
 from .modeling.critic import Critic
+from .modeling.default import DEFAULT_MODEL
 from .modeling.loading import check_causal, load_policy
 from .modeling.lora import LoRA
 from .modeling.precision import Precision, stored_dtype
+from .modeling.rollout_tp import ParallelRolloutWeights, RolloutGroup, check_rollout_tp
 from .modeling.rollout_weights import RolloutWeights
 from .modeling.weights import disable_dropout, enable_checkpointing, frozen_copy
-from .parallel import sharding
+from .parallel import sharded_loading, sharding
 from .prompts.tasks import TASKS
 from .update.layout import SharedPrefix
 
@@ -46,8 +54,10 @@ class Models:
     critic: Optional[torch.nn.Module]
     reference: Optional[torch.nn.Module]  # None without a KL; the policy itself with LoRA
     lora: Optional[LoRA]
-    rollout_weights: RolloutWeights  # what the sampler decodes with
+    rollout_weights: RolloutWeights  # what the sampler decodes with (split over ranks: ParallelRolloutWeights)
     sharded: bool
+    rollout_group: RolloutGroup  # the ranks that decode one batch together (--rollout-tp; else this rank)
+    loaded: str  # how the weights were read (whole, or shard by shard), for the start-up log
     # how the forwards encode each prompt once for its samples (``update/layout.py``); None: padded rows
     shared_prefix: Optional[SharedPrefix] = None
     padded_because: Optional[str] = None
@@ -71,8 +81,11 @@ def build_models(config: "TrainConfig", ranks: "Ranks", policy=None, tokenizer=N
             host_memory.keep_freed_memory()
     if ranks.world > 1 and torch.device(device).type == "cuda":
         device = f"cuda:{ranks.local_rank}"
+    check_rollout_tp(config.sharding.rollout_tp, ranks.world)  # before anything loads
+    on_meta, loaded = False, "as given" if policy is not None else "whole on every rank"
     if policy is None:
-        policy, tokenizer = load_policy(config.model.model)
+        policy, tokenizer, on_meta, loaded = _policy(config, ranks)
+    if not on_meta:
         policy.to(device)
     precision = Precision.of(
         config.optim.autocast,
@@ -83,14 +96,19 @@ def build_models(config: "TrainConfig", ranks: "Ranks", policy=None, tokenizer=N
     )
     cast_parameters(policy, torch.float32)  # the master weights, whatever the checkpoint's dtype
     disable_dropout(policy)
-    check_causal(policy, config.model.model or "(the default model)")
+    name = config.model.model or "(the default model)"
+    if not on_meta:  # a model on the meta device is checked once it has its weights
+        check_causal(policy, name)
     critic = None
     if config.uses_critic:
         from_rm = config.model.critic_init == "reward_model"
         critic = Critic.from_reward_model(config.reward.reward_model, policy) if from_rm else Critic.from_policy(policy)
         disable_dropout(critic)
         cast_parameters(critic, torch.float32)
-        critic = critic.to(policy.device)
+        if on_meta:  # the head too: it is given storage with the backbone, once sharded
+            critic.head.to(policy.device)
+        else:
+            critic.to(policy.device)
     lo = config.lora
     lora = (
         None
@@ -99,6 +117,8 @@ def build_models(config: "TrainConfig", ranks: "Ranks", policy=None, tokenizer=N
     )
     if lora is not None:
         policy = lora.model
+        if not on_meta:
+            _set_adapters(lora, config.run.seed)
     reference = None
     if config.algo.kl_coef > 0:
         reference = policy if lora is not None else frozen_copy(policy, precision.frozen)
@@ -106,17 +126,86 @@ def build_models(config: "TrainConfig", ranks: "Ranks", policy=None, tokenizer=N
         for model in (policy, critic and critic.backbone):
             if model is not None:
                 enable_checkpointing(model)
-    sharded = config.sharding.fsdp
-    # LoRA's frozen base is already in the rollout dtype: decode through the wrapped layers.
-    rollout_weights = RolloutWeights(policy, None if lora is not None else precision.rollout, gathered=sharded)
-    models = Models(policy, tokenizer, precision, critic, reference, lora, rollout_weights, sharded)
+    sharded, tp = config.sharding.fsdp, config.sharding.rollout_tp
+    group = RolloutGroup.of(ranks.rank, ranks.world, tp)
+    if tp > 1:
+        rollout_weights = ParallelRolloutWeights(policy, precision.rollout, torch.device(device), group, lora)
+    else:  # LoRA's frozen base is already in the rollout dtype: decode through the wrapped layers.
+        rollout_weights = RolloutWeights(
+            policy, None if lora is not None else precision.rollout, gathered=sharded, device=torch.device(device)
+        )
+    models = Models(policy, tokenizer, precision, critic, reference, lora, rollout_weights, sharded, group, loaded)
     if sharded:
-        shard(models, config.sharding, ranks)
+        shard(models, config.sharding, ranks, torch.device(device))
+    if on_meta:
+        _read_shards(models, config, torch.device(device))
+        with precision.autocast():  # a sharded forward computes as the update's does
+            check_causal(models.policy, name)
+        sharding.reshard(models.policy)
     return models
 
 
-def shard(models: Models, options, ranks: "Ranks") -> None:
-    """The policy, critic and reference sharded over the ranks (``sharding.py``)."""
+def _policy(config: "TrainConfig", ranks: "Ranks") -> tuple:
+    """``(policy, tokenizer, on_meta, how)`` of ``--model``: under ``--fsdp`` on several ranks, with
+    its parameters on the meta device, read shard by shard once sharded (``sharded_loading.py``),
+    where the checkpoint's names are the model's; else loaded whole. ``how`` says which, for the log."""
+    path = config.model.model or DEFAULT_MODEL
+    if not (config.sharding.fsdp and ranks.world > 1):
+        return (*load_policy(config.model.model), False, "whole on every rank")
+    if config.uses_critic and config.model.critic_init == "reward_model":  # the critic's start is loaded whole
+        return (
+            *load_policy(config.model.model),
+            False,
+            "whole on every rank, as the critic starts from a reward model",
+        )
+    policy, tokenizer = sharded_loading.load_meta_policy(path)
+    why = sharded_loading.unreadable(policy, path)
+    if why:
+        return (*load_policy(config.model.model), False, f"whole on every rank, as {why}")
+    return policy, tokenizer, True, "shard by shard: each rank reads its own slices of the checkpoint"
+
+
+def _set_adapters(lora: LoRA, seed: int) -> None:
+    """LoRA's adapters at their start (``LoRA.initial_adapters``), sharded or not."""
+    own = dict(lora.model.named_parameters())
+    for name, value in lora.initial_adapters(seed).items():
+        sharded_loading.set_whole(own[name], value)
+
+
+def _read_shards(models: Models, config: "TrainConfig", device: torch.device) -> None:
+    """Storage and values for models built on the meta device and sharded: each rank's shards of the
+    checkpoint, a critic's head at zero and LoRA's adapters at their start."""
+    path = config.model.model or DEFAULT_MODEL
+    policy = models.policy
+
+    def plain(name: str) -> str:  # a LoRA-wrapped layer's base weight is the checkpoint's layer weight
+        return name.replace(".base_layer.", ".")
+
+    offloaded = config.sharding.fsdp_offload  # the trained models' shards in CPU memory
+    sharded_loading.materialize(
+        policy, device, path, {n: plain(n) for n, _ in policy.named_parameters() if ".lora_" not in n}, offloaded
+    )
+    if models.lora is not None:
+        _set_adapters(models.lora, config.run.seed)
+    if models.reference is not None and models.reference is not policy:
+        sharded_loading.materialize(
+            models.reference, device, path, {n: n for n, _ in models.reference.named_parameters()}
+        )
+    critic = models.critic
+    if critic is not None:
+        prefix = policy.base_model_prefix
+        names = {
+            n: f"{prefix}.{n.removeprefix('backbone.')}"
+            for n, _ in critic.named_parameters()
+            if n.startswith("backbone.")
+        }
+        sharded_loading.materialize(critic, device, path, names, offloaded)
+        for parameter in critic.head.parameters():
+            sharded_loading.set_whole(parameter, torch.zeros(parameter.shape))
+
+
+def shard(models: Models, options, ranks: "Ranks", device: torch.device) -> None:
+    """The policy, critic and reference sharded over the ranks (``sharding.py``) of ``device``'s type."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if ranks.world == 1:
@@ -124,7 +213,7 @@ def shard(models: Models, options, ranks: "Ranks") -> None:
             "--fsdp shards over the ranks torchrun starts, and this is one process: launch with "
             "torchrun --nproc_per_node=N (N >= 2)"
         )
-    mesh = init_device_mesh(models.device.type, (ranks.world,))
+    mesh = init_device_mesh(device.type, (ranks.world,))
     targets = [(models.policy, True), (models.critic, False)]
     if models.reference is not None and models.reference is not models.policy:
         targets.append((models.reference, True))

@@ -111,19 +111,19 @@ def test_versus_trl_runs_both_trainers_side_by_side(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_sharding_runs_both_modes_on_two_ranks(tmp_path, capsys):
+def test_sharding_runs_every_mode_on_two_ranks(tmp_path, capsys):
     assert (
         bench_main(
-            ["--sharding", "--hidden", "64", "--layers", "2", "--iterations", "1", "--json", str(tmp_path / "s.json")]
+            ["--sharding", "--hidden", "128", "--layers", "2", "--iterations", "1", "--json", str(tmp_path / "s.json")]
         )
         == 0
     )
     assert "| --fsdp | 1 |" in capsys.readouterr().out
     modes = json.loads((tmp_path / "s.json").read_text())["modes"]
-    for replicated, sharded in zip(modes["replicated"], modes["--fsdp"]):
+    for replicated, sharded, split in zip(modes["replicated"], modes["--fsdp"], modes["--fsdp --rollout-tp 2"]):
         assert sharded["trained"] < 0.6 * replicated["trained"]
-        assert replicated["rollout"] > 0 and sharded["rollout"] == 0 and sharded["seconds"] > 0
-        assert 0 < sharded["peak"] < replicated["peak"]
+        assert replicated["rollout"] > 0 and sharded["rollout"] == split["rollout"] == 0 and sharded["seconds"] > 0
+        assert 0 < sharded["peak"] < replicated["peak"] and split["refresh"] > 0
 
 
 def test_the_real_model_contenders_generate_exactly_the_imposed_lengths(monkeypatch, tmp_path):

@@ -219,3 +219,19 @@ def test_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         sampler.generate(args.pop("prompts"), **args)
+
+
+@pytest.mark.parametrize("kv_cache", ["static", "paged"])
+def test_a_sleeping_sampler_holds_no_kv_memory_and_wakes_to_the_same_rollout(kv_cache):
+    """``sleep`` frees the cache for a trainer's update; the next ``generate`` has it back, zeroed,
+    and samples what it sampled before."""
+    sampler = fastppo.Sampler(tiny("llama"), max_batch_size=4, max_seq_len=32, kv_cache=kv_cache)
+    options = dict(max_new_tokens=8, temperature=1.0, seed=5, num_samples_per_prompt=2, stop_token_ids=())
+    before = sampler.generate(PROMPTS, **options)
+    held = sum(t.untyped_storage().nbytes() for t in sampler.kv_cache.k + sampler.kv_cache.v)
+    sampler.sleep()
+    sampler.sleep()  # twice is once
+    assert held > 0 and all(t.untyped_storage().nbytes() == 0 for t in sampler.kv_cache.k + sampler.kv_cache.v)
+    after = sampler.generate(PROMPTS, **options)
+    assert sum(t.untyped_storage().nbytes() for t in sampler.kv_cache.k + sampler.kv_cache.v) == held
+    assert torch.equal(after.response_ids, before.response_ids) and torch.equal(after.logprobs, before.logprobs)

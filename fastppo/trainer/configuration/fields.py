@@ -189,6 +189,13 @@ class ShardingConfig:
         "CPU memory, the optimizer step on the CPU (CUDA only)",
         False,
     )
+    rollout_tp: int = _doc(
+        "decode with the rollout copy split over groups of this many ranks (tensor parallelism: heads, "
+        "MLP columns and vocabulary, each rank 1/N of the copy and of the KV cache), filled from the "
+        "--fsdp shards; a group rolls out its ranks' prompts together. 1: every rank a whole copy",
+        1,
+        bound=at_least(1),
+    )
 
 
 @dataclass

@@ -119,6 +119,18 @@ def check(config: "TrainConfig", fields: list) -> None:
             not config.sharding.fsdp_offload or (config.sharding.fsdp and config.device.startswith("cuda")),
             "needs --fsdp and a CUDA device (on the CPU there is nowhere to offload to)",
         ),
+        (
+            "rollout_tp",
+            config.sharding.rollout_tp == 1
+            or (
+                config.sharding.fsdp
+                and r.rollout_decoder in ("auto", "modules")
+                and not r.max_staleness
+                and not config.episodes
+            ),
+            "above 1 needs --fsdp (its copy is filled from the shards) and the modules decoder (auto or "
+            "modules), and is not for max_staleness or tools",
+        ),
     ]
     for name, ok, requirement in rules:
         if not ok:

@@ -13,9 +13,10 @@ sum with a format bonus):
 With tools each response is an episode, and ``eval/tools/calling`` is the share of the sampled
 episodes that called a tool, ``eval/tools/calls`` their calls per episode.
 
-The prompts are dealt round-robin to the ranks and the sums all-reduced, and the samples are
-seeded from the run's seed and the iteration, so an evaluation neither depends on the world
-size's batching nor moves any generator the training draws from.
+The prompts are dealt round-robin to the rollout groups (each rank, or with ``--rollout-tp`` each
+group of ranks decoding together, whose first rank alone counts them) and the sums all-reduced,
+and the samples are seeded from the run's seed and the iteration, so an evaluation neither
+depends on the world size's batching nor moves any generator the training draws from.
 """
 
 import torch
@@ -34,9 +35,9 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
     of the rewards' weighted sum and, with several rewards, of each (``eval/<name>/greedy``...,
     over the prompts it scores), sampled and scored by ``rollouts``
     (:class:`~fastppo.trainer.experience.rollouts.Rollouts`)."""
-    ranks, config = rollouts.ranks, rollouts.config
-    mine = list(range(ranks.rank, len(prompts), ranks.world))
-    seed = (config.run.seed * 100_003 + iteration) * ranks.world + ranks.rank + 7_919
+    ranks, config, group = rollouts.ranks, rollouts.config, rollouts.group
+    mine = list(range(group.index, len(prompts), group.count))
+    seed = (config.run.seed * 100_003 + iteration) * ranks.world + group.first + 7_919
     names = [name for name, _ in rollouts.rewards.named]
     totals = torch.zeros(1 + len(names), 3, dtype=torch.float64)  # (sum, each reward) x (greedy, mean@K, best of K)
     counted = torch.zeros_like(totals)  # the prompts each total is of: a reward may leave some unscored (NaN)
@@ -69,7 +70,9 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
                     totals[:, 1] += per_prompt.nanmean(dim=2).nan_to_num().sum(dim=1)
                     totals[:, 2] += best.masked_fill(~some, 0).sum(dim=1)
                     counted[:, 1:] += some.sum(dim=1, keepdim=True)
-    rollouts.weights.release()
+    rollouts.rest()
+    if group.member:  # the group's first rank counts what the group sampled together
+        totals, counted, tools = totals.zero_(), counted.zero_(), tools.zero_()
     totals = ranks.sum(totals.to(ranks.device())).cpu() / ranks.sum(counted.to(ranks.device())).cpu()
     metrics = {}
     if rollouts.agent is not None:

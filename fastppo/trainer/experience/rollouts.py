@@ -2,7 +2,9 @@
 the stop strings and scored, with DAPO's dynamic sampling when asked.
 
 Every rank reads the same global batch of the epoch order and rolls out its own share of it, so
-the cursor (the trainer state's ``prompts_drawn``) is the same on every rank. Dynamic sampling
+the cursor (the trainer state's ``prompts_drawn``) is the same on every rank. With ``--rollout-tp``
+the ranks of a rollout group decode their shares together, over a copy split between them
+(``modeling/rollout_tp.py``), and each keeps its own share's rows. Dynamic sampling
 (``filter_groups``) keeps the groups whose scores differ, since a group of equal scores has zero
 advantage under every group estimator and teaches nothing, and samples further batches until
 the ranks all have enough (they agree by an all-reduce, so their cursors stay together), at
@@ -59,6 +61,7 @@ class Rollouts:
         self.tokenizer, self.weights, self.device = models.tokenizer, models.rollout_weights, models.device
         self.agent = agent
         self.sharded, self.longest_prompt, self.kv_memory = models.sharded, longest_prompt, kv_memory
+        self.group = models.rollout_group
         self.sampler = self._sampler(config.rollout.rollout_weights)
         self._held_out = None  # the held-out evaluation's own sampler, while the stream holds this one's cache
         self.order = EpochOrder(len(prompts), config.run.seed)
@@ -69,6 +72,8 @@ class Rollouts:
         """The sampler of the rollout weights, with ``decoder`` (default: the run's). With ``"auto"`` on
         several ranks, rank 0's timing chooses the decoder every rank runs (one run, one decoder)."""
         decoder = decoder or self.config.rollout.rollout_decoder
+        if self.group.size > 1:  # a split copy runs through its own modules
+            decoder = "modules"
         # the sampler reads the model when it is built (its cache's shape, the faster decoder)
         with self.weights.whole() as model:
             if decoder != "auto" or self.ranks is None or self.ranks.world == 1:
@@ -82,9 +87,10 @@ class Rollouts:
         try:
             return Sampler(
                 model,
-                max_batch_size=self.config.sampler_slots,
+                max_batch_size=self.config.sampler_slots * self.group.size,  # a group decodes its ranks' rows
                 max_seq_len=self.longest_prompt + self.config.response_tokens,
-                cuda_graphs=not self.sharded,
+                # a whole copy gathered from shards is freed after each rollout; a split one stays put
+                cuda_graphs=not self.sharded or self.group.size > 1,
                 kv_block_size=r.rollout_kv_block_size or None,
                 kv_memory=self.kv_memory,
                 # a sharded run's copy is whole only during the rollout; a packed one would stay
@@ -225,7 +231,20 @@ class Rollouts:
                 return self._filtered(iteration, state)
             return self._scored_batch(iteration, state, 0)
         finally:
-            self.weights.release()  # a gathered copy gives its memory back to the update
+            self.rest()
+
+    def rest(self) -> None:
+        """After a rollout or an evaluation, a sharded run's update gets back the memory only a
+        rollout uses: the rollout copy's (gathered whole or split, ``--rollout-tp``) and the samplers'
+        KV caches (but a stream's, whose rows are in flight). A run on one device keeps its cache,
+        and so its CUDA graphs: its update has the memory a model on one device leaves."""
+        self.weights.release()
+        if not self.sharded:
+            return
+        if self.streaming is None:
+            self.sampler.sleep()
+        if self._held_out is not None:
+            self._held_out.sleep()
 
     def _filtered(self, iteration: int, state) -> Scored:
         """Batches until every rank holds ``prompts_per_iteration`` groups whose scores differ."""
@@ -256,22 +275,31 @@ class Rollouts:
 
     def _scored_batch(self, iteration: int, state, attempt: int) -> Scored:
         """The next batch of prompts in the epoch order, sampled out and scored."""
-        c = self.config
-        chosen = self.draw(state)
-        seed = (c.run.seed * 100_003 + iteration) * self.ranks.world + self.ranks.rank + attempt * 1_000_000_007
-        sampled = self.roll(self.prompts, chosen, c.rollout.temperature, c.rollout.samples_per_prompt, seed)
+        c, n, group = self.config, self.config.rollout.samples_per_prompt, self.group
+        together = self.draw(state)
+        seed = (c.run.seed * 100_003 + iteration) * self.ranks.world + group.first + attempt * 1_000_000_007
+        sampled = self.roll(self.prompts, together, c.rollout.temperature, n, seed)
         s = self.sampler
-        return self.scored(chosen, sampled, decode_metrics(s.steps, s.live_rows, s.sparse_steps))
+        stats = decode_metrics(s.steps, s.live_rows, s.sparse_steps)
+        if group.size == 1:
+            return self.scored(together, sampled, stats)
+        per_rank = len(together) // group.size  # this rank's share of the group's prompts, and their rows
+        rows = range(group.member * per_rank * n, (group.member + 1) * per_rank * n)
+        mine = Sampled(
+            responses.gather_rows([(sampled.rollout, i) for i in rows]), sampled.texts[rows.start : rows.stop]
+        )
+        return self.scored(together[group.member * per_rank : (group.member + 1) * per_rank], mine, stats)
 
     def draw(self, state) -> list:
-        """This rank's share of the next global batch of the epoch order, ``state``'s cursor moved on
-        (first, those of a checkpoint's batches in flight that are sampled again)."""
+        """This rank's rollout group's share of the next global batch of the epoch order (this rank's
+        own; with ``--rollout-tp`` its group's ranks' shares, in rank order), ``state``'s cursor moved
+        on (first, those of a checkpoint's batches in flight that are sampled again)."""
         if self.waiting:
             return self.waiting.popleft()
-        ranks, per_rank = self.ranks, self.config.rollout.prompts_per_iteration
+        ranks, per_rank, group = self.ranks, self.config.rollout.prompts_per_iteration, self.group
         chosen = self.order.take(state.prompts_drawn, per_rank * ranks.world)
         state.prompts_drawn += per_rank * ranks.world
-        return chosen[ranks.rank * per_rank : (ranks.rank + 1) * per_rank]
+        return chosen[group.first * per_rank : (group.first + group.size) * per_rank]
 
     def scored(self, chosen: list, sampled: Sampled, stats: dict) -> Scored:
         """``sampled``, the responses to the training prompts ``chosen``, scored; ``stats`` the

@@ -47,11 +47,33 @@ if TYPE_CHECKING:  # for the annotations only
     from ..configuration.config import TrainConfig
 
 
+#: When a line's memory is on the device: the whole run, the rollout only (under ``--fsdp`` the
+#: sampler's copy, gathered whole or split, and its KV cache, which sleeps through the update), the
+#: update only (what the forwards and backwards keep), while loading only, or never
+#: (``--fsdp-offload``'s host memory).
+HELD, ROLLOUT, UPDATE, STARTUP, HOST = "held", "rollout", "update", "start-up", "host"
+
+
 @dataclass
 class Line:
     name: str
     bytes: int
     how: str  # the count behind the number
+    when: str = HELD
+
+
+def phases(lines: list) -> dict:
+    """``{phase: bytes}`` on the device: the start-up's peak, the rollout's and the update's (each
+    the held lines plus its own), and the host's offloaded state."""
+    held = sum(line.bytes for line in lines if line.when == HELD)
+    own = {when: sum(line.bytes for line in lines if line.when == when) for when in (ROLLOUT, UPDATE, STARTUP, HOST)}
+    return {STARTUP: own[STARTUP], ROLLOUT: held + own[ROLLOUT], UPDATE: held + own[UPDATE], HOST: own[HOST]}
+
+
+def peak(lines: list) -> int:
+    """The most the device holds at once: the largest of the start-up's, the rollout's and the update's."""
+    by_phase = phases(lines)
+    return max(by_phase[STARTUP], by_phase[ROLLOUT], by_phase[UPDATE])
 
 
 @dataclass
@@ -146,39 +168,62 @@ def memory_plan(
     m = model_shape(model_config, lora.lora_rank, lora.lora_target_modules)
     compute = _size(precision.compute or torch.float32)
     rollout, frozen = _size(precision.rollout), _size(precision.frozen)
-    fsdp = config.sharding.fsdp
+    rollout_name = str(precision.rollout)[6:]
+    fsdp, tp = config.sharding.fsdp, config.sharding.rollout_tp
     shards = world_size if fsdp else 1
     per_rank = f" / {shards} ranks" if fsdp else ""
+    offloaded = HOST if fsdp and config.sharding.fsdp_offload else HELD  # the trained models' state
     lines = []
     if lora.lora_rank is None:
         trainable, tensors = m.params, m.tensors
-        lines.append(Line("policy weights", 4 * m.params // shards, f"{m.params:,} fp32 master weights{per_rank}"))
+        lines.append(
+            Line("policy weights", 4 * m.params // shards, f"{m.params:,} fp32 master weights{per_rank}", offloaded)
+        )
     else:
         trainable, tensors = m.lora_params, m.lora_tensors
         lines.append(
             Line(
                 "policy weights",
                 (rollout * m.params + 4 * m.lora_params) // shards,
-                f"{m.params:,} frozen in {str(precision.rollout)[6:]} + {m.lora_params:,} fp32 adapter{per_rank}",
+                f"{m.params:,} frozen in {rollout_name} + {m.lora_params:,} fp32 adapter{per_rank}",
+                offloaded,
             )
         )
+    gradients = HOST if offloaded == HOST else UPDATE  # freed at each optimizer step
     lines += [
-        Line("gradients", 4 * trainable // shards, f"{trainable:,} fp32{per_rank}"),
+        Line("gradients", 4 * trainable // shards, f"{trainable:,} fp32{per_rank}, from backward to step", gradients),
         Line(
             "AdamW state",
             8 * trainable // shards + 4 * tensors,
             f"2 fp32 moments{per_rank} + a step per tensor ({tensors})",
+            offloaded,
         ),
     ]
-    if fsdp or (lora.lora_rank is None and precision.rollout != torch.float32):
-        when = ", during the rollout only" if fsdp else ""
-        lines.append(Line("rollout copy", rollout * m.params, f"{m.params:,} in {str(precision.rollout)[6:]}{when}"))
+    if tp > 1:
+        lines.append(
+            Line(
+                "rollout copy",
+                rollout * m.params // tp,
+                f"{m.params:,} in {rollout_name} / {tp} ranks (--rollout-tp; LoRA merged in), for the rollout only",
+                ROLLOUT,
+            )
+        )
+    elif fsdp or (lora.lora_rank is None and precision.rollout != torch.float32):
+        when = ROLLOUT if fsdp else HELD
+        lines.append(
+            Line(
+                "rollout copy",
+                rollout * m.params,
+                f"{m.params:,} in {rollout_name}" + (", whole, gathered for the rollout only" if fsdp else ""),
+                when,
+            )
+        )
     if r.rollout_weights == "packed" and m.packed_params and lora.lora_rank is None and not fsdp:
         lines.append(
             Line(
                 "packed rollout copy",
                 rollout * m.packed_params,
-                f"{m.packed_params:,} of the projections in {str(precision.rollout)[6:]}, fused and in the layout "
+                f"{m.packed_params:,} of the projections in {rollout_name}, fused and in the layout "
                 "measured fastest at start (MKL's packed fp32 format holds ~1.3x this, the linear layout shares the "
                 "unfused matrices; --rollout-weights live: none)",
             )
@@ -187,13 +232,14 @@ def memory_plan(
         lines.append(
             Line("reference", frozen * m.params // shards, f"{m.params:,} in {str(precision.frozen)[6:]}{per_rank}")
         )
+    critic = m.backbone_params + m.hidden + 1
     if config.uses_critic:
-        n = m.backbone_params + m.hidden + 1
         lines.append(
             Line(
                 "critic + its gradients and AdamW state",
-                16 * n // shards + 4 * (m.backbone_tensors + 2),
-                f"{n:,} fp32, trained in full{per_rank}",
+                16 * critic // shards + 4 * (m.backbone_tensors + 2),
+                f"{critic:,} fp32, trained in full{per_rank}",
+                offloaded,
             )
         )
     if fsdp:
@@ -207,16 +253,27 @@ def memory_plan(
                 compute * gathered * block + own * root,
                 f"{gathered} block(s) of {block:,} in the compute dtype + the root's {root:,} "
                 f"(embeddings, norm, LM head) in its own",
+                UPDATE,
             )
         )
     if reward_model_config is not None:
         rm = model_shape(reward_model_config)
         lines.append(Line("reward model", frozen * rm.params, f"{rm.params:,} in {str(precision.frozen)[6:]}"))
-    rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots
-    lines.append(kv_line(config, m, prompt_tokens, rollout, kv_memory, mean_response_tokens, device_type))
+    rows, slots = r.prompts_per_iteration * r.samples_per_prompt, config.sampler_slots * tp
+    kv = kv_line(config, m, prompt_tokens, rollout, kv_memory, mean_response_tokens, device_type, tp)
+    if not fsdp or r.max_staleness:  # kept through the update: for the CUDA graphs of a run on one device,
+        kv.when = HELD  # or a stream's rows in flight
+    lines.append(kv)
     if r.max_staleness:
         lines += in_flight_lines(config, m, prompt_tokens, rollout)
-    lines.append(Line("sampler step logits", slots * m.vocab * (rollout + 4), f"{slots} x {m.vocab:,}, and fp32"))
+    lines.append(
+        Line(
+            "sampler step logits",
+            slots * m.vocab * (rollout + 4),
+            f"{slots} x {m.vocab:,}, and fp32" + (f" (a group's rows, gathered from {tp} ranks)" if tp > 1 else ""),
+            ROLLOUT,
+        )
+    )
     mb_rows = rows // a.minibatches
     tokens, laid_out = forward_tokens(config, model_config, mb_rows, prompt_tokens)
     responses = mb_rows * config.response_tokens
@@ -232,7 +289,7 @@ def memory_plan(
         how = f"{m.layers} blocks x {tokens:,} tokens per forward ({laid_out})"
     if copies:
         how += f", each response's copy of its prompt's keys and values ({copies:,} positions a block)"
-    lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how))
+    lines.append(Line("activations" + (" (policy and critic)" if models == 2 else ""), models * kept, how, UPDATE))
     chunk = default_chunk_size(responses, m.vocab, device_type)
     half_grad = 2 * chunk * m.vocab if device_type == "cuda" else 0  # the chunk's logit gradient, bf16
     lines.append(
@@ -241,13 +298,37 @@ def memory_plan(
             4 * (chunk * m.vocab + m.vocab * m.hidden + responses * m.hidden) + half_grad,
             f"fp32 logits chunk {chunk} x {m.vocab:,}{' and its bf16 gradient' if half_grad else ''}, "
             "head gradient, hidden gradient",
+            UPDATE,
         )
     )
     if world_size > 1 and not fsdp:
-        lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients"))
+        lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients", UPDATE))
     if runtime:
         lines.append(Line("runtime", runtime, "this process before any model: Python, torch, transformers"))
+    lines.append(startup_line(config, m, lines, shards, world_size))
     return lines
+
+
+def startup_line(config: "TrainConfig", m: ModelShape, lines: list, shards: int, world_size: int) -> Line:
+    """The peak while the models load, before any rollout: with ``--fsdp`` on several ranks each
+    rank's shards of the weights, read as such (``parallel/sharded_loading.py``); else every
+    model whole on every rank, the policy in fp32 (cast in place, one tensor at a time)."""
+    by_name = {line.name: line for line in lines}
+    weights = [by_name[name] for name in ("policy weights", "reference", "runtime") if name in by_name]
+    weights = sum(line.bytes for line in weights if line.when != HOST)
+    if (
+        "critic + its gradients and AdamW state" in by_name
+        and by_name["critic + its gradients and AdamW state"].when != HOST
+    ):
+        weights += 4 * (m.backbone_params + m.hidden + 1) // shards  # its weights, before any state
+    copy = by_name.get("rollout copy")
+    if copy is not None and copy.when == HELD:
+        weights += copy.bytes
+    if config.sharding.fsdp and world_size > 1:
+        how = "each rank reads its own shards of the checkpoint (one whose names are not the model's loads whole)"
+    else:
+        how = "every model whole on every rank"
+    return Line("start-up", weights, how, STARTUP)
 
 
 def kv_line(
@@ -258,11 +339,14 @@ def kv_line(
     memory,
     mean_response: Optional[int],
     device_type,
+    split: int = 1,
 ) -> Line:
-    """The sampler's KV cache: its budget (``memory`` bytes, else ``--rollout-kv-memory``, else every
-    slot at the cap), and the rows in flight it would allow, static and paged (beyond the slots the
-    sampler takes, to show the headroom), for responses of
-    ``mean_response`` tokens on average. Paged: one row at the cap held back (admission keeps a
+    """The sampler's KV cache (a sharded run's sleeps through the update): its budget
+    (``memory`` bytes, else ``--rollout-kv-memory``, else every slot at the cap), and the rows in
+    flight it would allow, static and paged (beyond the slots the sampler takes, to show the
+    headroom), for responses of ``mean_response`` tokens on average; ``split``: the ranks of a
+    rollout group (``--rollout-tp``), whose sampler takes their rows and holds 1/``split`` of each
+    position's heads. Paged: one row at the cap held back (admission keeps a
     row able to finish), each group's full prompt blocks once, each sample its partial prompt
     block, its mean response and a stretch of steps (16 decode steps between looks)."""
     from ...rollout.flash import FLASH_BLOCK
@@ -270,11 +354,12 @@ def kv_line(
 
     r = config.rollout
     flash = device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None  # as the sampler would
-    slots, n, cap = config.sampler_slots, r.samples_per_prompt, prompt_tokens + config.response_tokens
+    slots, n, cap = config.sampler_slots * split, r.samples_per_prompt, prompt_tokens + config.response_tokens
     block = block_within(
         r.rollout_kv_block_size or (FLASH_BLOCK if flash else DEFAULT_BLOCK), cap, FLASH_BLOCK if flash else 1
     )
-    position = 2 * m.layers * m.kv_dim * size  # bytes of one position: K and V in every layer
+    kv_dim = m.kv_dim // split
+    position = 2 * m.layers * kv_dim * size  # bytes of one position: K and V in every layer
     if memory is None and r.rollout_kv_memory is not None:
         memory = given_kv_bytes(r.rollout_kv_memory)
     static_bytes = slots * cap * position
@@ -282,13 +367,14 @@ def kv_line(
         return Line(
             "KV cache",
             static_bytes,
-            f"{position:,} B a position ({m.layers} layers x K,V x {m.kv_dim}); static, every one of {slots} "
+            f"{position:,} B a position ({m.layers} layers x K,V x {kv_dim}); static, every one of {slots} "
             f"slots at the cap ({cap:,}): the budget pages nothing",
+            ROLLOUT,
         )
     try:
         blocks = paged_blocks(memory, slots, cap, block, position // 2)
     except KVMemoryError as error:
-        return Line("KV cache", memory, f"too small: {error}")
+        return Line("KV cache", memory, f"too small: {error}", ROLLOUT)
     mean = min(mean_response or config.response_tokens // 4 or 1, config.response_tokens)
     static = blocks * block // cap
     per_group = prompt_tokens // block + n * math.ceil((prompt_tokens % block + mean + 16) / block)
@@ -296,10 +382,11 @@ def kv_line(
     return Line(
         "KV cache",
         blocks * block * position,
-        f"{position:,} B a position ({m.layers} layers x K,V x {m.kv_dim}); {blocks:,} blocks of {block}; a row "
+        f"{position:,} B a position ({m.layers} layers x K,V x {kv_dim}); {blocks:,} blocks of {block}; a row "
         f"{math.ceil(cap / block)} blocks at the cap ({cap:,}), {math.ceil((prompt_tokens + mean) / block)} at "
         f"{prompt_tokens + mean:,} (mean response {mean:,}, assumed); rows in flight it allows: {static:,} "
         f"static, ~{paged:,} paged (the sampler takes {slots})",
+        ROLLOUT,
     )
 
 
@@ -327,6 +414,7 @@ def in_flight_lines(config: "TrainConfig", m: ModelShape, prompt_tokens: int, si
                 "held-out KV cache",
                 slots * cap * position,
                 f"the held-out sampler's own, {slots} slots at the cap ({cap:,}): the stream's rows keep theirs",
+                ROLLOUT,
             )
         )
     return lines
@@ -350,7 +438,10 @@ def kv_memory(
     if device_type != "cuda":
         return None
     lines = memory_plan(config, model_config, prompt_tokens=prompt_tokens, device_type=device_type, **plan)
-    left = available - available // 10 - sum(line.bytes for line in lines if line.name != "KV cache")
+    (kv,) = [line for line in lines if line.name == "KV cache"]
+    beside = phases([line for line in lines if line is not kv])  # what the cache's phases hold besides it
+    others = beside[ROLLOUT] if kv.when == ROLLOUT else max(beside[ROLLOUT], beside[UPDATE])
+    left = available - available // 10 - others
     return left if left > 0 else None  # nothing left: the plan does not fit, whatever the cache
 
 
@@ -403,13 +494,13 @@ def fitting_microbatch(
     ``config`` fits ``available`` bytes; None when it fits without a budget, or would not fit even
     with one row per forward. ``plan``: :func:`memory_plan`'s other arguments."""
     lines = memory_plan(config, model_config, prompt_tokens=prompt_tokens, device_type=device_type, **plan)
-    total = sum(line.bytes for line in lines)
-    if total <= available:
-        return None
+    by_phase = phases(lines)
+    if peak(lines) <= available or max(by_phase[STARTUP], by_phase[ROLLOUT]) > available:
+        return None  # it fits, or what does not fit is not the update's
     rows = config.rollout.prompts_per_iteration * config.rollout.samples_per_prompt // config.algo.minibatches
     tokens, _ = forward_tokens(config, model_config, rows, prompt_tokens)
     activations = next(line.bytes for line in lines if line.name.startswith("activations"))
-    budget = int((available - (total - activations)) * tokens / activations)
+    budget = int((available - (by_phase[UPDATE] - activations)) * tokens / activations)
     return budget if budget >= prompt_tokens + config.response_tokens else None
 
 
@@ -431,10 +522,22 @@ def device_memory(device_type: str) -> int:
 
 
 def render(lines: list, available: int, header: str) -> str:
-    total = sum(line.bytes for line in lines)
+    """The plan's lines, each with when it holds its memory, then each phase's total and the peak
+    against ``available``."""
     width = max(len(line.name) for line in lines)
     out = [header, ""]
-    out += [f"  {line.name:<{width}}  {line.bytes / GiB:9.2f} GiB  {line.how}" for line in lines]
-    verdict = "fits" if total <= available else "does NOT fit"
-    out += ["", f"  {'total':<{width}}  {total / GiB:9.2f} GiB  of {available / GiB:.1f} GiB: {verdict}"]
+    body = [line for line in lines if line.when != STARTUP]
+    out += [f"  {line.name:<{width}}  {line.bytes / GiB:9.2f} GiB  {line.when:<7}  {line.how}" for line in body]
+    by_phase, most = phases(lines), peak(lines)
+    (startup,) = [line for line in lines if line.when == STARTUP]
+    out += [
+        "",
+        f"  {'start-up':<{width}}  {by_phase[STARTUP] / GiB:9.2f} GiB  while the models load: {startup.how}",
+        f"  {'rollout':<{width}}  {by_phase[ROLLOUT] / GiB:9.2f} GiB  the held lines and the rollout's",
+        f"  {'update':<{width}}  {by_phase[UPDATE] / GiB:9.2f} GiB  the held lines and the update's",
+    ]
+    if by_phase[HOST]:
+        out.append(f"  {'host':<{width}}  {by_phase[HOST] / GiB:9.2f} GiB  offloaded (--fsdp-offload), in CPU memory")
+    verdict = "fits" if most <= available else "does NOT fit"
+    out += [f"  {'peak':<{width}}  {most / GiB:9.2f} GiB  of {available / GiB:.1f} GiB: {verdict}"]
     return "\n".join(out) + "\n"

@@ -30,7 +30,7 @@ def print_plan(args) -> int:
     from ..parallel.distributed import world_size
     from ..prompts import dataset, tasks
     from ..prompts.files import read_rows
-    from .plan import device_memory, fitting_microbatch, kv_memory, memory_plan, render, runtime_bytes
+    from .plan import device_memory, fitting_microbatch, kv_memory, memory_plan, peak, render, runtime_bytes
 
     config = from_arguments(args)
     check_plan_options(args)
@@ -69,10 +69,20 @@ def print_plan(args) -> int:
     reward_config = AutoConfig.from_pretrained(config.reward.reward_model) if config.reward.reward_model else None
     runtime = runtime_bytes() if device_type == "cpu" else 0
     available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
+    tp = config.sharding.rollout_tp
+    if tp > 1:
+        from ...rollout.tensor_parallel import Unsharded, check_divisible
+
+        if world % tp:
+            raise UsageError(f"--rollout-tp {tp} does not divide the {world} ranks planned (--plan-world-size)")
+        try:
+            check_divisible(model_config, tp)
+        except Unsharded as why:
+            raise UsageError(f"--rollout-tp {tp}: {why}") from None
     common = dict(world_size=world, reward_model_config=reward_config, runtime=runtime)
     kv = kv_memory(config, model_config, prompt_tokens=tokens, device_type=device_type, available=available, **common)
 
-    def plan(**changes) -> list:  # the run's lines, or those of the run with ``changes``
+    def plan(ranks: int = world, **changes) -> list:  # the run's lines, or those of the run with ``changes``
         changed = TrainConfig.from_flat({**config.flat(), **changes}).validate()
         return memory_plan(
             changed,
@@ -81,11 +91,11 @@ def print_plan(args) -> int:
             device_type=device_type,
             kv_memory=kv,
             mean_response_tokens=args.plan_mean_response_tokens,
-            **common,
+            **{**common, "world_size": ranks},
         )
 
-    def total(**changes) -> int:
-        return sum(line.bytes for line in plan(**changes))
+    def total(ranks: int, **changes) -> int:
+        return peak(plan(ranks, **changes))
 
     lines = plan()
     print(
@@ -94,11 +104,12 @@ def print_plan(args) -> int:
             available,
             f"memory plan for one {device_type} device: {path}, prompts up to {tokens} "
             f"tokens, {world} rank(s), "
-            + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies"),
+            + ("sharded (--fsdp)" if config.sharding.fsdp else "each holding whole copies")
+            + (f", the rollout split over {tp} (--rollout-tp)" if tp > 1 else ""),
         ),
         end="",
     )
-    if sum(line.bytes for line in lines) > available:
+    if peak(lines) > available:
         budget = fitting_microbatch(
             config,
             model_config,
@@ -109,18 +120,21 @@ def print_plan(args) -> int:
             reward_model_config=reward_config,
             runtime=runtime,
         )
-        print(_what_would_fit(config, total, available, budget))
+        print(_what_would_fit(config, total, available, budget, world, model_config))
     return 0
 
 
-def _what_would_fit(config: "TrainConfig", total, available: int, budget) -> str:
-    """The options (each alone, then all of them) that would bring the plan's ``total(**changes)``
-    under ``available``, with their totals; ``budget``: the micro-batch tokens that would fit
+def _what_would_fit(config: "TrainConfig", total, available: int, budget, world: int, model_config) -> str:
+    """The options (each alone, then all of them) that would bring the plan's peak
+    ``total(world, **changes)`` under ``available``, with their peaks, and the fewest ranks (up to 16
+    times as many) that would with the run's other options; ``budget``: the micro-batch tokens that fit
     (:func:`~fastppo.trainer.memory.plan.fitting_microbatch`), or None."""
     from ...limits import GiB
 
-    r = config.rollout
-    candidates = [("--gradient-checkpointing", {"gradient_checkpointing": True})]
+    r, sharding = config.rollout, config.sharding
+    candidates = (
+        [] if config.model.gradient_checkpointing else [("--gradient-checkpointing", {"gradient_checkpointing": True})]
+    )
     if budget is not None:
         candidates.append((f"--max-tokens-per-microbatch {budget}", {"max_tokens_per_microbatch": budget}))
     if config.lora.lora_rank is None:
@@ -131,14 +145,48 @@ def _what_would_fit(config: "TrainConfig", total, available: int, budget) -> str
         candidates.append(
             (f"--minibatches {more} --grad-accumulation {more}", {"minibatches": more, "grad_accumulation": more})
         )
-    candidates.append(
-        (" ".join(option for option, _ in candidates), {k: v for _, change in candidates for k, v in change.items()})
-    )
-    fitting = [(option, total(**change)) for option, change in candidates]
+    if not sharding.fsdp and world > 1:
+        candidates.append(("--fsdp", {"fsdp": True}))
+    fsdp = sharding.fsdp or world > 1
+    if fsdp and sharding.rollout_tp == 1:
+        split = _largest_split(model_config, world)
+        if split > 1:
+            candidates.append((f"--rollout-tp {split}", {"fsdp": True, "rollout_tp": split}))
+    if fsdp and config.device.startswith("cuda") and not sharding.fsdp_offload:
+        candidates.append(("--fsdp-offload", {"fsdp": True, "fsdp_offload": True}))
+    every = {k: v for _, change in candidates for k, v in change.items()}
+    candidates.append((" ".join(option for option, _ in candidates), every))
+    fitting = [(option, total(world, **change)) for option, change in candidates]
     fitting = [f"{option} ({size / GiB:.2f} GiB)" for option, size in fitting if size <= available]
-    if not fitting:
-        return (
-            "  none of --gradient-checkpointing, LoRA and smaller minibatches fits it on one device: shard it "
-            "over more (--fsdp with torchrun) or a larger device"
-        )
-    return "  it would fit with: " + "; or ".join(fitting)
+    for ranks in (2 * world, 4 * world, 8 * world, 16 * world):  # more ranks, the run as it is otherwise
+        change, split = {"fsdp": True}, _largest_split(model_config, ranks)
+        if split > 1 and sharding.rollout_tp == 1:
+            change["rollout_tp"] = split
+        size = total(ranks, **change)
+        if size <= available:
+            options = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in change.items())
+            fitting.append(f"{ranks} ranks (--plan-world-size {ranks}) with {options} ({size / GiB:.2f} GiB)")
+            break
+    if fitting:
+        return "  it would fit with: " + "; or ".join(fitting)
+    return (
+        "  none of --gradient-checkpointing, LoRA, smaller minibatches, --fsdp, --rollout-tp and --fsdp-offload fits "
+        f"it, nor {16 * world} ranks: a larger device"
+    )
+
+
+def _largest_split(model_config, ranks: int) -> int:
+    """The largest ``--rollout-tp`` of at most 8 (one node's GPUs) that divides ``ranks`` and the model's
+    heads, 1 where the sampler cannot split the model."""
+    from ...rollout.tensor_parallel import Unsharded, check_divisible
+
+    if not getattr(model_config, "base_model_tp_plan", None):
+        return 1
+    for size in (8, 4, 2):
+        if ranks % size == 0:
+            try:
+                check_divisible(model_config, size)
+            except Unsharded:
+                continue
+            return size
+    return 1

@@ -16,6 +16,7 @@ adapters are trained, in fp32 with fp32 AdamW state.
   base + adapter, without touching the training model.
 """
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -99,6 +100,24 @@ class LoRA:
         for p in self.model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()  # fp32 masters for what is trained
+
+    def initial_adapters(self, seed: int) -> dict:
+        """``{parameter name: whole value}`` of every adapter at the start of a run: A drawn as PEFT
+        draws it (Kaiming-uniform), from a generator of ``seed`` layer by layer, B zero. Drawn here
+        rather than by PEFT, so that a model built on the meta device and sharded before it has
+        storage (``parallel/sharded_loading.py``) starts from the same adapters as one loaded whole."""
+        from peft.tuners.lora import LoraLayer
+
+        generator = torch.Generator().manual_seed(seed)
+        values = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, LoraLayer):
+                A, B = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight  # (r, in), (out, r)
+                a = torch.empty(A.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+                values[f"{name}.lora_A.{ADAPTER}.weight"] = a
+                values[f"{name}.lora_B.{ADAPTER}.weight"] = torch.zeros(B.shape, dtype=torch.float32)
+        return values
 
     def adapters_off(self):
         """While active, the model is the base model: the reference of a LoRA run."""

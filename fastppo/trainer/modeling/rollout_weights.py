@@ -31,21 +31,33 @@ from .weights import copy_in_dtype
 class RolloutWeights:
     """``model`` is what the sampler runs; :meth:`refresh` brings it up to date with the policy."""
 
-    def __init__(self, policy: nn.Module, dtype: Optional[torch.dtype], gathered: bool = False):
+    def __init__(
+        self, policy: nn.Module, dtype: Optional[torch.dtype], gathered: bool = False, device: torch.device = None
+    ):
         """``dtype`` None: the policy itself whatever its dtypes (LoRA, whose frozen base is already
         held in the rollout dtype), or with ``gathered`` a copy in the policy's own dtypes.
-        ``gathered``: the policy is about to be sharded; the copy is filled from its shards."""
+        ``gathered``: the policy is about to be sharded; the copy is filled from its shards, on
+        ``device`` (a policy on the meta device, read shard by shard, gives it none of its own)."""
         self.policy, self.gathered = policy, gathered
         if not gathered and (dtype is None or all(p.dtype == dtype for p in policy.parameters())):
             self.model, self._targets, self._sources = policy, [], []
             return
-        self.model, pairs = copy_in_dtype(policy, dtype)
+        device = device or next(policy.parameters()).device
+        self.model, pairs = copy_in_dtype(policy, dtype, empty_on=device if gathered else None)
         self._targets = [target for target, _ in pairs]
         # gathered: by name, holding none of the policy's whole tensors, which sharding replaces
         self._sources = [] if gathered else [source for _, source in pairs]
         if gathered:
             self._by_name = dict(self.model.named_parameters(remove_duplicate=False))
+            self._buffers_on(device)
             self.release()
+
+    def _buffers_on(self, device: torch.device) -> None:
+        """The copy's buffers on ``device`` (a policy read shard by shard holds them on the host)."""
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
 
     @property
     def shared(self) -> bool:
@@ -72,7 +84,7 @@ class RolloutWeights:
     def whole(self):
         """The copy whole while the block runs: a gathered copy whose storage is free is filled (on
         every rank alike: the gathers are collectives) and freed again after."""
-        freed = self.gathered and bool(self._targets) and self._targets[0].untyped_storage().nbytes() == 0
+        freed = self.freed()
         if freed:
             self.refresh()
         try:
@@ -80,6 +92,10 @@ class RolloutWeights:
         finally:
             if freed:
                 self.release()
+
+    def freed(self) -> bool:
+        """Whether the copy's storage is free (:meth:`release`) until the next :meth:`refresh`."""
+        return self.gathered and bool(self._targets) and self._targets[0].untyped_storage().nbytes() == 0
 
     def release(self) -> None:
         """Free a gathered copy's storage until the next :meth:`refresh` (no-op otherwise)."""

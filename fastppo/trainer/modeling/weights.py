@@ -29,14 +29,21 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def copy_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple:
+def copy_in_dtype(model: nn.Module, dtype: Optional[torch.dtype], empty_on: Optional[torch.device] = None) -> tuple:
     """``(copy, pairs)``: a copy of ``model`` whose parameters are new tensors in ``dtype`` (None:
     each its own), frozen, made without a full-precision intermediate; ``pairs`` lists ``(copy's,
     original)`` parameters. Tied weights stay tied (both names map to one new tensor); buffers keep
-    their dtype."""
-    new = {
-        id(p): nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False) for p in model.parameters()
-    }
+    their dtype. ``empty_on``: a parameter on the meta device becomes one with no storage on this
+    device (to be given storage and filled later)."""
+
+    def copied(p):
+        if p.is_meta and empty_on is not None:
+            empty = torch.empty(p.shape, dtype=dtype or p.dtype, device=empty_on)
+            empty.untyped_storage().resize_(0)
+            return empty
+        return p.detach().to(dtype or p.dtype, copy=True)
+
+    new = {id(p): nn.Parameter(copied(p), requires_grad=False) for p in model.parameters()}
     duplicate = copy.deepcopy(model, memo=dict(new)).eval()
     return duplicate, [(new[id(p)], p) for p in model.parameters()]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ...agents import sandbox
 from ...limits import GiB
 from ..configuration.config import TrainConfig
-from ..memory.plan import memory_plan
+from ..memory.plan import memory_plan, peak
 from ..modeling.default import DEFAULT_MODEL
 from .directory import read_metrics
 
@@ -28,12 +28,13 @@ def start_summary(config: "TrainConfig", models, rollouts, longest_prompt: int, 
     return [
         f"model: {c.model.model or DEFAULT_MODEL}, {total:,} parameters ({trainable:,} trained); "
         f"{c.algo.estimator}, lr {c.optim.lr:g}; rewards: {named}",
+        *([f"weights read {models.loaded}"] if world > 1 else []),
         f"each iteration: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples"
         + (f" x {world} ranks" if world > 1 else "")
         + f", up to {r.max_new_tokens} new tokens each, of {len(prompts)} prompts; the first, as the "
         f"sampler sees it: {prompts.texts[0]!r}",
         *episodes(c, rollouts.agent),
-        f"sampler: {rollouts.sampler.path}; decode attention: {rollouts.sampler.attention}",
+        f"sampler: {rollouts.sampler.path}; decode attention: {rollouts.sampler.attention}" + split(models),
         "update forwards: "
         + (
             "each prompt encoded once for its samples"
@@ -46,8 +47,19 @@ def start_summary(config: "TrainConfig", models, rollouts, longest_prompt: int, 
             else ""
         ),
         f"memory plan for one {device_type} device: "
-        f"{sum(line.bytes for line in plan) / GiB:.2f} GiB (the lines: fastppo train --plan)",
+        f"{peak(plan) / GiB:.2f} GiB at its peak (the lines: fastppo train --plan)",
     ] + toy_defaults(c)
+
+
+def split(models) -> str:
+    """What the sampler's line adds under ``--rollout-tp``: how the copy is split, and over whom."""
+    group = models.rollout_group
+    if group.size == 1:
+        return ""
+    return (
+        f"; split over {group.size} ranks (--rollout-tp: heads, MLP and vocabulary), {group.count} group(s) "
+        f"each decoding its ranks' prompts together"
+    )
 
 
 def episodes(config: "TrainConfig", agent) -> list:

@@ -69,14 +69,14 @@ def prompt_by_prompt(generate):
     return rollout
 
 
-def rank_environment(rank, port):
-    """Rank ``rank`` of two, as torchrun would set it up; its sampler's ``decoder="auto"`` pinned to a
+def rank_environment(rank, port, world=2):
+    """Rank ``rank`` of ``world``, as torchrun would set it up; its sampler's ``decoder="auto"`` pinned to a
     hand-written forward, as conftest.py pins it in the tests' own process (a rank's rollouts are
     compared with that process's)."""
     from fastppo.rollout import decoders
 
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_default_device("cpu")
     decoders._faster = lambda *args: ("lean", None)
@@ -217,24 +217,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(target, *args):
+def _spawn(target, *args, world=2):
     port = free_port()
-    mp.spawn(target, args=(port, *args), nprocs=2, join=True)
+    mp.spawn(target, args=(port, *args), nprocs=world, join=True)
 
 
-@pytest.mark.slow
-def test_two_rank_resume_is_exact(tmp_path):
-    fields = {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "save": True}
+def straight_and_resumed(tmp_path, fields: dict) -> list:
+    """The metrics rows of two two-rank runs of ``fields``: 3 iterations straight, and 2 then resumed to 3
+    (timings aside)."""
     _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 3}, 0)
     _spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
     _spawn(_train_worker, str(tmp_path / "split"), None, 3)
-    rows = [
+    return [
         [
             {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
             for line in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()
         ]
         for d in ("straight", "split")
     ]
+
+
+@pytest.mark.slow
+def test_two_rank_resume_is_exact(tmp_path):
+    rows = straight_and_resumed(tmp_path, {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "save": True})
     assert len(rows[0]) == 3 and rows[0] == rows[1]
     from safetensors.torch import load_file
 

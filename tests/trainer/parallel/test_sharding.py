@@ -55,6 +55,8 @@ def tied_model(directory: Path) -> str:
         pytest.param({"estimator": "gae", "gradient_checkpointing": True}, marks=pytest.mark.slow),
         pytest.param({"estimator": "grpo", "tied": True}, marks=pytest.mark.slow),
         {"estimator": "gae", "kl_coef": 0.05, "max_tokens_per_microbatch": 40},  # ranks agree on the parts
+        {"estimator": "grpo", "rollout_tp": 2},  # the two ranks decode their prompts together, split
+        pytest.param({"estimator": "gae", "lora_rank": 4, "rollout_tp": 2}, marks=pytest.mark.slow),
     ],
     ids=str,
 )
@@ -65,6 +67,7 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
     fields = {**FIELDS, "kl_coef": 0.02, **options}
     _spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    fields.pop("rollout_tp", None)  # one rank decodes whole
     single = one_update(
         TrainConfig.from_flat(
             {**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one"), "device": "cpu"}
