@@ -89,6 +89,7 @@ class ModelShape:
     intermediate: int
     layers: int
     kv_dim: int  # key/value heads x head dim
+    head_dim: int
     lora_params: int  # adapter parameters for the given LoRA options (0 without)
     lora_tensors: int
     packed_params: int = 0  # what the sampler's packed copy holds (rollout/packed.py): its projections
@@ -133,6 +134,7 @@ def model_shape(model_config, lora_rank=None, lora_target_modules=None) -> Model
         intermediate=intermediate,
         layers=c.num_hidden_layers,
         kv_dim=kv_heads * head_dim,
+        head_dim=head_dim,
         lora_params=lora_params,
         lora_tensors=lora_tensors,
     )
@@ -358,8 +360,12 @@ def kv_line(
     block = block_within(
         r.rollout_kv_block_size or (FLASH_BLOCK if flash else DEFAULT_BLOCK), cap, FLASH_BLOCK if flash else 1
     )
-    kv_dim = m.kv_dim // split
+    kv_dim = max(m.kv_dim // split, m.head_dim)  # fewer KV heads than ranks: one a rank
     position = 2 * m.layers * kv_dim * size  # bytes of one position: K and V in every layer
+    if kv_dim * split > m.kv_dim:
+        shared = f", each KV head on {kv_dim * split // m.kv_dim} of the {split} ranks"
+    else:
+        shared = ""
     if memory is None and r.rollout_kv_memory is not None:
         memory = given_kv_bytes(r.rollout_kv_memory)
     static_bytes = slots * cap * position
@@ -367,7 +373,7 @@ def kv_line(
         return Line(
             "KV cache",
             static_bytes,
-            f"{position:,} B a position ({m.layers} layers x K,V x {kv_dim}); static, every one of {slots} "
+            f"{position:,} B a position ({m.layers} layers x K,V x {kv_dim}{shared}); static, every one of {slots} "
             f"slots at the cap ({cap:,}): the budget pages nothing",
             ROLLOUT,
         )
@@ -382,7 +388,7 @@ def kv_line(
     return Line(
         "KV cache",
         blocks * block * position,
-        f"{position:,} B a position ({m.layers} layers x K,V x {kv_dim}); {blocks:,} blocks of {block}; a row "
+        f"{position:,} B a position ({m.layers} layers x K,V x {kv_dim}{shared}); {blocks:,} blocks of {block}; a row "
         f"{math.ceil(cap / block)} blocks at the cap ({cap:,}), {math.ceil((prompt_tokens + mean) / block)} at "
         f"{prompt_tokens + mean:,} (mean response {mean:,}, assumed); rows in flight it allows: {static:,} "
         f"static, ~{paged:,} paged (the sampler takes {slots})",

@@ -71,12 +71,12 @@ def print_plan(args) -> int:
     available = int(args.plan_device_memory * GiB) if args.plan_device_memory else device_memory(device_type)
     tp = config.sharding.rollout_tp
     if tp > 1:
-        from ...rollout.tensor_parallel import Unsharded, check_divisible
+        from ...rollout.tensor_parallel import Unsharded, kv_sharing
 
         if world % tp:
             raise UsageError(f"--rollout-tp {tp} does not divide the {world} ranks planned (--plan-world-size)")
         try:
-            check_divisible(model_config, tp)
+            kv_sharing(model_config, tp)
         except Unsharded as why:
             raise UsageError(f"--rollout-tp {tp}: {why}") from None
     common = dict(world_size=world, reward_model_config=reward_config, runtime=runtime)
@@ -178,14 +178,14 @@ def _what_would_fit(config: "TrainConfig", total, available: int, budget, world:
 def _largest_split(model_config, ranks: int) -> int:
     """The largest ``--rollout-tp`` of at most 8 (one node's GPUs) that divides ``ranks`` and the model's
     heads, 1 where the sampler cannot split the model."""
-    from ...rollout.tensor_parallel import Unsharded, check_divisible
+    from ...rollout.tensor_parallel import Unsharded, kv_sharing
 
     if not getattr(model_config, "base_model_tp_plan", None):
         return 1
     for size in (8, 4, 2):
         if ranks % size == 0:
             try:
-                check_divisible(model_config, size)
+                kv_sharing(model_config, size)
             except Unsharded:
                 continue
             return size

@@ -461,6 +461,16 @@ def test_the_phases_hold_their_own_lines_and_offload_moves_the_trained_state_to_
     assert phases(offloaded)[UPDATE] == phases(list(plain.values()))[UPDATE] - moved
 
 
+def test_kv_heads_fewer_than_the_ranks_are_each_cached_on_several():
+    from transformers import AutoConfig
+
+    qwen = AutoConfig.from_pretrained(CONFIGS / "qwen2.5-1.5b")  # 12 heads, 2 KV heads of 128
+    cfg = config(Path("/unused"), fsdp=True, rollout_tp=4)
+    plan = memory_plan(cfg, qwen, prompt_tokens=64, device_type="cuda", world_size=4)
+    (kv,) = [line for line in plan if line.name == "KV cache"]
+    assert "(28 layers x K,V x 128, each KV head on 2 of the 4 ranks)" in kv.how
+
+
 def test_a_run_on_one_device_keeps_its_kv_cache_through_the_update():
     from transformers import AutoConfig
 
@@ -476,8 +486,8 @@ def test_a_run_on_one_device_keeps_its_kv_cache_through_the_update():
     [
         (["--rollout-tp", "3"], "--rollout-tp 3 does not divide the 8 ranks planned"),
         (
-            ["--rollout-tp", "4", "--model", str(CONFIGS / "qwen2.5-1.5b")],
-            "qwen2 has 2 KV heads, which do not divide over 4",
+            ["--rollout-tp", "8", "--model", str(CONFIGS / "qwen2.5-1.5b")],
+            "qwen2 has 12 attention heads, which do not divide over 8",
         ),
     ],
 )
