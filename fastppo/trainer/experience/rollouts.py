@@ -63,6 +63,8 @@ class Rollouts:
         self.sharded, self.longest_prompt, self.kv_memory = models.sharded, longest_prompt, kv_memory
         self.group = models.rollout_group
         self.sampler = self._sampler(config.rollout.rollout_weights)
+        if self.sharded:  # its KV cache waits for the first rollout: start-up holds the shards alone
+            self.sampler.sleep()
         self._held_out = None  # the held-out evaluation's own sampler, while the stream holds this one's cache
         self.order = EpochOrder(len(prompts), config.run.seed)
         self.waiting = deque()  # this rank's prompts of batches drawn before a resume, to sample again
