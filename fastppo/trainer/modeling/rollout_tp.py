@@ -123,7 +123,8 @@ class ParallelRolloutWeights(RolloutWeights):
 
     def _placed(self, source, target):
         """``target``'s local part of ``source`` (a policy parameter: FSDP's dim-0 shard, or whole),
-        in the copy's dtype, through DTensor's redistribute."""
+        in the copy's dtype, through DTensor's redistribute; where nothing moves, the shard's own
+        storage (to be read, never written)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         if not isinstance(source, DTensor):  # a parameter FSDP left whole
