@@ -53,6 +53,8 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
         for temperature, n in ((0.0, 1), (config.rollout.temperature, samples)):
             if mine:  # the sampler takes all of them, through as many of its slots as it has
                 rolled = rollouts.roll(prompts, mine, temperature, n, seed + n, bar.update, held_out=True)
+                if group.member:  # the group's first rank scores and counts what the group sampled together
+                    continue
                 scores, each = rollouts.score(prompts, mine, rolled, n)
                 if rolled.episodes is not None and temperature != 0:
                     tools += torch.tensor(
@@ -71,8 +73,6 @@ def evaluate(rollouts, prompts, samples: int, iteration: int) -> dict:
                     totals[:, 2] += best.masked_fill(~some, 0).sum(dim=1)
                     counted[:, 1:] += some.sum(dim=1, keepdim=True)
     rollouts.rest()
-    if group.member:  # the group's first rank counts what the group sampled together
-        totals, counted, tools = totals.zero_(), counted.zero_(), tools.zero_()
     totals = ranks.sum(totals.to(ranks.device())).cpu() / ranks.sum(counted.to(ranks.device())).cpu()
     metrics = {}
     if rollouts.agent is not None:

@@ -176,6 +176,7 @@ def memory_plan(
     per_rank = f" / {shards} ranks" if fsdp else ""
     offloaded = HOST if fsdp and config.sharding.fsdp_offload else HELD  # the trained models' state
     lines = []
+    loaded = 0  # what loading leaves on the device: each model's weights (a critic's without its state)
     if lora.lora_rank is None:
         trainable, tensors = m.params, m.tensors
         lines.append(
@@ -191,6 +192,8 @@ def memory_plan(
                 offloaded,
             )
         )
+    if offloaded == HELD:
+        loaded += lines[-1].bytes
     gradients = HOST if offloaded == HOST else UPDATE  # freed at each optimizer step
     lines += [
         Line("gradients", 4 * trainable // shards, f"{trainable:,} fp32{per_rank}, from backward to step", gradients),
@@ -220,6 +223,8 @@ def memory_plan(
                 when,
             )
         )
+        if when == HELD:
+            loaded += lines[-1].bytes
     if r.rollout_weights == "packed" and m.packed_params and lora.lora_rank is None and not fsdp:
         lines.append(
             Line(
@@ -234,8 +239,11 @@ def memory_plan(
         lines.append(
             Line("reference", frozen * m.params // shards, f"{m.params:,} in {str(precision.frozen)[6:]}{per_rank}")
         )
-    critic = m.backbone_params + m.hidden + 1
+        loaded += lines[-1].bytes
     if config.uses_critic:
+        critic = m.backbone_params + m.hidden + 1
+        if offloaded == HELD:
+            loaded += 4 * critic // shards
         lines.append(
             Line(
                 "critic + its gradients and AdamW state",
@@ -307,30 +315,12 @@ def memory_plan(
         lines.append(Line("gradient all-reduce bucket", 4 * trainable, "a flat copy of the gradients", UPDATE))
     if runtime:
         lines.append(Line("runtime", runtime, "this process before any model: Python, torch, transformers"))
-    lines.append(startup_line(config, m, lines, shards, world_size))
-    return lines
-
-
-def startup_line(config: "TrainConfig", m: ModelShape, lines: list, shards: int, world_size: int) -> Line:
-    """The peak while the models load, before any rollout: with ``--fsdp`` on several ranks each
-    rank's shards of the weights, read as such (``parallel/sharded_loading.py``); else every
-    model whole on every rank, the policy in fp32 (cast in place, one tensor at a time)."""
-    by_name = {line.name: line for line in lines}
-    weights = [by_name[name] for name in ("policy weights", "reference", "runtime") if name in by_name]
-    weights = sum(line.bytes for line in weights if line.when != HOST)
-    if (
-        "critic + its gradients and AdamW state" in by_name
-        and by_name["critic + its gradients and AdamW state"].when != HOST
-    ):
-        weights += 4 * (m.backbone_params + m.hidden + 1) // shards  # its weights, before any state
-    copy = by_name.get("rollout copy")
-    if copy is not None and copy.when == HELD:
-        weights += copy.bytes
-    if config.sharding.fsdp and world_size > 1:
+    if fsdp and world_size > 1:  # parallel/sharded_loading.py
         how = "each rank reads its own shards of the checkpoint (one whose names are not the model's loads whole)"
     else:
         how = "every model whole on every rank"
-    return Line("start-up", weights, how, STARTUP)
+    lines.append(Line("start-up", loaded + runtime, how, STARTUP))
+    return lines
 
 
 def kv_line(

@@ -65,15 +65,11 @@ def unreadable(model: nn.Module, path) -> str:
     names = checkpoint_names(path)
     if not names:
         return f"{path} holds no {SUFFIX} files"
-    missing = sorted(set(_own_names(model)) - names)
+    # a tied parameter once, as checkpoints store it
+    missing = sorted({name for name, _ in model.named_parameters()} - names)
     if missing:
         return f"{path} names its tensors otherwise ({missing[0]} is not among them)"
     return ""
-
-
-def _own_names(model: nn.Module) -> list:
-    """The model's parameter names, a tied one once (as checkpoints store it)."""
-    return [name for name, _ in model.named_parameters()]
 
 
 def load_meta_policy(path):
