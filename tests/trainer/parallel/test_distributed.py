@@ -1,5 +1,6 @@
 """Data parallelism: two gloo ranks on the CPU make the same update as one rank on all the prompts."""
 
+import faulthandler
 import json
 import os
 import socket
@@ -79,6 +80,8 @@ def rank_environment(rank, port, world=2):
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_default_device("cpu")
+    if world > (os.cpu_count() or 1):  # more ranks than cores: a thread each, not every rank a thread a core
+        torch.set_num_threads(1)
     decoders._faster = lambda *args: ("lean", None)
 
 
@@ -217,9 +220,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A rank that has not finished in this long prints every thread's stack and exits, so a collective that
+# never completes fails its test with each rank's stack, under pytest's own timeout, and leaves no rank behind
+RANK_WATCHDOG_S = 600
+
+
+def _watched(rank, target, *args):
+    faulthandler.dump_traceback_later(RANK_WATCHDOG_S, exit=True)
+    target(rank, *args)
+
+
 def _spawn(target, *args, world=2):
     port = free_port()
-    mp.spawn(target, args=(port, *args), nprocs=world, join=True)
+    mp.spawn(_watched, args=(target, port, *args), nprocs=world, join=True)
 
 
 def straight_and_resumed(tmp_path, fields: dict) -> list:
