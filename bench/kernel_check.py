@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import fastppo  # noqa: E402
 from fastppo.bench.calibrate import dram_latency_us, rotating_ms  # noqa: E402
 from fastppo.bench.measure import copy_bandwidth_gbps, time_call  # noqa: E402
-from fastppo.kernels import logprobs, sampling  # noqa: E402
+from fastppo.kernels import sample_tokens, token_logprobs  # noqa: E402
 from tests.oracles import (  # noqa: E402
     chi2_critical,
     gae_oracle,
@@ -226,14 +226,15 @@ def logprobs_past_2_31(c: Check):
     rows = torch.tensor(sorted({*range(4), *range(boundary - 2, boundary + 3), *range(N - 4, N)}), device=c.device)
     kept = x[0, rows].clone()
     logp, entropy, lse = c.f32(N), c.f32(N), c.f32(N)
-    logprobs.logprobs_forward(x, labels, None, 1.0, -100, logp, entropy, lse)
+    token_logprobs.logprobs_forward(x, labels, None, 1.0, -100, logp, entropy, lse)
     ref_logp, ref_entropy = logprobs_oracle(kept, labels[rows])
     error = max((logp[rows] - ref_logp).abs().max().item(), (entropy[rows] - ref_entropy).abs().max().item())
     c.record(
         "logprobs_past_2_31", f"forward bf16 [{N}, {V}], rows {rows.tolist()[:3]}...", ok=error < 1e-4, error=error
     )
     g_lp, g_ent = torch.randn(N, device=c.device), torch.randn(N, device=c.device)
-    logprobs.logprobs_backward(x, x, labels, None, 1.0, -100, lse, entropy, g_lp, g_ent)  # in place, as from hidden
+    # in place, as from hidden
+    token_logprobs.logprobs_backward(x, x, labels, None, 1.0, -100, lse, entropy, g_lp, g_ent)
     expected = logprobs_grad_oracle(kept, labels[rows], g_lp[rows], g_ent[rows])
     error = relative_error(x[0, rows], expected)
     c.record("logprobs_past_2_31", "backward in place, relative error", ok=error < 1e-2, error=error)
@@ -247,7 +248,7 @@ def misaligned(c: Check):
         x = storage[offset:].view(N, V + pad)[:, :V]  # rows V + pad apart, starting `offset` elements in
         labels = torch.randint(0, V, (N,), device=c.device)
         logp, entropy, lse = c.f32(N), c.f32(N), c.f32(N)
-        logprobs.logprobs_forward(x.unsqueeze(0), labels, None, 1.0, -100, logp, entropy, lse)
+        token_logprobs.logprobs_forward(x.unsqueeze(0), labels, None, 1.0, -100, logp, entropy, lse)
         ref_logp, ref_entropy = logprobs_oracle(x, labels)
         error = max((logp - ref_logp).abs().max().item(), (entropy - ref_entropy).abs().max().item())
         name = f"V={V}, rows {V + pad} apart, {2 * offset} bytes past aligned"
@@ -257,14 +258,14 @@ def misaligned(c: Check):
         padded = torch.zeros(N, V + pad + 8, device=c.device, dtype=x.dtype)[:, :V]
         # Into rows laid out otherwise, then in place (a shifted row's body then stored in vectors).
         for grad, into in ((padded, f"into rows {V + pad + 8} apart"), (x, "in place")):
-            logprobs.logprobs_backward(
+            token_logprobs.logprobs_backward(
                 x.unsqueeze(0), grad.unsqueeze(0), labels, None, 1.0, -100, lse, entropy, g_lp, None
             )
             error = relative_error(grad, expected)
             c.record("misaligned", f"backward {into}, {name}", ok=error < 1e-2, error=error)
         # Greedy draws from the rows (holding their gradient now: any values do).
         tokens, token_logp = torch.empty(N, dtype=torch.long, device=c.device), c.f32(N)
-        sampling.sample_forward(x, 1.0, True, 0, tokens, token_logp)
+        sample_tokens.sample_forward(x, 1.0, True, 0, tokens, token_logp)
         best = x.float().max(dim=1, keepdim=True).values
         ties_ok = (x.gather(1, tokens[:, None]).float() == best).all().item()
         c.record("misaligned", f"greedy draw is a row's max, {name}", ok=bool(ties_ok))
@@ -278,7 +279,7 @@ def peaked(c: Check):
     tokens, token_logp = torch.empty(B, dtype=torch.long, device=c.device), c.f32(B)
     off_peak, worst = 0, 0.0
     for seed in range(4):
-        sampling.sample_forward(x, 1.0, False, 1234 + seed, tokens, token_logp)
+        sample_tokens.sample_forward(x, 1.0, False, 1234 + seed, tokens, token_logp)
         off_peak += int((tokens != peak).sum())
         worst = min(worst, token_logp.min().item())
     c.record(
@@ -307,7 +308,7 @@ def distribution(c: Check):
         counts = torch.zeros(K + 1, device=c.device, dtype=torch.float64)
         tokens, token_logp = torch.empty(B, dtype=torch.long, device=c.device), c.f32(B)
         for seed in range(seeds):
-            sampling.sample_forward(x, 1 / T, False, 99 + seed, tokens, token_logp)
+            sample_tokens.sample_forward(x, 1 / T, False, 99 + seed, tokens, token_logp)
             counts += torch.bincount(bucket[tokens], minlength=K + 1).double()
         chi2 = ((counts - expected) ** 2 / expected).sum().item()
         c.record(
@@ -380,10 +381,10 @@ def paged_decode(c: Check):
     the static cache, and the kernel with a float64 oracle on some rows."""
     import math
 
-    from fastppo.rollout.attention import CacheAttention
+    from fastppo.rollout.attention import CacheAttention, LayerAttention
     from fastppo.rollout.flash import flash_decode
-    from fastppo.rollout.kv_cache import KVCache
     from fastppo.rollout.paged import PagedKVCache
+    from fastppo.rollout.static_cache import StaticKVCache
 
     B, H, KVH, D, L, group = c.size(256, 4), 28, 4, 128, c.size(4096, 40), c.size(8, 2)
     prompt = L // 2
@@ -408,7 +409,9 @@ def paged_decode(c: Check):
             continue
         for layout, block in (("static", None), ("paged", 256 if flash else 16)):
             if block is None:
-                cache = KVCache(1, B, KVH, L, D, dtype, c.device, head_major=flash is None)  # as the sampler holds it
+                cache = StaticKVCache(
+                    1, B, KVH, L, D, dtype, c.device, head_major=flash is None
+                )  # as the sampler holds it
             else:
                 cache = PagedKVCache(
                     1, B, KVH, L, D, dtype, c.device, block_size=block, num_blocks=1 + B * math.ceil(L / block)
@@ -420,7 +423,7 @@ def paged_decode(c: Check):
             context = attend.decode_context(positions)
 
             def step(attend=attend, context=context):
-                return attend.decode(0, q, k, v, positions, span, D**-0.5, None, context)
+                return attend.decode(0, q, k, v, positions, span, context, LayerAttention(D**-0.5))
 
             outputs[attention, layout] = step().float()
             ms = c.ms(step)

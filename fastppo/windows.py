@@ -3,7 +3,7 @@
 Which layers of a Hugging Face causal LM attend through a sliding window, and how wide, read from
 its config the way transformers' modeling code decides it: one answer for the sampler's decode
 masks (``rollout/lean.py``, ``rollout/interface.py``), the shared-prefix layout's masks
-(``trainer/update/layout.py``) and its check.
+(``trainer/update/row_layout.py``) and its check.
 
 transformers picks each layer's mask in one of these ways:
 

@@ -1,11 +1,13 @@
 """fastppo's device code: Triton kernels and the thin launchers that run them.
 
-One module per kernel family (``logprobs``, ``ppo_loss``, ``gae``, ``sampling``, ``decode_attention``); each launcher
-takes tensors already shaped the way its kernel expects and writes into output tensors it is
-given. Nothing here validates arguments, chooses dtypes or knows about autograd: that is the job
-of ``fastppo.ops``. ``layout`` holds what the kernels share with their PyTorch twins and imports
-no triton, so the families are imported on first use, not with the package; ``vectors`` is what
-the vocabulary kernels share to read rows that start between 16-byte vectors.
+One module per kernel family, named by its op (``token_logprobs``, ``ppo_policy_loss``, ``gae``,
+``sample_tokens``, ``decode_attention``), as its PyTorch twin is (``fastppo/ops/<family>_torch.py``);
+each launcher takes tensors already shaped the way its kernel expects and writes into output
+tensors it is given. Nothing here validates arguments, chooses dtypes or knows about autograd: that is the job
+of ``fastppo.ops``. ``contract`` declares what the kernels and their PyTorch twins agree on (the
+launchers' signatures, the types they take, the layouts they write) and imports no triton, so the
+families are imported on first use, not with the package; ``vectors`` is what the vocabulary
+kernels share to read rows that start between 16-byte vectors.
 """
 
 import importlib
@@ -14,8 +16,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-FAMILIES = ("logprobs", "ppo_loss", "gae", "sampling", "decode_attention")
-__all__ = [*FAMILIES, "layout"]
+FAMILIES = ("token_logprobs", "ppo_policy_loss", "gae", "sample_tokens", "decode_attention")
+__all__ = [*FAMILIES, "contract"]
 
 
 def __getattr__(name):

@@ -467,7 +467,7 @@ def decode_attention(
     block_n=None,
     num_warps=4,
 ):
-    """The launcher of ``fastppo/ops/launchers.py``. ``k_cache``'s and ``v_cache``'s last dimension
+    """The launcher ``kernels/contract.py`` declares. ``k_cache``'s and ``v_cache``'s last dimension
     is contiguous; any other strides (a head-major static cache's view) are read as they are."""
     B, H, D = q.shape
     KVH = k_cache.shape[2]

@@ -100,7 +100,7 @@ def _tiling(B, T, block_t):
 
 
 def gae(rewards, values, mask, gamma, lam, advantages, returns, *, block_t=None):
-    """The launcher of ``fastppo/ops/launchers.py``; ``block_t`` overrides the time tile."""
+    """The launcher ``kernels/contract.py`` declares; ``block_t`` overrides the time tile."""
     B, T = rewards.shape
     if B == 0 or T == 0:
         return

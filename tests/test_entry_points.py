@@ -63,21 +63,21 @@ def test_every_documented_script_command_runs():
 def test_kernels_import_as_a_subpackage():
     import fastppo.kernels
 
-    assert callable(fastppo.kernels.logprobs.logprobs_forward) and callable(fastppo.kernels.gae.gae)
+    assert callable(fastppo.kernels.token_logprobs.logprobs_forward) and callable(fastppo.kernels.gae.gae)
     assert fastppo.__version__
 
 
 def test_the_cpu_path_needs_no_triton():
-    # As on a machine without triton: the twins, and the layouts they share with the kernels, import
+    # As on a machine without triton: the twins, and the contract they share with the kernels, import
     # and run; the kernel families are not imported with the package.
     script = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, fastppo, fastppo.kernels.layout\n"
+        "import torch, fastppo, fastppo.kernels.contract\n"
         "m = torch.ones(2, 5, dtype=torch.bool)\n"
         "loss, _ = fastppo.ppo_policy_loss(-torch.rand(2, 5), -torch.rand(2, 5), torch.randn(2, 5), m)\n"
         "logp = fastppo.token_logprobs(torch.randn(2, 5, 7), torch.zeros(2, 5, dtype=torch.long))\n"
         "assert torch.isfinite(loss) and logp.shape == (2, 5)\n"
-        "assert 'fastppo.kernels.ppo_loss' not in sys.modules\n"
+        "assert 'fastppo.kernels.ppo_policy_loss' not in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -109,14 +109,14 @@ def test_the_repository_kernels_folder_does_not_hide_the_kernels_distribution():
 
     root = Path(__file__).resolve().parents[1]
     probe = (
-        f"import sys; sys.path.insert(0, {str(root)!r}); import fastppo.kernels.layout as ours\n"
+        f"import sys; sys.path.insert(0, {str(root)!r}); import fastppo.kernels.contract as ours\n"
         "import kernels\nprint('found', kernels.__file__)\n"
         "print('ours', ours.__file__)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=root)
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    assert Path(lines["ours"]).resolve() == root / "kernels" / "layout.py"
+    assert Path(lines["ours"]).resolve() == root / "kernels" / "contract.py"
     try:
         importlib.metadata.distribution("kernels")
     except importlib.metadata.PackageNotFoundError:

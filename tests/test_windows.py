@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fastppo.trainer.memory.plan import forward_tokens
 from fastppo.trainer.modeling.critic import Critic
 from fastppo.trainer.update.batch import response_hidden, response_values
-from fastppo.trainer.update.layout import SharedPrefix, mask_refusal, model_mask
 from fastppo.trainer.update.probe import check_shared_prefix
+from fastppo.trainer.update.row_layout import SharedPrefix, mask_refusal, model_mask
 from fastppo.windows import FLAGGED, FULL, SLIDING, UnknownWindows, layer_windows, smallest_window
 from tests.oracles import relative_error
 from tests.trainer.runs import config as train_config

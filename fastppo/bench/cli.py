@@ -152,8 +152,8 @@ def _versus_trl(args) -> int:
 def _limits(args) -> int:
     from dataclasses import asdict
 
-    from .limits import markdown as limits_markdown
-    from .limits import measure
+    from .phase_limits import markdown as limits_markdown
+    from .phase_limits import measure
 
     limits = measure(torch.device(args.device))
     return _report(args, asdict(limits), limits_markdown(limits))

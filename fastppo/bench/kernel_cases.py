@@ -12,8 +12,8 @@ each, bf16), 256 rows of 4k positions, and 64 groups of 8 samples of a 2k-token 
 import torch
 import triton
 
-from ..kernels import decode_attention, gae, logprobs, ppo_loss, sampling
-from ..kernels.layout import PARTIALS, Cascade
+from ..kernels import decode_attention, gae, ppo_policy_loss, sample_tokens, token_logprobs
+from ..kernels.contract import PARTIALS, Cascade, LossTerms
 from ..ops.token_logprobs_from_hidden import HALF_LOGIT_GRAD, WEIGHT_GRAD_IN_PLACE, default_chunk_size
 from .launches import launched
 from .roofline import KernelCase, from_hidden_model
@@ -26,24 +26,24 @@ def _empty(*shape, dtype=torch.float32, device="cpu"):
 
 
 def logprob_cases(N: int = 8192, V: int = 151936, device="cpu") -> list:
-    BLOCK_N, BLOCK_V, warps = logprobs._tiling(V, None)
+    BLOCK_N, BLOCK_V, warps = token_logprobs._tiling(V, None)
     logits = _empty(1, N, V, dtype=torch.bfloat16, device=device)
     labels = torch.zeros(1, N, dtype=torch.long, device=device)
     logp, entropy, lse = (_empty(N, device=device) for _ in range(3))
     per_trip = dict(trips=triton.cdiv(V, BLOCK_V), elements_per_trip=BLOCK_N * BLOCK_V, target=0.9)
     shape = f"bf16 [{N}, {V}]"
     forward = launched(
-        logprobs,
+        token_logprobs,
         "_logprobs_fwd_kernel",
-        lambda: logprobs.logprobs_forward(logits, labels, None, 1.0, -100, logp, entropy, lse),
+        lambda: token_logprobs.logprobs_forward(logits, labels, None, 1.0, -100, logp, entropy, lse),
     )
     cases = [KernelCase("token_logprobs forward", shape, forward, bytes=2 * N * V + 20 * N, **per_trip)]
     for g_ent in (False, True):
         grad_entropy = _empty(N, device=device) if g_ent else None
         backward = launched(
-            logprobs,
+            token_logprobs,
             "_logprobs_bwd_kernel",
-            lambda grad_entropy=grad_entropy: logprobs.logprobs_backward(
+            lambda grad_entropy=grad_entropy: token_logprobs.logprobs_backward(
                 logits, logits, labels, None, 1.0, -100, lse, entropy, logp, grad_entropy
             ),
         )
@@ -55,20 +55,20 @@ def logprob_cases(N: int = 8192, V: int = 151936, device="cpu") -> list:
 def sample_cases(B: int = 256, V: int = 151936, device="cpu", greedy_only: bool = False, splits=None) -> list:
     """The sampling kernel, drawing and greedy, and the combine kernel when the vocabulary is split
     (``splits``: as the launcher picks, or forced)."""
-    BLOCK_N, BLOCK_V, warps = sampling._sample_tiling(V, None)
-    SPLITS = splits or sampling._splits(B, V, BLOCK_N, BLOCK_V)
+    BLOCK_N, BLOCK_V, warps = sample_tokens._sample_tiling(V, None)
+    SPLITS = splits or sample_tokens._splits(B, V, BLOCK_N, BLOCK_V)
     split_cols = triton.cdiv(triton.cdiv(V, SPLITS), BLOCK_V) * BLOCK_V
     logits = _empty(B, V, dtype=torch.bfloat16, device=device)
     tokens, logp = _empty(B, dtype=torch.long, device=device), _empty(B, device=device)
     shape = f"bf16 [{B}, {V}], {SPLITS} splits"
     cases = []
     for greedy in (True,) if greedy_only else (False, True):
-        run = lambda greedy=greedy: sampling.sample_forward(logits, 1.0, greedy, 7, tokens, logp, splits=SPLITS)  # noqa: E731
+        run = lambda greedy=greedy: sample_tokens.sample_forward(logits, 1.0, greedy, 7, tokens, logp, splits=SPLITS)  # noqa: E731
         cases.append(
             KernelCase(
                 f"sample_tokens{' (greedy)' if greedy else ''}",
                 shape,
-                launched(sampling, "_sample_kernel", run),
+                launched(sample_tokens, "_sample_kernel", run),
                 trips=triton.cdiv(split_cols, BLOCK_V),
                 elements_per_trip=BLOCK_N * BLOCK_V,
                 bytes=2 * B * V + 12 * B,
@@ -78,12 +78,12 @@ def sample_cases(B: int = 256, V: int = 151936, device="cpu", greedy_only: bool 
     if SPLITS > 1 and not greedy_only:
         # The splits' partials (m_x, s, best fp32; the column int64) in, a token and its log-prob out,
         # and the chosen logit read again (a 32-byte sector per row).
-        run = lambda: sampling.sample_forward(logits, 1.0, False, 7, tokens, logp, splits=SPLITS)  # noqa: E731
+        run = lambda: sample_tokens.sample_forward(logits, 1.0, False, 7, tokens, logp, splits=SPLITS)  # noqa: E731
         cases.append(
             KernelCase(
                 "sample_tokens combine",
                 shape,
-                launched(sampling, "_combine_kernel", run),
+                launched(sample_tokens, "_combine_kernel", run),
                 trips=1,
                 elements_per_trip=32 * SPLITS,
                 bytes=B * SPLITS * 20 + B * (12 + 32),
@@ -114,11 +114,12 @@ def gae_cases(B: int = 512, T: int = 8192, device="cpu") -> list:
 def ppo_loss_cases(N: int = 512 * 8192, device="cpu") -> list:
     tokens = [_empty(N, device=device) for _ in range(6)]  # logp, old, advantages, weights, ref, entropy
     valid, grad = _empty(N, dtype=torch.bool, device=device), _empty(N, device=device)
-    partials = _empty(ppo_loss.num_programs(N), len(PARTIALS), device=device)
+    partials = _empty(ppo_policy_loss.num_programs(N), len(PARTIALS), device=device)
+    terms = LossTerms(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.01, kl_estimator=3, entropy_coef=0.01)
     launch = launched(
-        ppo_loss,
+        ppo_policy_loss,
         "_ppo_loss_fwd_kernel",
-        lambda: ppo_loss.ppo_loss_forward(*tokens[:4], valid, *tokens[4:], 0.2, 0.28, 3.0, 0.01, 3, grad, partials),
+        lambda: ppo_policy_loss.ppo_loss_forward(*tokens[:4], valid, *tokens[4:], terms, grad, partials),
     )
     read = 4 * 6 + 1  # logp, old, advantages, weights, ref, entropy; valid
     return [
@@ -127,7 +128,7 @@ def ppo_loss_cases(N: int = 512 * 8192, device="cpu") -> list:
             f"fp32 [{N}]",
             launch,
             trips=1,
-            elements_per_trip=ppo_loss._BLOCK,
+            elements_per_trip=ppo_policy_loss._BLOCK,
             bytes=(read + 4) * N,
             target=0.85,
         )

@@ -107,7 +107,7 @@ def storage_bytes(tensors) -> int:
     storage once; an opaque tensor (oneDNN's blocked format) by its logical size."""
     from torch.distributed.tensor import DTensor
 
-    from ..rollout.layouts import stored_bytes
+    from ..rollout.weight_layouts import stored_bytes
 
     storages = {}
     for t in tensors:

@@ -167,7 +167,7 @@ def _update_tokens(trainer, batch) -> int:
 
 def _layouts_case(device, label: str, fields: dict, budget: int, policy_factory=None) -> Case:
     from ..trainer.update import unit_attention
-    from ..trainer.update.layout import SharedPrefix, key_cost
+    from ..trainer.update.row_layout import SharedPrefix, key_cost
 
     def make():
         trainer = _trainer(device, fields, policy_factory)

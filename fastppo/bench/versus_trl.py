@@ -143,7 +143,7 @@ def _recording(rollouts) -> list:
 
 def _phase_limits(limits, sampler, rollout_dtype, update_dtype, sampled: list, samples: int) -> dict:
     """Each phase's least time on this machine (``limits.py``) for this iteration's rollouts."""
-    from .limits import rollout_seconds, update_seconds
+    from .phase_limits import rollout_seconds, update_seconds
 
     rollout = update = 0.0
     for r, prefill in sampled:
@@ -333,7 +333,7 @@ def compare(
         bf16=bf16,
         workload=workload,
     )
-    from .limits import measure
+    from .phase_limits import measure
 
     limits = measure(device)
     runs = {
@@ -401,15 +401,15 @@ def markdown(result: dict, machine: str) -> str:
         "a CPU run mostly page faults on memory mapped afresh, which fall over the first iterations and rise in one "
         "that sets a new peak.",
     ]
-    from .limits import gflops
+    from .phase_limits import gflops
 
     limits = result["limits"]
     rates = ", ".join(f"{dtype} matmul {gflops(flops)}" for dtype, flops in limits["matmul_flops"].items())
     lines += [
         "",
         f"fastppo's phases against this machine's limit ({rates}, read {limits['read_bytes_per_s'] / 1e9:.1f} GB/s; "
-        "`fastppo/bench/limits.py`): median seconds per iteration, the least the phase's work could take here, and "
-        "the share of that limit reached.",
+        "`fastppo/bench/phase_limits.py`): median seconds per iteration, the least the phase's work could take "
+        "here, and the share of that limit reached.",
         "",
         "| phase | seconds | limit (s) | share of the limit |",
         "| --- | --- | --- | --- |",

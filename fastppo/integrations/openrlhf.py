@@ -8,78 +8,16 @@ maker's ``get_advantages_and_returns``. ``patch()`` swaps them into the installe
 experience maker's method included (build the trainer after it: losses already constructed stay
 OpenRLHF's). Importing this module does not import OpenRLHF.
 
-What changed, by release (the names are ``OPENRLHF``'s; constructor and ``forward`` parameters
-follow each release's order, so positional calls bind as they would there):
-
-* 0.8.2 ``clip-range-low-high``: ``PolicyLoss(clip_eps_low, clip_eps_high, ...)`` replaces
-  ``clip_eps``. 0.8.3 ``returns-clip-ratio``: ``forward`` returns ``(loss, clip_ratio)``.
-* 0.8.6 ``dual-clip``: ``dual_clip``; ``kl-clamped``: ``compute_approx_kl`` clamps every
-  estimate to [-10, 10] (before, k3 is unbounded).
-* 0.8.8 ``policy-loss-type``: ``policy_loss_type`` ("ppo", or "gspo", which runs OpenRLHF's own
-  class); ``returns-ppo-kl``: ``(..., ppo_kl)``.
-* 0.8.9 ``vllm-is-cap``: the correction of ``old_log_probs`` over ``rollout_log_probs``, weights
-  ``exp(old - rollout)`` capped above at ``vllm_is_truncated_threshold`` when it is set;
-  ``returns-vllm-kl``: ``(..., vllm_kl)``, None without the correction. 0.8.10
-  ``vllm-is-switch``: the correction needs ``enable_vllm_is_correction``. 0.9.1 ``vllm-is-band``:
-  ``[low, high]`` thresholds, a clamp or with ``use_icepop`` a zeroing outside them. 0.9.3
-  ``vllm-is-correction-type``: ``tis`` (clamp), ``icepop`` (zero outside) or ``mis`` (zero the rows
-  whose geometric-mean weight is outside, keep the others' weights unclamped), checked at
-  construction; 0.9.4 ``seq-mask-tis``: ``mis`` renamed ``seq-mask-tis``.
-* 0.9.9 ``kl-estimator-checked``: an unknown estimator is a ValueError (fastppo's is one on every
-  release; OpenRLHF before fails with UnboundLocalError).
-* 0.10.3 ``global-batch``: ``forward(..., dp_size, batch_num_tokens, global_batch_size)`` on both
-  losses: the token mean is the sum over ``batch_num_tokens`` times ``dp_size``, the sequence mean
-  averages the rows with a valid token (over ``global_batch_size`` times ``dp_size`` when given);
-  before, the sequence mean averaged every row, so an empty one made it NaN; with
-  ``batch_num_tokens`` or the sequence mean, ``action_mask`` is required (a TypeError without).
-  ``policy-ratio-clamped``: the log-ratio is clamped to [-20, 20] before ``exp``.
-  ``ppo-kl-of-the-policy``: ``ppo_kl`` is the policy's mean log-ratio again; from 0.9.3 to 0.10.2,
-  with a correction on, it is the mean of ``rollout_log_probs - old_log_probs`` (those releases
-  reuse one variable for both).
-* 0.11.1 ``kl-unbiased-gradient``: ``compute_approx_kl(log_probs, log_probs_base, log_probs_old,
-  kl_estimator, unbiased_gradient)`` (``log_probs_old`` is now third): with ``unbiased_gradient``
-  the value is the estimator's and the gradient k2's times ``exp(log_probs - log_probs_old)``
-  capped at 10; ``icepop-where``: icepop zeroes with a select, so an infinite weight outside the
-  band gives 0, not NaN.
-* 0.11.2 ``is-correction``: the correction becomes ``is_correction_level`` (off / token / seq),
-  ``is_correction_mode`` (mask / clip), ``is_correction_gating`` (ratio / binary_kl / tv) and
-  ``is_correction_threshold``, checked at construction; ``returns-filter-ratio``:
-  ``(..., is_filter_ratio)``, the share of tokens (or rows) the gate filtered.
-
-Where OpenRLHF's semantics differ from fastppo's, these reproduce OpenRLHF's: GAE zeroes values
-and rewards at masked positions and runs the recurrence straight through them (a hole is a
-zero-valued step, not skipped as in :func:`fastppo.gae`); masked means divide by the mask's sum,
-so an all-masked batch (or, before 0.10.3, an empty row of a sequence mean) gives NaN, in the value
-and in the gradient of every term OpenRLHF's clipping leaves on the path (fastppo gives 0), so a
-training step poisoned by OpenRLHF is poisoned here too.
-
-Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
-
-* ``masked-positions-ignored``: whatever sits at a masked position (NaN, inf) never reaches a
-  result or a gradient, where OpenRLHF's ``loss * mask`` lets a NaN through.
-* ``logits-left-alone``: ``log_probs_from_logits`` does not divide ``logits`` in place by the
-  temperature, as OpenRLHF does to save memory (the returned values are the same).
-* ``fp32-compute``: log-probs and entropies are computed in fp32 whatever the logits' dtype (then
-  returned in it), and the losses come out fp32, so half-precision inputs give results closer to
-  float64 than OpenRLHF's bf16 arithmetic.
-* ``ratio-clamped``: the policy loss clamps log-ratios to [-20, 20] before ``exp`` on every
-  release (OpenRLHF does from 0.10.3; before, a log-ratio beyond 20 gives a larger loss, and
-  beyond about 88 an infinite one).
-* ``finite-k3-gradient``: k3 of a log-ratio below about -88 has gradient 0 where OpenRLHF 0.8.6 to
-  0.11.1 gives NaN (an overflowing ``exp`` times the clamp's zero); OpenRLHF 0.11.2 does the same.
-* ``neg-inf-logits``: the entropy of a row holding ``-inf`` logits is finite (those tokens have
-  probability 0), where OpenRLHF's is NaN (its ``softmax * logits`` is ``0 * -inf`` there).
-* ``non-negative-weights``: the importance-sampling corrections scale the advantages inside the
-  fused kernel, which equals OpenRLHF's weighting of each token's loss for non-negative weights
-  (every correction with non-negative thresholds); a negative weight at a valid token (negative
-  thresholds) makes the loss and its gradient NaN rather than different numbers.
+What each release changed, the semantics of OpenRLHF's that these reproduce where they differ from
+fastppo's own ops, and where they deviate from OpenRLHF on purpose: ``docs/integrations.md``
+("OpenRLHF, release by release").
 """
 
 import torch
 from torch import Tensor, nn
 
 from ..ops.gae import gae
-from ..ops.ppo_loss import ppo_policy_loss
+from ..ops.ppo_policy_loss import ppo_policy_loss
 from ..ops.token_logprobs import token_logprobs
 from ..ops.value_loss import value_loss
 from ._nan import live_entries, nan_gradient, nan_unless

@@ -1,38 +1,12 @@
 """Drop-in replacements for TRL's log-prob and entropy helpers, and ``patch()`` to install them.
 
 Follows every TRL release in ``TRL`` (1.9.0 to 1.16.0), the installed one (see
-``fastppo.integrations.peers``; without TRL, the newest). What changed, by release (the names are
-``TRL``'s):
-
-* The chunked LM head that GRPO, RLOO, DPO and KTO score completions with
-  (``trl.trainer.utils._ChunkedLogProbFunction``, ``trl.kernels.ChunkedLogProbFunction`` from
-  1.15) is called ``(hidden, weight, targets, temperature, chunk_size, softcap, logit_scale)``,
-  returning ``(log_probs, entropy)``, whose backward ignores the entropy's gradient (the entropy
-  here requires grad and passes none back). 1.13.0 ``head-bias``: ``bias`` after ``weight``, and
-  the entropy's gradient flows. 1.15.0 ``head-outputs``: ``outputs`` last, and five per-token
-  results, those not asked for None: the log-probs, the entropy and three detached statistics
-  (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, asked for by SFT, DPO and KTO), all from
-  fastppo's one pass over each chunk. :class:`FusedLinearLogProb` takes each release's arguments.
-* 1.14.0 ``temperature-and-row-mask``: ``selective_log_softmax(logits, index, temperature,
-  row_mask)`` (before, two arguments; fastppo's accept the keywords on every release, computing
-  what that TRL lacks around its code) and ``selective_log_softmax_and_entropy``;
-  ``fp32-on-accelerators``: the results are fp32 on CUDA and XPU (TRL's own Triton kernel), the
-  logits' dtype elsewhere (before, the logits' dtype everywhere).
-
-They compute in fp32 with fastppo's kernels, so in bf16 they are more accurate than TRL's CPU
-path, which runs the log-softmax in bf16. What fastppo does not cover goes to TRL's own code with
-the arguments as given: float64 logits, several indices per row, logit soft-capping or scaling,
-and, on TRL before 1.14, a temperature other than 1 or a ``row_mask`` (that TRL has no such
-arguments, so fastppo computes those itself). TRL's distillation head
-(``ChunkedDivergenceFunction``) is not replaced. Importing this module does not import TRL;
-``patch()`` does, and raises ImportError without it.
-
-Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
-
-* ``fp32-compute``: bf16 logits are computed in fp32 and the results rounded to bf16, where TRL's
-  CPU path computes in bf16, so they are closer to float64.
-* ``neg-inf-logits``: the entropy of a row holding ``-inf`` logits is finite (those tokens have
-  probability 0), where TRL's is NaN (``0 * -inf``).
+``fastppo.integrations.peers``; without TRL, the newest): ``selective_log_softmax``,
+``entropy_from_logits``, ``selective_log_softmax_and_entropy`` and the chunked LM head its trainers
+score completions with (:class:`FusedLinearLogProb`). Importing this module does not import TRL;
+``patch()`` does, and raises ImportError without it. What each release changed, what is left to
+TRL's own code and where these deviate from TRL on purpose: ``docs/integrations.md`` ("TRL, release
+by release").
 """
 
 import torch

@@ -9,51 +9,9 @@ Follows every verl release in ``VERL`` (0.6.0 to 0.9.1), the installed one (see
 the older ``compute_policy_loss``, ``compute_value_loss``). ``patch()`` swaps them into the
 installed verl, registries included. Importing this module does not import verl.
 
-What changed, by release (the names are ``VERL``'s):
-
-* 0.6.1 ``policy-loss-returns-metrics``: the vanilla and GSPO losses return ``(pg_loss, metrics)``,
-  the metrics a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``,
-  ``actor/pg_clipfrac_lower``); 0.6.0 returned ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``.
-  ``seq-mean-leaves-out-empty-rows``: the seq-mean modes average over the rows with a valid token
-  (0.6.0 over every row, so an empty row makes seq-mean-token-mean NaN).
-* 0.7.0 ``global-batch``: ``agg_loss(..., dp_size, batch_num_tokens, global_batch_size,
-  loss_scale_factor)``, which the policy losses read from ``config.global_batch_info``: token-mean
-  is the sum over ``batch_num_tokens`` times ``dp_size``, the seq-mean modes the sum of row losses
-  over ``global_batch_size`` times ``dp_size`` (both default to this batch's counts, so 0 / 0 is
-  NaN), seq-mean-token-sum-norm the total over ``loss_scale_factor`` (default T).
-* 0.7.1 ``sum-norm-over-global-batch``: seq-mean-token-sum-norm is seq-mean-token-sum over
-  ``loss_scale_factor``; ``global-counts-required``: ``dp_size > 1`` without the global count a
-  mode needs is a ValueError.
-* 0.8.0 ``kl-plus-suffix``: ``kl_penalty`` takes a "+" suffix (``"k3+"``: the value of k3, the
-  gradient of k2; before, verl raises NotImplementedError).
-* 0.9.0 ``token-sum``: a fifth mode, the sum times ``dp_size``; ``value-loss-global-batch``:
-  ``compute_value_loss`` takes the global-batch arguments; ``reinforce-pp-spans``: REINFORCE++
-  carries the return across masked spans (a multi-turn observation) instead of restarting it there.
-* 0.9.1 ``gspo-follows-agg-mode``: GSPO aggregates with ``loss_agg_mode`` (before, always
-  seq-mean-token-mean).
-
-Where verl's semantics differ from fastppo's own ops, these reproduce verl's: GAE writes the
-advantage carried from the next valid position at a masked one (0 after the last), its return is
-that plus the value, and every position is whitened over the valid ones; k3 is clamped to
-[-10, 10]; the vanilla loss always dual-clips with ``clip_ratio_c`` (3.0); GRPO gives a prompt with
-one response ``score / (1 + epsilon)``, RLOO its raw score; ``masked_whiten`` refuses fewer than
-two valid entries. A batch with no valid token is verl's NaN loss (0 / 0) with a gradient of 0
-(its numerator sits behind a ``where``), never a NaN gradient that would poison the accumulated
-step; 0.6.0's sequence mean with an empty row is NaN in the value and in that row's gradient.
-
-Deliberate deviations (each tested as one by the differential suite, ``tests/peers``):
-
-* ``masked-positions-ignored``: whatever sits at a masked position (NaN, inf) never reaches a
-  result or a gradient, where verl's ``loss * mask`` lets a NaN through.
-* ``fp32-results``: log-probs, entropies, KL estimates and losses come out fp32, computed in fp32
-  whatever the input dtype (verl's CPU path computes bf16 inputs in bf16; its flash-attn path
-  returns fp32 log-probs too), so they are closer to float64 in half precision.
-* ``neg-inf-logits``: the entropy of a row holding ``-inf`` logits is finite (those tokens have
-  probability 0), where verl's is NaN (its ``softmax * logits`` is ``0 * -inf`` there).
-* ``non-negative-rollout-weights``: ``rollout_is_weights`` scale the advantages inside the fused
-  kernel, which equals verl's weighting of each token's loss for the non-negative weights verl's
-  rollout correction produces; a negative weight at a valid token (which would flip the clipping)
-  makes the vanilla loss and its gradient NaN rather than different numbers.
+What each release changed, the semantics of verl's that these reproduce where they differ from
+fastppo's own ops, and where they deviate from verl on purpose: ``docs/integrations.md``
+("verl, release by release").
 """
 
 import numpy as np
@@ -64,7 +22,7 @@ from ..ops.aggregation import aggregation_weights
 from ..ops.gae import gae
 from ..ops.gae_torch import reverse_affine_scan
 from ..ops.kl import kl_penalty as _kl
-from ..ops.ppo_loss import ppo_policy_loss
+from ..ops.ppo_policy_loss import ppo_policy_loss
 from ..ops.token_logprobs import token_logprobs
 from ..ops.value_loss import value_loss
 from ._nan import nan_gradient, nan_unless

@@ -5,11 +5,11 @@ from .checks import IGNORE_INDEX
 from .decode_attention import decode_attention
 from .gae import gae
 from .kl import kl_penalty
-from .ppo_loss import ppo_policy_loss
 from .ppo_loss_from_hidden import ppo_loss_from_hidden
 from .ppo_loss_from_logits import ppo_loss_from_logits
+from .ppo_policy_loss import ppo_policy_loss
 from .rollout_is_weights import rollout_is_weights
-from .sampling import sample_tokens
+from .sample_tokens import sample_tokens
 from .sequence_ppo_loss import sequence_ppo_loss
 from .token_logprobs import token_logprobs
 from .token_logprobs_from_hidden import token_logprobs_from_hidden

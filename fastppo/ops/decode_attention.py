@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.layout import Cascade
+from ..kernels.contract import Cascade
 from . import checks
 from .dispatch import implementation, resolve_backend
 
@@ -88,7 +88,7 @@ def _check_blocks_read(block_table, rows, lengths, window, pool: tuple) -> None:
 
 def _check_cascade(cascade, block_table, B: int, device) -> None:
     if not isinstance(cascade, Cascade):
-        raise TypeError(f"cascade must be a fastppo.kernels.layout.Cascade or None, got {type(cascade).__name__}")
+        raise TypeError(f"cascade must be a fastppo.kernels.contract.Cascade or None, got {type(cascade).__name__}")
     if block_table is None:
         raise ValueError("cascade reads shared blocks: it needs a paged cache (block_table)")
     members, shared, starts = cascade.members, cascade.shared, cascade.starts

@@ -97,7 +97,7 @@ def softmax_written_out(q, k, v, allowed, scale: float, softcap, sinks):
 def decode_attention(
     q, k_cache, v_cache, table, rows, lengths, max_length, scale, window, softcap, sinks, cascade, out
 ):
-    """The launcher of ``fastppo/ops/launchers.py``. On the CPU, SDPA first, and only where it gives
+    """The launcher ``kernels/contract.py`` declares. On the CPU, SDPA first, and only where it gives
     NaN (a NaN in a masked position, or in a live one) the exact softmax (the check costs no sync
     there); on another device, the exact softmax."""
     (B, H, D), KVH = q.shape, k_cache.shape[2]

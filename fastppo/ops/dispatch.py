@@ -5,11 +5,11 @@ the production path on CPU. ``"triton"`` forces the kernels: on CPU that works o
 ``TRITON_INTERPRET=1`` was set before triton was imported (the interpreter runs them on CPU
 tensors, which is how the tests check every kernel without a GPU). ``"torch"`` forces the twin.
 
-The two implementations of a family define the launchers its contract declares, with one
-signature each (``launchers.py``), so an op picks one with :func:`implementation` and calls it
-without caring which it got. The two tables below pair them, the one hop from a family to its
-code: the twins are imported with this module, the kernels on first use (importing triton is
-slow, and it is absent off Linux).
+The two implementations of a family define the launchers its contract declares
+(``kernels/contract.py``), with one signature each, so an op picks one with :func:`implementation`
+and calls it without caring which it got. The two tables below pair them, the one hop from a
+family to its code: the twins are imported with this module, the kernels on first use (importing
+triton is slow, and it is absent off Linux).
 """
 
 import importlib.metadata
@@ -19,13 +19,13 @@ from functools import lru_cache
 
 import torch
 
-from . import decode_attention_torch, gae_torch, logprobs_torch, ppo_loss_torch, sampling_torch
+from . import decode_attention_torch, gae_torch, ppo_policy_loss_torch, sample_tokens_torch, token_logprobs_torch
 
 TWINS = {
     "gae": gae_torch,
-    "logprobs": logprobs_torch,
-    "ppo_loss": ppo_loss_torch,
-    "sampling": sampling_torch,
+    "token_logprobs": token_logprobs_torch,
+    "ppo_policy_loss": ppo_policy_loss_torch,
+    "sample_tokens": sample_tokens_torch,
     "decode_attention": decode_attention_torch,
 }
 
@@ -79,13 +79,13 @@ def interpreter_problem(triton_version: tuple, numpy_version: tuple):
 @lru_cache(maxsize=1)
 def kernels() -> dict:
     """The Triton launchers of each family (imports triton, once)."""
-    from ..kernels import decode_attention, gae, logprobs, ppo_loss, sampling
+    from ..kernels import decode_attention, gae, ppo_policy_loss, sample_tokens, token_logprobs
 
     return {
         "gae": gae,
-        "logprobs": logprobs,
-        "ppo_loss": ppo_loss,
-        "sampling": sampling,
+        "token_logprobs": token_logprobs,
+        "ppo_policy_loss": ppo_policy_loss,
+        "sample_tokens": sample_tokens,
         "decode_attention": decode_attention,
     }
 

@@ -34,7 +34,7 @@ CHUNK_ELEMENTS = 1 << 17
 
 
 def gae(rewards, values, mask, gamma, lam, advantages, returns):
-    """The launcher of ``launchers.py``: :func:`reverse_affine_scan` over chunks of rows."""
+    """The launcher ``kernels/contract.py`` declares: :func:`reverse_affine_scan` over chunks of rows."""
     B, T = rewards.shape
     rows = max(1, CHUNK_ELEMENTS // max(T, 1))
     for b in range(0, B, rows):

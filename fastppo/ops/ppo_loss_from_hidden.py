@@ -20,12 +20,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.layout import PARTIALS
+from ..kernels.contract import PARTIALS, LossTerms
 from . import checks
 from .custom_ops import gradients, input_names
 from .dispatch import implementation
-from .ppo_loss import STATS, loss_spec, summarize
-from .ppo_loss_from_logits import masked_labels
+from .ppo_loss_from_logits import check_no_entropy, masked_labels
+from .ppo_policy_loss import STATS, loss_spec, summarize
 from .rollout_is_weights import rollout_is_weights_unchecked
 from .token_logprobs_from_hidden import ChunkBuffers, HiddenArgs, InputGrads, matmul_weight, row_slice
 
@@ -44,29 +44,24 @@ def _op(
     weights: Tensor,
     valid: Tensor,
     ref_logprobs: Optional[Tensor],
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    kl_coef: float,
-    kl_estimator: int,
-    entropy_coef: float,
+    terms: list[float],
     sampler_logprobs: Optional[Tensor],
     rollout_is_cap: float,
     chunk_size: int,
     backend: str,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
+    needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # hidden (N, H), weight (V, H), token tensors (N,) -> loss (), stats, logprobs (N,), grad_hidden,
-    # grad_weight, grad_bias. old_logprobs None: on-policy, the old log-probs are each chunk's own;
-    # sampler_logprobs: the advantages are weighted by min(exp(old - sampler), rollout_is_cap).
-    N = hidden.shape[0]
-    logprob_kernels, loss_kernels = implementation(backend, "logprobs"), implementation(backend, "ppo_loss")
+    # hidden (N, H), weight (V, H), token tensors (N,), terms a LossTerms, needs (hidden, weight, bias)
+    # -> loss (), stats, logprobs (N,), grad_hidden, grad_weight, grad_bias. old_logprobs None:
+    # on-policy, the old log-probs are each chunk's own; sampler_logprobs: the advantages are weighted
+    # by min(exp(old - sampler), rollout_is_cap).
+    N, terms = hidden.shape[0], LossTerms.from_floats(terms)
+    logprob_kernels = implementation(backend, "token_logprobs")
+    loss_kernels = implementation(backend, "ppo_policy_loss")
     w = matmul_weight(weight)
     buffers = ChunkBuffers(N, w, chunk_size)
-    grads = InputGrads(hidden, weight, need_hidden, need_weight, need_bias)
-    backward = need_hidden or need_weight or need_bias
+    grads = InputGrads(hidden, weight, needs)
+    backward = any(needs)
     partials = []
     all_logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
     for r0 in range(0, N, chunk_size):
@@ -96,17 +91,13 @@ def _op(
             valid[r0:r1],
             row_slice(ref_logprobs, r0, r1),
             entropy,
-            clip_low,
-            clip_high,
-            dual_clip,
-            kl_coef,
-            kl_estimator,
+            terms,
             grad_logp,
             chunk_partials,
         )
         partials.append(chunk_partials)
         if backward:
-            grad_entropy = -entropy_coef * weights[r0:r1] if entropy_coef != 0 else None
+            grad_entropy = -terms.entropy_coef * weights[r0:r1] if terms.entropy_coef != 0 else None
             grad_logits = buffers.logit_grad(logits)
             logprob_kernels.logprobs_backward(
                 logits,
@@ -123,43 +114,18 @@ def _op(
             grads.add(r0, r1, grad_logits[0], hidden[r0:r1], w, valid[r0:r1])
     if not partials:
         partials.append(torch.zeros(1, len(PARTIALS), dtype=torch.float32, device=hidden.device))
-    return (*summarize(torch.cat(partials), kl_coef, entropy_coef), all_logp, *grads.results())
+    return (*summarize(torch.cat(partials), terms), all_logp, *grads.results())
 
 
 @_op.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    labels,
-    temperature,
-    inv_temperature,
-    ignore_index,
-    old_logprobs,
-    advantages,
-    weights,
-    valid,
-    ref_logprobs,
-    clip_low,
-    clip_high,
-    dual_clip,
-    kl_coef,
-    kl_estimator,
-    entropy_coef,
-    sampler_logprobs,
-    rollout_is_cap,
-    chunk_size,
-    backend,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
-    f32 = dict(dtype=torch.float32)
+def _(*inputs):
+    named = dict(zip(_INPUTS, inputs))
+    hidden, f32 = named["hidden"], dict(dtype=torch.float32)
     return (
         hidden.new_empty((), **f32),
         hidden.new_empty(len(STATS), **f32),
         hidden.new_empty(hidden.shape[0], **f32),
-        *InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias),
+        *InputGrads.fake(hidden, named["weight"], named["needs"]),
     )
 
 
@@ -196,23 +162,17 @@ def ppo_loss_from_hidden(
     temperature=1.0,
     chunk_size: Optional[int] = None,
     backend: str = "auto",
-    ref_logprobs=None,
-    clip_eps: float = 0.2,
-    clip_eps_high=None,
-    dual_clip=None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    agg: str = "token-mean",
-    num_tokens=None,
     sampler_logprobs: Optional[Tensor] = None,
     rollout_is_cap: Optional[float] = None,
     return_logprobs: bool = False,
+    **loss_options,
 ) -> tuple:
     """:func:`fastppo.ppo_loss_from_logits` of ``hidden @ weight.T + bias``, never building the logits.
 
     ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, ``bias`` and ``chunk_size`` as in
-    :func:`fastppo.token_logprobs_from_hidden`; the loss options as in :func:`fastppo.ppo_policy_loss`.
+    :func:`fastppo.token_logprobs_from_hidden`; ``loss_options`` are the keyword arguments of
+    :func:`fastppo.ppo_policy_loss` (``clip_eps``, ``kl_coef``, ``ref_logprobs``, ``agg``, ...), except
+    ``entropy``, which is computed here.
     Gradients reach ``hidden``, ``weight`` and ``bias``. One chunked pass computes the loss and
     the gradients together (three matmuls per chunk).
 
@@ -223,25 +183,10 @@ def ppo_loss_from_hidden(
     ``return_logprobs`` the result is ``(loss, stats, logprobs)``, the labels' log-probs
     (detached fp32, 0 where masked): the old ones, when on-policy.
     """
+    check_no_entropy(loss_options, "ppo_loss_from_hidden")
     labels = masked_labels(labels, mask)
     args = HiddenArgs.check(hidden, weight, labels, bias, temperature, checks.IGNORE_INDEX, chunk_size, backend)
-    spec = loss_spec(
-        labels,
-        "labels",
-        old_logprobs,
-        advantages,
-        mask,
-        ref_logprobs=ref_logprobs,
-        has_entropy=True,
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef,
-        agg=agg,
-        num_tokens=num_tokens,
-    )
+    spec = loss_spec(labels, "labels", old_logprobs, advantages, mask, has_entropy=True, **loss_options)
     if (sampler_logprobs is None) != (rollout_is_cap is None):
         raise ValueError("sampler_logprobs and rollout_is_cap go together: give both or neither")
     if sampler_logprobs is not None:
@@ -262,19 +207,12 @@ def ppo_loss_from_hidden(
         spec.weights,
         spec.valid,
         spec.ref_logprobs,
-        spec.clip_low,
-        spec.clip_high,
-        spec.dual_clip,
-        spec.kl_coef,
-        spec.kl_estimator,
-        spec.entropy_coef,
+        spec.terms,
         sampler_logprobs,
         rollout_is_cap or 0.0,
         args.chunk_size,
         args.backend,
-        grad and hidden.requires_grad,
-        grad and weight.requires_grad,
-        grad and bias is not None and bias.requires_grad,
+        [grad and x is not None and x.requires_grad for x in (hidden, weight, bias)],
     )[:3]
     if return_logprobs:
         return loss, spec.named(stats), logprobs.view(labels.shape)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .ppo_loss import ppo_policy_loss
+from .ppo_policy_loss import ppo_policy_loss
 from .token_logprobs import token_logprobs
 
 
@@ -41,7 +41,8 @@ def masked_labels(labels: Tensor, mask: Tensor) -> Tensor:
     return torch.where(valid, labels.masked_fill(claimed, -1), checks.IGNORE_INDEX)
 
 
-def _check_no_entropy(loss_options: dict, name: str) -> None:
+def check_no_entropy(loss_options: dict, name: str) -> None:
+    """The losses that compute the entropy themselves refuse one passed in."""
     if "entropy" in loss_options:
         raise TypeError(f"{name} computes the entropy itself; do not pass entropy=")
 
@@ -66,7 +67,7 @@ def ppo_loss_from_logits(
     :func:`fastppo.ppo_policy_loss` (``clip_eps``, ``kl_coef``, ``ref_logprobs``, ``agg``, ...),
     except ``entropy``, which is computed here.
     """
-    _check_no_entropy(loss_options, "ppo_loss_from_logits")
+    check_no_entropy(loss_options, "ppo_loss_from_logits")
     logp, entropy = token_logprobs(
         logits,
         masked_labels(labels, mask),

@@ -25,7 +25,7 @@ from torch import Tensor
 from . import checks
 from .kl import kl_penalty
 
-LOG_RATIO_BOUND = 20.0  # the token loss's (ppo_loss_torch.py, kernels/ppo_loss.py)
+LOG_RATIO_BOUND = 20.0  # the token loss's (ppo_policy_loss_torch.py, kernels/ppo_policy_loss.py)
 
 
 def sequence_ppo_loss(

@@ -39,7 +39,7 @@ def _forward(
     N = labels.shape[0]
     logp, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(2))
     entropy = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=logits.device)
-    implementation(backend, "logprobs").logprobs_forward(
+    implementation(backend, "token_logprobs").logprobs_forward(
         logits, labels, temperature, inv_temperature, ignore_index, logp, entropy if with_entropy else None, lse
     )
     return logp, entropy, lse
@@ -69,7 +69,7 @@ def _backward(
     grad_entropy: Optional[Tensor],
 ) -> Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (B, T, V)
-    implementation(backend, "logprobs").logprobs_backward(
+    implementation(backend, "token_logprobs").logprobs_backward(
         logits, grad, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
     )
     return grad
@@ -93,7 +93,7 @@ def _backward_in_place(
     grad_logp: Tensor,
     grad_entropy: Optional[Tensor],
 ) -> None:
-    implementation(backend, "logprobs").logprobs_backward(
+    implementation(backend, "token_logprobs").logprobs_backward(
         logits, logits, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
     )
 

@@ -110,10 +110,12 @@ class InputGrads:
 
     Weight and bias gradients accumulate in fp32 across chunks and come out in their own dtypes;
     a gradient that is not needed comes out as an empty tensor (custom ops return tensors).
+    ``needs``: whether hidden, weight and bias each want theirs.
     """
 
-    def __init__(self, hidden: Tensor, weight: Tensor, need_hidden: bool, need_weight: bool, need_bias: bool):
+    def __init__(self, hidden: Tensor, weight: Tensor, needs: list):
         self.hidden, self.weight = hidden, weight
+        need_hidden, need_weight, need_bias = needs
         f32 = dict(dtype=torch.float32, device=weight.device)
         self.hidden_grad = torch.empty_like(hidden) if need_hidden else None  # (N, H)
         self.weight_grad = torch.empty(weight.shape, **f32) if need_weight else None  # (V, H), first chunk writes
@@ -148,7 +150,8 @@ class InputGrads:
         )
 
     @staticmethod
-    def fake(hidden, weight, need_hidden, need_weight, need_bias) -> tuple:
+    def fake(hidden, weight, needs: list) -> tuple:
+        need_hidden, need_weight, need_bias = needs
         return (
             torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
@@ -179,7 +182,7 @@ def _forward(
     N = hidden.shape[0]
     logp, entropy, lse = (torch.empty(N, dtype=torch.float32, device=hidden.device) for _ in range(3))
     stats = torch.empty(N if with_stats else 0, 3, dtype=torch.float32, device=hidden.device)
-    kernels = implementation(backend, "logprobs")
+    kernels = implementation(backend, "token_logprobs")
     buffers = ChunkBuffers(N, matmul_weight(weight), chunk_size)
     for r0 in range(0, N, chunk_size):
         r1 = min(N, r0 + chunk_size)
@@ -199,11 +202,12 @@ def _forward(
 
 
 @_forward.register_fake
-def _(hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend, with_stats):
-    N = hidden.shape[0]
+def _(*inputs):
+    named = dict(zip(_INPUTS, inputs))
+    hidden, N = named["hidden"], named["hidden"].shape[0]
     return (
         *(hidden.new_empty(N, dtype=torch.float32) for _ in range(3)),
-        hidden.new_empty(N if with_stats else 0, 3, dtype=torch.float32),
+        hidden.new_empty(N if named["with_stats"] else 0, 3, dtype=torch.float32),
     )
 
 
@@ -222,15 +226,14 @@ def _backward(
     entropy: Tensor,
     grad_logp: Tensor,
     grad_entropy: Optional[Tensor],
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
+    needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # -> grad_hidden (N, H), grad_weight (V, H), grad_bias (V,); each (0,) when not needed
-    kernels = implementation(backend, "logprobs")
+    # needs: (hidden, weight, bias) -> grad_hidden (N, H), grad_weight (V, H), grad_bias (V,); each (0,)
+    # when not needed
+    kernels = implementation(backend, "token_logprobs")
     w = matmul_weight(weight)
     buffers = ChunkBuffers(hidden.shape[0], w, chunk_size)
-    grads = InputGrads(hidden, weight, need_hidden, need_weight, need_bias)
+    grads = InputGrads(hidden, weight, needs)
     for r0 in range(0, hidden.shape[0], chunk_size):
         r1 = min(hidden.shape[0], r0 + chunk_size)
         logits = buffers.chunk_logits(hidden[r0:r1], bias).unsqueeze(0)  # (1, n, V) fp32
@@ -252,42 +255,24 @@ def _backward(
 
 
 @_backward.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    labels,
-    temperature,
-    inv_temperature,
-    ignore_index,
-    chunk_size,
-    backend,
-    lse,
-    entropy,
-    grad_logp,
-    grad_entropy,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
-    return InputGrads.fake(hidden, weight, need_hidden, need_weight, need_bias)
+def _(*inputs):
+    named = dict(zip(_BACKWARD_INPUTS, inputs))
+    return InputGrads.fake(named["hidden"], named["weight"], named["needs"])
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, labels, temperature, inv_temperature, ignore_index, chunk_size, backend, _with_stats) = (
-        inputs
-    )
+    named = dict(zip(_INPUTS, inputs))
     _, entropy, lse, stats = output
-    ctx.save_for_backward(hidden, weight, bias, labels, temperature, lse, entropy)
-    ctx.args = (inv_temperature, ignore_index, chunk_size, backend)
+    ctx.save_for_backward(*(named[k] for k in ("hidden", "weight", "bias", "labels", "temperature")), lse, entropy)
+    ctx.args = tuple(named[k] for k in ("inv_temperature", "ignore_index", "chunk_size", "backend"))
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
 
 
 def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_stats):
     hidden, weight, bias, labels, temperature, lse, entropy = ctx.saved_tensors
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    grad_hidden, grad_weight, grad_bias = _backward(
+    needs = ctx.needs_input_grad[:3]  # hidden, weight, bias
+    grads = _backward(
         hidden,
         weight,
         bias,
@@ -297,19 +282,14 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_stats):
         lse,
         entropy,
         *upstream_grads(grad_logp, grad_entropy, lse),
-        need_hidden,
-        need_weight,
-        need_bias,
+        list(needs),
     )
-    return gradients(
-        _INPUTS,
-        hidden=grad_hidden if need_hidden else None,
-        weight=grad_weight if need_weight else None,
-        bias=grad_bias if need_bias else None,
-    )
+    wanted = (grad if need else None for grad, need in zip(grads, needs))
+    return gradients(_INPUTS, **dict(zip(("hidden", "weight", "bias"), wanted)))
 
 
 _INPUTS = input_names(torch.ops.fastppo.token_logprobs_from_hidden.default)
+_BACKWARD_INPUTS = input_names(torch.ops.fastppo.token_logprobs_from_hidden_backward.default)
 torch.library.register_autograd(_forward, _autograd_backward, setup_context=_setup_context)
 
 

@@ -1,4 +1,4 @@
-"""Attention over the sampler's KV cache, static (``kv_cache.py``) or paged (``paged.py``), with
+"""Attention over the sampler's KV cache, static (``static_cache.py``) or paged (``paged.py``), with
 per-row positions. The cache stores (``write``, ``read``, ``flash_args``); this attends.
 
 Prefill stores a group of right-padded prompts' keys and values in their slots and attends
@@ -20,7 +20,7 @@ the decode kernel and its twin take as arguments; prefill and the CPU's extend t
 softmax out (the twin's ``softmax_written_out``).
 """
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,26 +30,27 @@ from ..ops.decode_attention_torch import live_keys, softmax_written_out
 from ..ops.dispatch import implementation
 
 
+class LayerAttention(NamedTuple):
+    """How one layer attends, beside its queries, keys and values: the scores' ``scale``, its sliding
+    ``window`` (None: every earlier key), a logit ``softcap`` (Gemma 2's; None: off) and ``sinks``
+    (GPT-OSS's, fp32 ``(H,)``; None: off)."""
+
+    scale: float
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: Optional[Tensor] = None
+
+
 class CacheAttention:
     def __init__(self, cache, flash_decode: Optional[Callable] = None, backend: str = "torch"):
         self.cache = cache
         self.flash_decode = flash_decode  # flash_attn_with_kvcache, or None for decode_attention
         self.backend = backend  # decode_attention's: "triton" (the kernel) or "torch" (its SDPA twin)
 
-    def prefill(
-        self,
-        layer: int,
-        slots: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        scale: float,
-        window: Optional[int],
-        softcap: Optional[float] = None,
-        sinks: Optional[Tensor] = None,
-    ) -> Tensor:
+    def prefill(self, layer: int, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, how: LayerAttention) -> Tensor:
         """Store a group of right-padded prompts' keys and values in ``slots`` and attend causally.
         q: (G, H, L, D); k, v: (G, KVH, L, D) -> (G, H, L, D)."""
+        scale, window, softcap, sinks = how
         G, L = q.shape[0], q.shape[2]
         rows = slots[:, None].expand(G, L).flatten()
         positions = torch.arange(L, device=q.device).repeat(G)
@@ -75,10 +76,7 @@ class CacheAttention:
         v: Tensor,
         positions: Tensor,
         lengths: Tensor,
-        scale: float,
-        window: Optional[int],
-        softcap: Optional[float] = None,
-        sinks: Optional[Tensor] = None,
+        how: LayerAttention,
     ) -> Tensor:
         """Store rows' continuation keys and values at ``positions`` of ``slots`` and attend over
         each row's keys up to each query's position (and within its window).
@@ -86,6 +84,7 @@ class CacheAttention:
         q: (n, H, C, D); k, v: (n, KVH, C, D); positions: (n, C) int64, right-padded (row i's
         first ``lengths[i]`` are real; its pads store nothing) -> (n, H, C, D).
         """
+        scale, window, softcap, sinks = how
         n, C = positions.shape
         real = torch.arange(C, device=q.device)[None, :] < lengths[:, None]  # (n, C)
         row = slots[:, None].expand(n, C)[real]
@@ -127,11 +126,8 @@ class CacheAttention:
         v: Tensor,
         positions: Tensor,
         span: int,
-        scale: float,
-        window: Optional[int],
         context: tuple,
-        softcap: Optional[float] = None,
-        sinks: Optional[Tensor] = None,
+        how: LayerAttention,
     ) -> Tensor:
         """Store the new key and value of slots ``0 .. B-1`` at their positions and attend over each
         row's keys so far.
@@ -140,7 +136,8 @@ class CacheAttention:
         :meth:`decode_context` -> (B, H, 1, D).
         """
         if self.flash_decode is not None:  # no sinks: the decoder does not choose flash-attn for them
-            return self._flash(layer, q, k, v, positions, span, scale, window, softcap)
+            return self._flash(layer, q, k, v, positions, span, how)
+        scale, window, softcap, sinks = how
         at, lengths, cascade = context
         self.cache.store(layer, at, k[:, :, 0], v[:, :, 0])
         out = torch.empty_like(q)  # (B, H, 1, D)
@@ -152,8 +149,8 @@ class CacheAttention:
         )  # fmt: skip
         return out
 
-    def _flash(self, layer, q, k, v, positions, span, scale, window, softcap) -> Tensor:
-        B = q.shape[0]
+    def _flash(self, layer, q, k, v, positions, span, how: LayerAttention) -> Tensor:
+        B, window = q.shape[0], how.window
         # A row's position is its number of cached tokens: the new key goes there, and the query
         # (the last of the row) sees keys [position - (window - 1), position], as HF's window does.
         out = self.flash_decode(
@@ -162,9 +159,9 @@ class CacheAttention:
             k=k.transpose(1, 2),
             v=v.transpose(1, 2),
             cache_seqlens=positions.to(torch.int32),
-            softmax_scale=scale,
+            softmax_scale=how.scale,
             causal=True,
             window_size=(-1, -1) if window is None else (window - 1, 0),
-            **({} if softcap is None else {"softcap": softcap}),  # flash-attn >= 2.6 takes it
+            **({} if how.softcap is None else {"softcap": how.softcap}),  # flash-attn >= 2.6 takes it
         )  # (B, 1, H, D)
         return out.transpose(1, 2)

@@ -16,6 +16,7 @@ says it at length (continuous batching, multi-turn episodes, the paged cache); a
 import contextlib
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -61,43 +62,47 @@ def sync_every(device: torch.device) -> int:
     return CPU_SYNC_EVERY if device.type == "cpu" else SYNC_EVERY
 
 
-class RolloutLoop:
-    """One ``generate`` call: ``prompts`` x ``n`` rows through ``decoder``'s ``slots`` slots, row
-    ``j * n + k`` (sample k of prompt j) drawing at most ``max_new[j * n + k]`` tokens.
+@dataclass(frozen=True)
+class LoopSettings:
+    """What a rollout loop decodes with, whatever it is given to decode: one sampler call's."""
 
-    ``draw(logits (b, V)) -> (tokens, logprobs)`` samples a step; ``decode`` is the decoder's (or
-    its CUDA graphs'); ``bucket(b)`` the number of slots one decode call runs (``b``, or more for
-    CUDA graphs of fixed sizes: slots past ``b`` are free and harmless to run); ``turns`` makes
-    the rows episodes (see the module's docstring).
+    decoder: Decoder
+    decode: Callable  # the decoder's step, or its CUDA graphs'
+    slots: int
+    max_len: int
+    draw: Callable  # logits (b, V) -> (tokens, logprobs): a step's sampling
+    stop: tuple  # the token ids that end a row
+    pad: int
+    compact_below: float  # under this fraction of the decoded slots live, the live rows move into the holes
+    bucket: Optional[Callable] = None  # b -> the slots a decode call runs, more than b for CUDA graphs of fixed sizes
+    tool_schedule: str = "fixed"  # one of TOOL_SCHEDULES
+    tool_window: int = TOOL_WINDOW
+
+
+class RolloutLoop:
+    """One ``generate`` call: ``prompts`` x ``n`` rows through the ``settings``' decoder's slots, row
+    ``j * n + k`` (sample k of prompt j) drawing at most ``max_new[j * n + k]`` tokens; ``turns``
+    makes the rows episodes (see the module's docstring). A decode call's slots past the rows
+    decoding (``settings.bucket``) are free and harmless to run.
     """
 
     def __init__(
         self,
-        decoder: Decoder,
-        decode: Callable,
-        slots: int,
-        max_len: int,
+        settings: LoopSettings,
         prompts: list,
         n: int,
         max_new: list,
-        draw: Callable,
-        stop: tuple,
-        pad: int,
-        compact_below: float,
-        bucket: Optional[Callable] = None,
         on_rows_ended: Optional[Callable] = None,
         turns: Optional[Turns] = None,
-        tool_schedule: str = "fixed",
-        tool_window: int = TOOL_WINDOW,
     ):
-        self.decoder, self.decode, self.draw, self.on_rows_ended = decoder, decode, draw, on_rows_ended
-        self.turns, self.eager, self.tool_window = turns, tool_schedule == "eager", tool_window
-        self.capacity, self.max_len, self.prompts, self.n, self.max_new = slots, max_len, prompts, n, max_new
-        self.pad, self.compact_below, self.bucket = pad, compact_below, bucket or (lambda b: b)
-        device = decoder.device
+        self.settings, slots = settings, settings.slots
+        self.decoder, self.decode, self.draw, self.pad = settings.decoder, settings.decode, settings.draw, settings.pad
+        self.max_len, self.eager = settings.max_len, settings.tool_schedule == "eager"
+        self.prompts, self.n, self.max_new, self.on_rows_ended, self.turns = prompts, n, max_new, on_rows_ended, turns
+        device = self.decoder.device
         # an episode's columns hold its tool tokens too: as many as its context allows
-        self._allocate(len(prompts) * n, (max(max_new) if max_new else 0) if turns is None else max_len)
-        self.stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
+        self._allocate(len(prompts) * n, (max(max_new) if max_new else 0) if turns is None else self.max_len)
+        self.stop_ids = torch.tensor(settings.stop, dtype=torch.long, device=device)
         # Per slot, on the device: its output row, prompt length, ``drawn`` the response columns
         # written (its drawn tokens, and an episode's continuations too), ``generated`` the tokens
         # it drew, its budget of those, its last token, live.
@@ -106,7 +111,7 @@ class RolloutLoop:
         self.drawn = torch.zeros(slots, dtype=torch.long, device=device)
         self.generated = torch.zeros(slots, dtype=torch.long, device=device)
         self.limit = torch.zeros(slots, dtype=torch.long, device=device)
-        self.token = torch.full((slots,), pad, dtype=torch.long, device=device)
+        self.token = torch.full((slots,), self.pad, dtype=torch.long, device=device)
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         # On the host: each occupied slot's prompt length minus the decode steps run before it
         # joined, which bounds its position at every later step (for the attention span).
@@ -142,7 +147,7 @@ class RolloutLoop:
         self.stopped_out = torch.zeros(B + 1, dtype=torch.bool, device=device)
 
     def run(self) -> Rollout:
-        self._admit(list(range(self.capacity)))
+        self._admit(list(range(self.settings.slots)))
         self._advance(lambda: True)
         return self._rollout()
 
@@ -159,8 +164,8 @@ class RolloutLoop:
             looked = False
             decoding = len(self.offset) - len(self.paused) - len(self.stalled)  # as of the last look
             self.live_steps += decoding
-            self.sparse_steps += 4 * decoding < self.capacity
-            rows = min(self.bucket(self.b), self.capacity)
+            self.sparse_steps += 4 * decoding < self.settings.slots
+            rows = min(self.settings.bucket(self.b), self.settings.slots) if self.settings.bucket else self.b
             positions = self.prompt_len[:rows] + self.drawn[:rows] - 1  # where each slot's last token goes
             logits = self.decode(self.token[:rows], positions, self._span(), self.active[:rows])
             self._record(slice(0, self.b), logits[: self.b])
@@ -216,7 +221,7 @@ class RolloutLoop:
                 raise self._stuck("an empty cache refused the next prompt")
             return False
         self.peak_rows = max(self.peak_rows, len(live))
-        if len(live) < self.compact_below * self.b or live[-1] + 1 < self.b:
+        if len(live) < self.settings.compact_below * self.b or live[-1] + 1 < self.b:
             self._pack(live)
         return True
 
@@ -261,7 +266,7 @@ class RolloutLoop:
         if not self.offset:
             self.b = 0
         if self.pending and (self.decoder.refills or not self.offset):
-            self._admit(sorted(set(range(self.capacity)) - set(self.offset)))
+            self._admit(sorted(set(range(self.settings.slots)) - set(self.offset)))
 
     def _end(self, slots: list) -> None:
         """The rows of ``slots`` are done: counted, and their slots freed."""
@@ -337,7 +342,7 @@ class RolloutLoop:
             turn = self.tokens_out[row, start:drawn].tolist()
             may_continue = bool(stopped) and generated < limit and P + drawn < self.max_len
             if self.turns.turn_ended(row, turn, may_continue) and may_continue:
-                self.paused[s] = (self.steps_run + (0 if self.eager else self.tool_window), row)
+                self.paused[s] = (self.steps_run + (0 if self.eager else self.settings.tool_window), row)
             else:
                 over.append(s)
         return over
@@ -454,7 +459,7 @@ class RolloutLoop:
         """Shrink the batch to the live rows: all of them moved into the holes below ``len(live)``
         when fewer than ``compact_below`` of the batch are live, else only the free slots past the
         last live one dropped."""
-        k = len(live) if len(live) < self.compact_below * self.b else live[-1] + 1
+        k = len(live) if len(live) < self.settings.compact_below * self.b else live[-1] + 1
         order = list(range(k))
         holes = (s for s in range(k) if s not in self.offset)
         for hole, src in zip(holes, (s for s in live if s >= k)):

@@ -1,6 +1,6 @@
 """The decoders over fastppo's own KV cache: prefill, decode, extend and packing, whatever the forward.
 
-Two kinds of forward run over the sampler's cache (:class:`~fastppo.rollout.kv_cache.KVCache` or
+Two kinds of forward run over the sampler's cache (:class:`~fastppo.rollout.static_cache.StaticKVCache` or
 ``paged.py``'s), with per-row positions: the hand-written ones of ``lean.py`` (the common families,
 on packed, fused weights) and the model's own modules with the attention handed over at
 transformers' attention interface (``interface.py``, every other family that attends through it).
@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .attention import CacheAttention
+from .attention import CacheAttention, LayerAttention
 from .decoder import Decoder
 from .packed import DecoderWeights
 
@@ -103,8 +103,8 @@ class CachedDecoder(Decoder):
         G, L = ids.shape
         positions = torch.arange(L, device=ids.device).expand(G, L)  # (G, L)
 
-        def attend(layer, q, k, v, scale, softcap=None, sinks=None):
-            return self.attention.prefill(layer, slots, q, k, v, scale, self.windows[layer], softcap, sinks)
+        def attend(layer, q, k, v, *options):
+            return self.attention.prefill(layer, slots, q, k, v, self._how(layer, *options))
 
         return self.logits_at(ids, positions, attend, lengths - 1)  # (G, V)
 
@@ -112,9 +112,8 @@ class CachedDecoder(Decoder):
         # ``live`` is not needed: a slot writes only its own position, which a row rewrites first
         context = self.attention.decode_context(positions)
 
-        def attend(layer, q, k, v, scale, softcap=None, sinks=None):
-            window = self.windows[layer]
-            return self.attention.decode(layer, q, k, v, positions, span, scale, window, context, softcap, sinks)
+        def attend(layer, q, k, v, *options):
+            return self.attention.decode(layer, q, k, v, positions, span, context, self._how(layer, *options))
 
         return self.logits_at(tokens.unsqueeze(1), positions.unsqueeze(1), attend, None)
 
@@ -129,11 +128,14 @@ class CachedDecoder(Decoder):
         lengths = torch.tensor([len(t) for t in tokens], device=self.device)
         slot_index = torch.tensor(slots, device=self.device)
 
-        def attend(layer, q, k, v, scale, softcap=None, sinks=None):
-            window = self.windows[layer]
-            return self.attention.extend(layer, slot_index, q, k, v, positions, lengths, scale, window, softcap, sinks)
+        def attend(layer, q, k, v, *options):
+            return self.attention.extend(layer, slot_index, q, k, v, positions, lengths, self._how(layer, *options))
 
         return self.logits_at(ids, positions, attend, lengths - 1)  # (n, V)
+
+    def _how(self, layer: int, scale: float, softcap: Optional[float] = None, sinks=None) -> LayerAttention:
+        """Layer ``layer``'s attention options: those ``attend`` is given, and the layer's window."""
+        return LayerAttention(scale, self.windows[layer], softcap, sinks)
 
     def pack(self, order: list, length: int) -> bool:
         return self.cache.move(order, length)

@@ -1,4 +1,4 @@
-"""Choosing by timing here, once per machine: the rollout copy's layout (``layouts.py``), and for a
+"""Choosing by timing here, once per machine: the rollout copy's layout (``weight_layouts.py``), and for a
 family with a hand-written forward whether it or the model's own modules decode faster.
 
 Which layout a decode step reads fastest depends on the CPU or GPU, the math library's small-M
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from ..machine import cache_root, device_name
-from .layouts import LAYOUTS, layouts_for
+from .weight_layouts import LAYOUTS, layouts_for
 
 SAMPLE_BYTES = 64 << 20  # the matrices timed: more than any core's cache holds
 PASSES = 3

@@ -19,10 +19,10 @@ from .attention import CacheAttention
 from .calibration import TIMED_SPAN, choose_decoder
 from .flash import FLASH_BLOCK, flash_decode, kernel_backend
 from .interface import InterfaceDecoder, Unserved
-from .kv_cache import KVCache
 from .lean import FAMILIES
 from .packed import DecoderWeights
 from .paged import DEFAULT_BLOCK, PagedKVCache, block_within, paged_blocks
+from .static_cache import StaticKVCache
 
 DECODERS = ("auto", "lean", "modules", "generic")
 
@@ -43,7 +43,7 @@ def cached_decoder(
     """``(decoder, path)``: a decoder over a KV cache of ``slots`` rows for ``model`` (None where
     neither kind of forward serves it) and a line saying which path and why. ``attention`` picks the
     decode attention (see ``flash.py``); ``kv_cache`` the layout, ``"paged"`` (blocks of
-    ``block_size`` positions in ``memory`` bytes, see ``paged.py``), ``"static"`` (``kv_cache.py``)
+    ``block_size`` positions in ``memory`` bytes, see ``paged.py``), ``"static"`` (``static_cache.py``)
     or ``"auto"``: paged when ``block_size`` is given or ``memory`` is short of every slot at
     ``max_len``, else static: there is then nothing to page, and the paged decode's gather of each
     row's blocks would be a cost with no saving. ``weights`` and ``layout``: what a hand-written
@@ -94,7 +94,7 @@ def cached_decoder(
     if kv_cache == "static":
         flash = decode_attention(None)
         # head-major unless flash-attn reads it: a head's keys of a row in one run, for SDPA and the kernel alike
-        cache = KVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device, head_major=flash is None)
+        cache = StaticKVCache(layers, slots, kv_heads, max_len, head_dim, dtype, param.device, head_major=flash is None)
         return family(model, CacheAttention(cache, flash, backend), windows, projections), path
     if block_size is None:  # flash-attn's page when it would take one, else vLLM's default
         flash = flash_decode("auto", param.device, param.dtype, dtype, head_dim, FLASH_BLOCK, sinks)
@@ -128,7 +128,7 @@ def _faster(model, lean, shapes, slots: int, max_len: int, dtype, attention: str
         except Unserved:
             return None
         layers, kv_heads, head_dim, windows, _ = shapes
-        cache = KVCache(layers, slots, kv_heads, TIMED_SPAN, head_dim, dtype or param.dtype, param.device)
+        cache = StaticKVCache(layers, slots, kv_heads, TIMED_SPAN, head_dim, dtype or param.dtype, param.device)
         attend = CacheAttention(cache, None, kernel_backend(attention, param.device))
         projections = DecoderWeights(lean.projections(model), weights, slots, layout)
         made.append(projections)

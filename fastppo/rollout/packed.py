@@ -3,7 +3,7 @@
 A decode step of a few rows reads every weight matrix once, so it runs at the speed the math
 library reads a matrix at small M. The packed copy helps it twice: the projections a layer runs on
 one input are fused into one matrix (q, k and v; gate and up), one product instead of three, and
-every matrix is stored in the layout that multiplies fastest on this machine (``layouts.py``,
+every matrix is stored in the layout that multiplies fastest on this machine (``weight_layouts.py``,
 chosen by ``calibration.py``). The copy is made from the live parameters and made again at the
 start of every rollout: one pass over the weights, counted in that rollout's time (about 0.1 s for
 a 135M-parameter fp32 model on a 2-core CPU, against seconds of decoding). It cannot be skipped by
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .calibration import choose_layout
-from .layouts import LAYOUTS, stored_bytes
+from .weight_layouts import LAYOUTS, stored_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ step: ``packed.py``, refreshed when the weights change) or through its own modul
 handed over at transformers' attention interface (``interface.py``); ``decoders.py`` chooses. The
 cache is paged (``paged.py``: blocks through a block table, a prompt's blocks shared by its
 samples, rows admitted while memory covers them) when its budget is short of every slot at the
-cap, else static (``kv_cache.py``: every one of ``max_batch_size`` slots at ``max_seq_len``); the
+cap, else static (``static_cache.py``: every one of ``max_batch_size`` slots at ``max_seq_len``); the
 decode attention is ``attention.py``'s (flash-attn, fastppo's decode kernel or its twin, chosen in
 ``flash.py``; on CUDA each step a replayed CUDA graph). A model neither serves (state-space or
 linear-attention layers, a keyword its attention passes that the cache attention does not honour)
@@ -23,19 +23,19 @@ import torch
 
 from ..limits import GiB
 from ..ops import checks
-from ..ops.sampling import check_sampling_options, sample_tokens
+from ..ops.sample_tokens import check_sampling_options, sample_tokens
 from ..windows import UnknownWindows, smallest_window
-from .batching import TOOL_SCHEDULES, TOOL_WINDOW, RolloutLoop, row_cap, sampling_mode, sync_every
+from .batching import TOOL_SCHEDULES, TOOL_WINDOW, LoopSettings, RolloutLoop, row_cap, sampling_mode, sync_every
 from .cuda_graphs import DecodeGraphs, graph_rows
 from .decoders import DECODERS, cached_decoder
 from .flash import ATTENTIONS
 from .generic import GenericDecoder
-from .layouts import LAYOUTS
 from .packed import WEIGHTS
 from .paged import KVMemoryError
 from .rollout import Rollout
 from .stream import RolloutStream, StreamLoop
 from .turns import Turns
+from .weight_layouts import LAYOUTS
 
 KV_CACHES = ("auto", "paged", "static")
 
@@ -175,7 +175,7 @@ class Sampler:
 
     @property
     def kv_cache(self):
-        """fastppo's KV cache (``paged.py``'s or ``kv_cache.py``'s), None on the generic path."""
+        """fastppo's KV cache (``paged.py``'s or ``static_cache.py``'s), None on the generic path."""
         return None if self.cached is None else self.cached.cache
 
     @property
@@ -303,26 +303,10 @@ class Sampler:
             self._check_kv_memory(prompts, n, max_new, turns is not None)
             self.kv_cache.reset_peak()
         self.refresh()
-        decoder, decode = self._decoder()
+        settings = self._loop_settings(draw, stop, pad, tool_schedule, tool_window)
+        decoder = settings.decoder
         decoder.prefilled = 0
-        loop = RolloutLoop(
-            decoder,
-            decode,
-            self.max_batch_size,
-            self.max_seq_len,
-            [list(p) for p in prompts],
-            n,
-            max_new,
-            draw,
-            stop,
-            pad,
-            self.compact_below,
-            self._bucket(),
-            on_rows_ended,
-            turns,
-            tool_schedule,
-            tool_window,
-        )
+        loop = RolloutLoop(settings, [list(p) for p in prompts], n, max_new, on_rows_ended, turns)
         with sampling_mode(self.model):
             rollout = loop.run()
         self.rows_decoded, self.prefill_tokens = loop.rows_decoded, decoder.prefilled
@@ -361,25 +345,8 @@ class Sampler:
         draw, stop, pad = self._check_options(n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed)
         self._check_turns(episodes, tool_schedule, tool_window)
         self._wake()
-        decoder, decode = self._decoder()
-        loop = StreamLoop(
-            decoder,
-            decode,
-            self.max_batch_size,
-            self.max_seq_len,
-            n,
-            prompts_per_batch,
-            ahead,
-            budget,
-            draw,
-            stop,
-            pad,
-            self.compact_below,
-            self._bucket(),
-            episodes,
-            tool_schedule,
-            tool_window,
-        )
+        settings = self._loop_settings(draw, stop, pad, tool_schedule, tool_window)
+        loop = StreamLoop(settings, n, prompts_per_batch, ahead, budget, episodes)
         return RolloutStream(self, loop, draw)
 
     def _check_options(self, n, temperature, top_k, top_p, stop_token_ids, pad_token_id, seed) -> tuple:
@@ -438,8 +405,15 @@ class Sampler:
         decoder = GenericDecoder(self.model)
         return decoder, decoder.decode
 
-    def _bucket(self) -> Optional[Callable]:
-        return graph_rows if self.graphs is not None else None
+    def _loop_settings(self, draw, stop: tuple, pad: int, tool_schedule: str, tool_window: int) -> LoopSettings:
+        """What this call's rollout loop decodes with: the decoder from :meth:`_decoder`, this sampler's
+        slots and context, and the call's checked options."""
+        decoder, decode = self._decoder()
+        bucket = graph_rows if self.graphs is not None else None
+        slots, max_len = self.max_batch_size, self.max_seq_len
+        return LoopSettings(
+            decoder, decode, slots, max_len, draw, stop, pad, self.compact_below, bucket, tool_schedule, tool_window
+        )
 
     def _check_kv_memory(self, prompts, n: int, max_new: list, episodes: bool) -> None:
         """Refuse a rollout a prompt of which the paged cache could never admit, even empty."""

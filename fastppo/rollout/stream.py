@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .batching import RolloutLoop, sampling_mode
+from .batching import LoopSettings, RolloutLoop, sampling_mode
 from .rollout import Rollout
 from .turns import Turns
 
@@ -82,32 +82,14 @@ class StreamLoop(RolloutLoop):
     first row's number across batches, ``k * rows + r`` (``rows`` a batch's)."""
 
     def __init__(
-        self,
-        decoder,
-        decode,
-        slots: int,
-        max_len: int,
-        n: int,
-        prompts_per_batch: int,
-        ahead: int,
-        max_new: int,
-        draw,
-        stop: tuple,
-        pad: int,
-        compact_below: float,
-        bucket,
-        episodes: bool,
-        tool_schedule: str,
-        tool_window: int,
+        self, settings: LoopSettings, n: int, prompts_per_batch: int, ahead: int, max_new: int, episodes: bool
     ):
         self.per_batch, self.ring = prompts_per_batch * n, ahead + 1
-        turns = RingTurns(self.per_batch, self.ring) if episodes else None
-        loop = (decoder, decode, slots, max_len, [], n, [], draw, stop, pad, compact_below, bucket, None, turns)
-        super().__init__(*loop, tool_schedule, tool_window)
+        super().__init__(settings, [], n, [], turns=RingTurns(self.per_batch, self.ring) if episodes else None)
         self.prompts, self.max_new = {}, {}  # by global prompt and global row, for the batches in flight
         self.sizes = {}  # batch -> the rows each of its prompts is decoded in: n, or 1
         self.budget = max_new
-        self._allocate(self.ring * self.per_batch, max_len if episodes else max_new)
+        self._allocate(self.ring * self.per_batch, self.max_len if episodes else max_new)
         self.row.fill_(self.trash)
         self.versions_out = torch.zeros_like(self.tokens_out)
         self.unfinished = {}  # batch -> its rows that have not ended
@@ -159,7 +141,7 @@ class StreamLoop(RolloutLoop):
         if self.unfinished[batch]:
             looked = self.started
             if not self.started:
-                self._admit(list(range(self.capacity)))
+                self._admit(list(range(self.settings.slots)))
                 self.started = True
             elif not self.stalled:
                 self._refill()  # the batches added since the last look, into the slots free then

@@ -39,7 +39,7 @@ from .modeling.rollout_weights import RolloutWeights
 from .modeling.weights import disable_dropout, enable_checkpointing, frozen_copy
 from .parallel import sharded_loading, sharding
 from .prompts.tasks import TASKS
-from .update.layout import SharedPrefix
+from .update.row_layout import SharedPrefix
 
 if TYPE_CHECKING:  # for the annotations only
     from .configuration.config import TrainConfig
@@ -58,7 +58,7 @@ class Models:
     sharded: bool
     rollout_group: RolloutGroup  # the ranks that decode one batch together (--rollout-tp; else this rank)
     loaded: str  # how the weights were read (whole, or shard by shard), for the start-up log
-    # how the forwards encode each prompt once for its samples (``update/layout.py``); None: padded rows
+    # how the forwards encode each prompt once for its samples (``update/row_layout.py``); None: padded rows
     shared_prefix: Optional[SharedPrefix] = None
     padded_because: Optional[str] = None
 

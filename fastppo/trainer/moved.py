@@ -31,7 +31,7 @@ MOVED = {
     f"{T}.fields": (f"{T}.configuration.fields", "fastppo.limits"),
     f"{T}.host_memory": (f"{T}.modeling.host_memory",),
     f"{T}.inputs": (f"{T}.run.inputs",),
-    f"{T}.layout": (f"{T}.update.layout",),
+    f"{T}.layout": (f"{T}.update.row_layout",),
     f"{T}.lora": (f"{T}.modeling.lora",),
     f"{T}.loss": (f"{T}.update.loss",),
     f"{T}.models": (

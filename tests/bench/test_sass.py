@@ -220,7 +220,7 @@ def test_sass_report_runs_and_names_its_figures(tmp_path):
     probe = rows["sample_tokens (greedy)", "bf16 [330, 151936], 4 splits"]
     assert greedy["waves"] == probe["waves"] == 2 and greedy["latency_us"] == probe["latency_us"]
     # GPT-2's odd vocabulary: rows between vectors, their bodies read 16 bytes at a time (drawn
-    # rows excepted: kernels/sampling.py says why).
+    # rows excepted: kernels/sample_tokens.py says why).
     for name in ("token_logprobs forward", "token_logprobs backward", "sample_tokens (greedy)", "sample_tokens"):
         odd = next(r for r in report["kernels"] if r["kernel"] == name and "50257" in r["shape"])
         assert max(odd["load_bits"]) == (16 if name == "sample_tokens" else 128), odd

@@ -19,8 +19,8 @@ assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
 import torch  # noqa: E402
 
 from fastppo.bench.launches import compile_launch, launches  # noqa: E402
-from fastppo.kernels import decode_attention, gae, logprobs, ppo_loss, sampling  # noqa: E402
-from fastppo.kernels.layout import PARTIALS, Cascade  # noqa: E402
+from fastppo.kernels import decode_attention, gae, ppo_policy_loss, sample_tokens, token_logprobs  # noqa: E402
+from fastppo.kernels.contract import PARTIALS, Cascade, LossTerms  # noqa: E402
 
 # 16 bytes per access: a vector load or store of 4 32-bit words, or an asynchronous copy of 16 bytes.
 WIDE_LOAD = r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.\w+\.shared\.global[^;]*, 0x10\b"
@@ -52,7 +52,8 @@ def logprob_kernels():
         out = [empty(N) for _ in range(3)]
         for stats in (None, empty(N, 3)) if dtype == "fp32" else (None,):  # fp32 chunks from hidden states
             ptx = build(
-                logprobs, lambda: logprobs.logprobs_forward(logits, labels, temperature, 1.0, -100, *out, stats)
+                token_logprobs,
+                lambda: token_logprobs.logprobs_forward(logits, labels, temperature, 1.0, -100, *out, stats),
             )
             if V >= 1000:
                 # 16-byte loads of the logits: rows 16-byte aligned (V = 1000 in bf16 too), or for an
@@ -60,8 +61,8 @@ def logprob_kernels():
                 assert re.search(WIDE_LOAD, ptx["_logprobs_fwd_kernel"]), "forward logits loads are not vectorised"
         for g_ent in (None, torch.ones(N)):
             ptx = build(
-                logprobs,
-                lambda g_ent=g_ent: logprobs.logprobs_backward(
+                token_logprobs,
+                lambda g_ent=g_ent: token_logprobs.logprobs_backward(
                     logits, logits, labels, temperature, 1.0, -100, out[2], out[1], torch.ones(N), g_ent
                 ),
             )["_logprobs_bwd_kernel"]
@@ -71,8 +72,8 @@ def logprob_kernels():
         if dtype == "fp32" and V >= 1000 and not has_temp:  # fp32 chunks, a bf16 gradient: from hidden states on CUDA
             half = empty(1, N, V, dtype=torch.bfloat16)
             ptx = build(
-                logprobs,
-                lambda: logprobs.logprobs_backward(
+                token_logprobs,
+                lambda: token_logprobs.logprobs_backward(
                     logits, half, labels, temperature, 1.0, -100, out[2], out[1], torch.ones(N), None
                 ),
             )["_logprobs_bwd_kernel"]
@@ -96,13 +97,14 @@ def ppo_loss_kernels():
     N = 4096
     tokens = [empty(N) for _ in range(4)]  # logp, old, advantages, weights
     valid, grad = torch.ones(N, dtype=torch.bool), empty(N)
-    partials = empty(ppo_loss.num_programs(N), len(PARTIALS))
+    partials = empty(ppo_policy_loss.num_programs(N), len(PARTIALS))
     for ref, ent, dual, estimator in itertools.product((False, True), (False, True), (False, True), (1, 2, 3)):
         if not ref and estimator != 1:
             continue  # without a reference the estimator is never read
         ref_logp, entropy = (empty(N) if ref else None), (empty(N) if ent else None)
-        args = (*tokens, valid, ref_logp, entropy, 0.2, 0.28, 3.0 if dual else 0.0, 0.01, estimator, grad, partials)
-        ptx = build(ppo_loss, lambda args=args: ppo_loss.ppo_loss_forward(*args))["_ppo_loss_fwd_kernel"]
+        terms = LossTerms(0.2, 0.28, 3.0 if dual else 0.0, 0.01, estimator, 0.01)
+        args = (*tokens, valid, ref_logp, entropy, terms, grad, partials)
+        ptx = build(ppo_policy_loss, lambda args=args: ppo_policy_loss.ppo_loss_forward(*args))["_ppo_loss_fwd_kernel"]
         # masked by the bounds alone, the token loads are vector loads
         assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "PPO loss loads are not vectorised"
 
@@ -113,9 +115,9 @@ def sampling_kernels():
     ):
         logits = empty(B, V, dtype=DTYPES[dtype])
         tokens, logp = torch.empty(B, dtype=torch.long), empty(B)
-        ptx = build(sampling, lambda: sampling.sample_forward(logits, 1.0, greedy, 7, tokens, logp))
+        ptx = build(sample_tokens, lambda: sample_tokens.sample_forward(logits, 1.0, greedy, 7, tokens, logp))
         # Rows 16-byte aligned, or greedy rows of an odd V by their bodies (drawn ones are read as they lie:
-        # kernels/sampling.py says why).
+        # kernels/sample_tokens.py says why).
         if V >= 1000 and (V % 8 == 0 or greedy):
             assert re.search(WIDE_LOAD, ptx["_sample_kernel"]), "sampling logits loads are not vectorised"
 

@@ -8,7 +8,7 @@ to the first argmax, as the sampler reads shifted rows by their bodies only when
 import pytest
 import torch
 
-from fastppo.ops import logprobs_torch
+from fastppo.ops import token_logprobs_torch
 from fastppo.ops.dispatch import TRITON_INSTALLED
 from tests.oracles import assert_grad_close, assert_values_close, logprobs_grad_oracle, logprobs_oracle
 
@@ -33,7 +33,7 @@ def labels_for(N):
 
 
 def test_the_rows_here_take_the_shifted_path():
-    from fastppo.kernels.layout import row_unit
+    from fastppo.kernels.contract import row_unit
     from fastppo.kernels.vectors import row_shift
 
     for dtype, vec in ((torch.bfloat16, 8), (torch.float32, 4)):
@@ -47,7 +47,7 @@ def test_the_rows_here_take_the_shifted_path():
 @pytest.mark.parametrize("offset,pad", [(0, 0), (1, 0), (3, 5)])
 @pytest.mark.parametrize("block_v", [32, 64])
 def test_log_probs_and_gradients_of_shifted_rows_match_the_oracle(dtype, offset, pad, block_v):
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     N = 11
     x = shifted_rows(N, dtype, offset, pad)
@@ -70,7 +70,7 @@ def test_log_probs_and_gradients_of_shifted_rows_match_the_oracle(dtype, offset,
 
 
 def test_statistics_of_shifted_rows_match_the_twin():
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     N = 9
     x = shifted_rows(N, torch.float32, offset=1)
@@ -78,7 +78,7 @@ def test_statistics_of_shifted_rows_match_the_twin():
     labels = labels_for(N)
     labels[6] = 200
     results = []
-    for impl, block_v in ((kernels, {"block_v": 32}), (logprobs_torch, {})):
+    for impl, block_v in ((kernels, {"block_v": 32}), (token_logprobs_torch, {})):
         out = [torch.empty(N) for _ in range(3)] + [torch.empty(N, 3)]
         impl.logprobs_forward(x.unsqueeze(0), labels, None, 1.0, -100, *out, **block_v)
         results.append(out)
@@ -137,8 +137,8 @@ def test_greedy_ties_across_the_head_the_body_and_the_tail_go_to_the_lowest_colu
 def test_a_half_gradient_of_fp32_logits_is_stored_in_vectors_by_the_wider_head():
     # As the ops from hidden states write on CUDA: fp32 logits chunks, a bf16 gradient of the same
     # rows. Heads are counted in 8-element (bf16) vectors, which are 4-element (fp32) ones too.
-    from fastppo.kernels import logprobs as kernels
-    from fastppo.kernels.layout import row_unit
+    from fastppo.kernels import token_logprobs as kernels
+    from fastppo.kernels.contract import row_unit
     from fastppo.kernels.vectors import shared_shift
 
     N = 10

@@ -6,7 +6,7 @@ cascade change nothing; bad input is refused by name."""
 import pytest
 import torch
 
-from fastppo.kernels.layout import Cascade
+from fastppo.kernels.contract import Cascade
 from fastppo.ops.decode_attention import decode_attention
 from tests.oracles import decode_attention_oracle
 
@@ -222,7 +222,7 @@ def _arguments():
         (dict(softcap=0.0), "softcap must be a finite number > 0"),
         (dict(softcap=float("inf")), "softcap must be a finite number > 0"),
         (dict(softcap="30"), "softcap must be a finite number > 0"),
-        (dict(cascade=(1, 2)), "cascade must be a fastppo.kernels.layout.Cascade"),
+        (dict(cascade=(1, 2)), "cascade must be a fastppo.kernels.contract.Cascade"),
         (dict(block_table=None, cascade=Cascade(*[torch.zeros(1, dtype=torch.int32)] * 3, 0)), "needs a paged cache"),
         (dict(cascade=Cascade(torch.zeros(1, 2), torch.zeros(1), torch.zeros(2), 0)), "cascade.members must be int32"),
         (dict(rows=torch.tensor([0.0, 1.0])), "rows must be an integer tensor"),

@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 import fastppo
-from fastppo.kernels import sampling as sampling_kernels
-from fastppo.kernels.sampling import sample_forward
+from fastppo.kernels import sample_tokens as sampling_kernels
+from fastppo.kernels.sample_tokens import sample_forward
 from tests.oracles import chi2_critical, philox_uniform4
 
 

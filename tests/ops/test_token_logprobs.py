@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastppo
-from fastppo.ops import logprobs_torch
+from fastppo.ops import token_logprobs_torch
 from tests.ops.inputs import DTYPES, make_labels
 from tests.oracles import assert_grad_close, assert_values_close, logprobs_grad_oracle, logprobs_oracle
 
@@ -174,7 +174,7 @@ def test_twin_chunk_boundaries(device, monkeypatch):
     logits = torch.randn(3, 7, 23, device=device)
     labels = make_labels((3, 7), 23, device=device)
     for elements in (10, 23 * 3, 23 * 15):
-        monkeypatch.setattr(logprobs_torch, "ROW_CHUNK_ELEMENTS", elements)
+        monkeypatch.setattr(token_logprobs_torch, "ROW_CHUNK_ELEMENTS", elements)
         check_op(logits, labels, "torch", temperature=torch.rand(3, 1, device=device) + 0.5)
 
 

@@ -160,17 +160,17 @@ def test_the_logit_gradient_buffer_is_the_logits_unless_the_matmuls_take_half():
 def test_every_chunk_writes_its_logits_into_one_buffer(op, monkeypatch):
     # One chunk's logits alive at a time, as the memory plan counts them: a chunk making its own
     # would hold the previous one's too at the moment it is made, so two chunks' addresses differ.
-    from fastppo.ops import logprobs_torch
+    from fastppo.ops import token_logprobs_torch
 
     seen = []
     for name in ("logprobs_forward", "logprobs_backward"):
-        launcher = getattr(logprobs_torch, name)
+        launcher = getattr(token_logprobs_torch, name)
 
         def recording(logits, *args, launcher=launcher, name=name):
             seen.append((name, logits.data_ptr()))
             return launcher(logits, *args)
 
-        monkeypatch.setattr(logprobs_torch, name, recording)
+        monkeypatch.setattr(token_logprobs_torch, name, recording)
     hidden = torch.randn(10, 8, requires_grad=True)
     weight = torch.randn(21, 8, requires_grad=True)
     labels = torch.randint(0, 21, (10,))
@@ -223,7 +223,7 @@ def stats_oracle(hidden, weight, bias, labels, temperature, ignore_index=-100):
 @pytest.mark.parametrize("V,block_v", [(37, None), (1, None), (300, 64)], ids=["odd", "V=1", "several-blocks"])
 def test_head_stats_from_the_same_pass(backend, device, monkeypatch, V, block_v):
     if block_v is not None and backend == "triton":  # blocks narrower than V, so the statistics cross blocks
-        from fastppo.kernels import logprobs as kernels
+        from fastppo.kernels import token_logprobs as kernels
 
         monkeypatch.setattr(kernels, "_TILE", block_v)
     N, H = 11, 1

@@ -29,8 +29,9 @@ class Spy:
         loop_init = batching.RolloutLoop.__init__
         spy = self
 
-        def init(loop, decoder, decode, *args, **kwargs):
-            loop_init(loop, decoder, decode, *args, **kwargs)
+        def init(loop, settings, *args, **kwargs):
+            loop_init(loop, settings, *args, **kwargs)
+            decoder, decode = settings.decoder, settings.decode
             prefill, pack = decoder.prefill, decoder.pack
 
             def counted_decode(tokens, positions, span, live):

@@ -118,9 +118,9 @@ def test_what_a_family_passes_is_honoured():
     seen = []
     prefill = cache_attention.CacheAttention.prefill
 
-    def spy(self, layer, slots, q, k, v, scale, window, softcap=None, sinks=None):
-        seen.append((layer, scale, window, softcap, None if sinks is None else sinks.clone()))
-        return prefill(self, layer, slots, q, k, v, scale, window, softcap, sinks)
+    def spy(self, layer, slots, q, k, v, how):
+        seen.append((layer, *how[:3], None if how.sinks is None else how.sinks.clone()))
+        return prefill(self, layer, slots, q, k, v, how)
 
     for family in ("gemma2", "gpt_oss"):
         model = interface_model(family)

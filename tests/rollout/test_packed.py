@@ -11,7 +11,7 @@ from torch import nn
 
 import fastppo
 from fastppo.rollout import calibration
-from fastppo.rollout.layouts import LAYOUTS, layouts_for
+from fastppo.rollout.weight_layouts import LAYOUTS, layouts_for
 
 from .models import PROMPTS, RAGGED_PROMPTS, hf_greedy, recomputed_logprobs, tiny
 
@@ -53,9 +53,9 @@ def test_the_default_sampler_decodes_like_generate_and_its_logprobs_are_the_mode
 def test_onednn_holds_bf16_only_where_this_cpu_lets_it_and_a_bf16_sampler_runs_either_way(monkeypatch):
     """On an AVX2-only CPU oneDNN refuses to store a bf16 matrix: the layout is then not offered,
     asking for it is refused by name, and the calibration picks among the others."""
-    from fastppo.rollout import layouts
+    from fastppo.rollout import weight_layouts
 
-    monkeypatch.setattr(layouts, "onednn_bf16", lambda: False)
+    monkeypatch.setattr(weight_layouts, "onednn_bf16", lambda: False)
     assert "onednn" not in layouts_for(torch.device("cpu"), torch.bfloat16)
     assert "onednn" in layouts_for(torch.device("cpu"), torch.float32)
     model = tiny("llama").to(torch.bfloat16)

@@ -120,7 +120,7 @@ def test_no_prompt_is_admitted_while_a_row_stalls(monkeypatch):
 
     def watched_hold(loop, active, positions):
         hold(loop, active, positions)
-        if loop.stalled and loop.pending and len(loop.offset) + loop.n <= loop.capacity:
+        if loop.stalled and loop.pending and len(loop.offset) + loop.n <= loop.settings.slots:
             stalled_with_room.append(loop.steps_run)
 
     monkeypatch.setattr(RolloutLoop, "_admit", watched_admit)

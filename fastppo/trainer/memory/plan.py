@@ -41,7 +41,7 @@ import torch
 
 from ...limits import GiB
 from ..modeling.precision import Precision, stored_dtype
-from ..update.layout import mask_refusal
+from ..update.row_layout import mask_refusal
 
 if TYPE_CHECKING:  # for the annotations only
     from ..configuration.config import TrainConfig
@@ -442,7 +442,7 @@ def kv_memory(
 
 
 def _shares(config: "TrainConfig", model_config, prompt_tokens: int) -> bool:
-    """Whether the update encodes each prompt once for its samples (``layout.py``): the shared
+    """Whether the update encodes each prompt once for its samples (``row_layout.py``): the shared
     prefix on, samples to share it, and no window of the model refusing its masks."""
     row = prompt_tokens + config.response_tokens
     shared = config.model.shared_prefix and mask_refusal(model_config, row) is None
@@ -451,7 +451,7 @@ def _shares(config: "TrainConfig", model_config, prompt_tokens: int) -> bool:
 
 def forward_tokens(config: "TrainConfig", model_config, rows: int, prompt_tokens: int) -> tuple:
     """``(tokens, how)``: the most tokens one forward of the update lays out for a minibatch of
-    ``rows``, every response at its most tokens (``layout.py``): each prompt once for its samples
+    ``rows``, every response at its most tokens (``row_layout.py``): each prompt once for its samples
     (one more prompt where a minibatch cuts through a group), or a padded row per sample (also
     where the model's windows refuse the shared masks, ``mask_refusal``); no more than the
     micro-batch budget (or one row, when a row is longer than it)."""

@@ -1,7 +1,7 @@
 """A rollout laid out for the update, and the forward passes that read it.
 
 A batch holds each row's prompt and response; a forward reads it through a :class:`Layout`
-(``layout.py``): each prompt encoded once for its samples where the model allows it, padded rows
+(``row_layout.py``): each prompt encoded once for its samples where the model allows it, padded rows
 otherwise. The layout says where the hidden state predicting each response token lands, so the
 fused ops from hidden states gather exactly the rows they score and never build full logits.
 ``prepare`` fills in what the update needs before its first step: the old and reference log-probs
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ...ops import IGNORE_INDEX, masked_whiten, token_logprobs_from_hidden
 from ..parallel import sharding
-from .layout import Layout, SharedPrefix, groups, microbatches, padded_layout, shared_layout, units
+from .row_layout import Layout, SharedPrefix, groups, microbatches, padded_layout, shared_layout, units
 
 if TYPE_CHECKING:  # for the annotations only
     from ..configuration.config import TrainConfig

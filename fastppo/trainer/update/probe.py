@@ -1,4 +1,4 @@
-"""Whether a run's forwards encode each prompt once for its samples (``layout.py``), decided once,
+"""Whether a run's forwards encode each prompt once for its samples (``row_layout.py``), decided once,
 before the first rollout, by asking the models themselves.
 
 The shared layout relies on three things a model may not do: take a custom 4-D attention mask
@@ -24,7 +24,7 @@ import torch
 from ..parallel import sharding
 from . import unit_attention
 from .batch import Batch, response_hidden, response_values
-from .layout import SharedPrefix, key_cost, mask_format_of, mask_refusal
+from .row_layout import SharedPrefix, key_cost, mask_format_of, mask_refusal
 
 if TYPE_CHECKING:  # for the annotations only
     from ..parallel.distributed import Ranks

@@ -1,6 +1,6 @@
 """The update's attention over shared-prompt units, computing only the pairs their mask allows.
 
-A unit (``layout.py``) is a prompt and its samples' responses in one row, under a mask that lets a
+A unit (``row_layout.py``) is a prompt and its samples' responses in one row, under a mask that lets a
 response token see the prompt and its own response's earlier tokens. SDPA under such a mask
 computes every query against every key of the row and throws most away: with 8 responses of 84
 tokens after a 280-token prompt, 72% of the 950 x 950 pairs are masked. Here the same attention

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastppo.trainer.update.batch import Batch, prepare
-from fastppo.trainer.update.layout import SharedPrefix, _first_fit, groups, key_cost, microbatches, units
 from fastppo.trainer.update.probe import check_shared_prefix, probe_batch
+from fastppo.trainer.update.row_layout import SharedPrefix, _first_fit, groups, key_cost, microbatches, units
 from tests.oracles import relative_error
 from tests.trainer.runs import drifted, ops_on_triton, rolled_out
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastppo.trainer.update import unit_attention
-from fastppo.trainer.update.layout import SharedPrefix
+from fastppo.trainer.update.row_layout import SharedPrefix
 from fastppo.trainer.update.unit_attention import IMPLEMENTATION, PLAN_ATTRIBUTE, plan_units, split_attention
 from tests.oracles import masked_attention_oracle
 from tests.trainer.runs import drifted, rolled_out

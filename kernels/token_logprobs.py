@@ -42,8 +42,8 @@ per-row tensor), never a compile-time constant.
 import triton
 import triton.language as tl
 
+from .contract import row_unit
 from .fastmath import LN2, LOG2E, exp2, log2
-from .layout import row_unit
 from .vectors import EDGE_TILE, body_columns, body_start, edge_columns, row_shift, shared_shift
 
 # Where exp2 underflows to 0 (flush to zero): differences below it are clamped before use.
@@ -331,7 +331,7 @@ def _launch(logits, temperature, inv_temperature, block_v, grad=None):
 def logprobs_forward(
     logits, labels, temperature, inv_temperature, ignore_index, logp, entropy, lse, stats=None, *, block_v=None
 ):
-    """The launcher of ``fastppo/ops/launchers.py``; ``block_v`` overrides the vocabulary tile."""
+    """The launcher ``kernels/contract.py`` declares; ``block_v`` overrides the vocabulary tile."""
     launch = _launch(logits, temperature, inv_temperature, block_v)
     if launch is None:
         return
@@ -371,7 +371,7 @@ def logprobs_backward(
     *,
     block_v=None,
 ):
-    """The launcher of ``fastppo/ops/launchers.py``; ``block_v`` overrides the vocabulary tile."""
+    """The launcher ``kernels/contract.py`` declares; ``block_v`` overrides the vocabulary tile."""
     launch = _launch(logits, temperature, inv_temperature, block_v, grad)
     if launch is None:
         return

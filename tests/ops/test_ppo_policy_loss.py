@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastppo
-from fastppo.ops import ppo_loss_torch
+from fastppo.ops import ppo_policy_loss_torch
 from tests.oracles import aggregate_oracle, ppo_loss_oracle, relative_error
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -149,7 +149,7 @@ def test_any_token_shape_for_token_mean(backend):
 
 
 def test_twin_chunk_boundaries(monkeypatch):
-    monkeypatch.setattr(ppo_loss_torch, "CHUNK", 7)  # 52 tokens: 8 chunks, the last one partial
+    monkeypatch.setattr(ppo_policy_loss_torch, "CHUNK", 7)  # 52 tokens: 8 chunks, the last one partial
     check_loss(make_batch(), "torch", kl_coef=0.1, entropy_coef=0.01, dual_clip=2.0)
 
 

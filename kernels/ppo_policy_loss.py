@@ -22,7 +22,7 @@ stays NaN through every clamp (``propagate_nan``), so it shows in the loss.
 import triton
 import triton.language as tl
 
-from .layout import PARTIALS
+from .contract import PARTIALS
 
 # The partials' row width and column of each sum, from the one definition of their layout.
 _WIDTH = tl.constexpr(len(PARTIALS))
@@ -142,45 +142,25 @@ def num_programs(N: int) -> int:
     return max(1, triton.cdiv(N, _BLOCK))
 
 
-def ppo_loss_forward(
-    logprobs,
-    old_logprobs,
-    advantages,
-    weights,
-    valid,
-    ref_logprobs,
-    entropy,
-    clip_low,
-    clip_high,
-    dual_clip,
-    kl_coef,
-    kl_estimator,
-    grad,
-    partials,
-):
-    """The launcher of ``fastppo/ops/launchers.py``: one one-warp program per ``_BLOCK`` tokens."""
+def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, terms, grad, partials):
+    """The launcher ``kernels/contract.py`` declares: one one-warp program per ``_BLOCK`` tokens."""
     N = logprobs.numel()
     if N == 0:
         return
+    tokens = (logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy)
     _ppo_loss_fwd_kernel[(num_programs(N),)](
-        logprobs,
-        old_logprobs,
-        advantages,
-        weights,
-        valid,
-        ref_logprobs,
-        entropy,
+        *tokens,
         grad,
         partials,
         N,
-        clip_low,
-        clip_high,
-        dual_clip,
-        kl_coef,
+        terms.clip_low,
+        terms.clip_high,
+        terms.dual_clip,
+        terms.kl_coef,
         HAS_REF=ref_logprobs is not None,
         HAS_ENTROPY=entropy is not None,
-        DUAL_CLIP=dual_clip > 0,
-        KL_ESTIMATOR=kl_estimator,
+        DUAL_CLIP=terms.dual_clip > 0,
+        KL_ESTIMATOR=terms.kl_estimator,
         BLOCK=_BLOCK,
         num_warps=_WARPS,
     )

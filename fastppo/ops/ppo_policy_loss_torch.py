@@ -1,4 +1,4 @@
-"""PyTorch twin of ``fastppo.kernels.ppo_loss``: the CPU path, with the same launcher signature.
+"""PyTorch twin of ``fastppo.kernels.ppo_policy_loss``: the CPU path, with the same launcher signature.
 
 It walks the tokens in chunks of ``CHUNK`` (as the kernel's programs do), each chunk writing one
 row of partial sums: whole-batch temporaries of a few million tokens would be fresh pages on
@@ -7,7 +7,7 @@ every call, and measured twice as slow on a CPU. See the kernel's docstring for 
 
 import torch
 
-from ..kernels.layout import PARTIALS
+from ..kernels.contract import PARTIALS, LossTerms
 from .kl import kl_penalty
 
 # Tokens per chunk: 512 KiB per fp32 temporary, cache-sized (2**16 to 2**18 measured best).
@@ -29,55 +29,16 @@ def _kl_slope(d: torch.Tensor, kl_estimator: int) -> torch.Tensor:
     return torch.where(in_range, 1.0 - torch.exp(-d.clamp(-20.0, 20.0)), 0.0)
 
 
-def ppo_loss_forward(
-    logprobs,
-    old_logprobs,
-    advantages,
-    weights,
-    valid,
-    ref_logprobs,
-    entropy,
-    clip_low,
-    clip_high,
-    dual_clip,
-    kl_coef,
-    kl_estimator,
-    grad,
-    partials,
-):
-    """The launcher of ``launchers.py``: one row of PARTIALS per chunk of ``CHUNK`` tokens."""
+def ppo_loss_forward(logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, terms, grad, partials):
+    """The launcher ``kernels/contract.py`` declares: one row of PARTIALS per chunk of ``CHUNK`` tokens."""
+    tokens = (logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy)
     for row, start in enumerate(range(0, logprobs.numel(), CHUNK)):
         part = slice(start, start + CHUNK)
-        _chunk_forward(
-            *(
-                None if x is None else x[part]
-                for x in (logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy)
-            ),
-            clip_low,
-            clip_high,
-            dual_clip,
-            kl_coef,
-            kl_estimator,
-            grad[part],
-            partials[row],
-        )
+        _chunk_forward(*(None if x is None else x[part] for x in tokens), terms, grad[part], partials[row])
 
 
 def _chunk_forward(
-    logprobs,
-    old_logprobs,
-    advantages,
-    weights,
-    valid,
-    ref_logprobs,
-    entropy,
-    clip_low,
-    clip_high,
-    dual_clip,
-    kl_coef,
-    kl_estimator,
-    grad,
-    partials_row,
+    logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, terms: LossTerms, grad, partials_row
 ):
     def safe(x):  # masked tokens may hold -inf or NaN: replace them before any arithmetic
         return torch.where(valid, x.float(), 0.0)
@@ -87,21 +48,21 @@ def _chunk_forward(
     lr = raw.clamp(-20.0, 20.0)
     ratio = lr.exp()
     pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg2 = -adv * ratio.clamp(1.0 - terms.clip_low, 1.0 + terms.clip_high)
     clipped = pg2 > pg1  # the ratio is outside the clip range: no gradient
     pg = torch.where(clipped, pg2, pg1)
     slope = torch.where(clipped | (raw < -20.0) | (raw > 20.0), 0.0, pg1)  # d(-A exp(lr))/dlogp
     dual_on = torch.zeros_like(valid)
-    if dual_clip > 0:
-        bound = -adv * dual_clip
+    if terms.dual_clip > 0:
+        bound = -adv * terms.dual_clip
         dual_on = (adv < 0) & (bound < pg)
         pg = torch.where(dual_on, bound, pg)
         slope = torch.where(dual_on, 0.0, slope)
     kl = torch.zeros_like(pg)
     if ref_logprobs is not None:
         ref = safe(ref_logprobs)
-        kl = kl_penalty(logp, ref, f"k{kl_estimator}")
-        slope = slope + kl_coef * _kl_slope(logp - ref, kl_estimator)
+        kl = kl_penalty(logp, ref, f"k{terms.kl_estimator}")
+        slope = slope + terms.kl_coef * _kl_slope(logp - ref, terms.kl_estimator)
     grad.copy_(weights * slope)
 
     ent = safe(entropy) if entropy is not None else torch.zeros_like(pg)

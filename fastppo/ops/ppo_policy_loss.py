@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.layout import PARTIALS
+from ..kernels.contract import PARTIALS, LossTerms
 from . import checks
 from .aggregation import aggregation_weights
 from .custom_ops import gradients, input_names
@@ -35,43 +35,26 @@ def _ppo_loss(
     valid: Tensor,
     ref_logprobs: Optional[Tensor],
     entropy: Optional[Tensor],
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    kl_coef: float,
-    kl_estimator: int,
-    entropy_coef: float,
+    terms: list[float],
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # token tensors: (N,) contiguous -> loss (), stats (len(STATS),), d loss / d logprobs (N,) fp32
-    impl = implementation(backend, "ppo_loss")
+    # token tensors: (N,) contiguous; terms: a LossTerms
+    # -> loss (), stats (len(STATS),), d loss / d logprobs (N,) fp32
+    impl, terms = implementation(backend, "ppo_policy_loss"), LossTerms.from_floats(terms)
     N = logprobs.numel()
     grad = torch.empty(N, dtype=torch.float32, device=logprobs.device)
     partials = torch.zeros(impl.num_programs(N), len(PARTIALS), dtype=torch.float32, device=logprobs.device)
     impl.ppo_loss_forward(
-        logprobs,
-        old_logprobs,
-        advantages,
-        weights,
-        valid,
-        ref_logprobs,
-        entropy,
-        clip_low,
-        clip_high,
-        dual_clip,
-        kl_coef,
-        kl_estimator,
-        grad,
-        partials,
+        logprobs, old_logprobs, advantages, weights, valid, ref_logprobs, entropy, terms, grad, partials
     )
-    return (*summarize(partials, kl_coef, entropy_coef), grad)
+    return (*summarize(partials, terms), grad)
 
 
-def summarize(partials: Tensor, kl_coef: float, entropy_coef: float) -> tuple:
+def summarize(partials: Tensor, terms: LossTerms) -> tuple:
     """``(loss (), stats (len(STATS),))`` from the kernels' partial sums ``(P, len(PARTIALS))``."""
     p = dict(zip(PARTIALS, partials.sum(dim=0).unbind()))
     count = p["count"].clamp(min=1.0)
-    loss = p["pg"] + kl_coef * p["kl"] - entropy_coef * p["entropy"]
+    loss = p["pg"] + terms.kl_coef * p["kl"] - terms.entropy_coef * p["entropy"]
     stats = torch.stack(
         [
             p["pg"],
@@ -88,22 +71,7 @@ def summarize(partials: Tensor, kl_coef: float, entropy_coef: float) -> tuple:
 
 
 @_ppo_loss.register_fake
-def _(
-    logprobs,
-    old_logprobs,
-    advantages,
-    weights,
-    valid,
-    ref_logprobs,
-    entropy,
-    clip_low,
-    clip_high,
-    dual_clip,
-    kl_coef,
-    kl_estimator,
-    entropy_coef,
-    backend,
-):
+def _(logprobs, *_):
     f32 = dict(dtype=torch.float32)
     return (
         logprobs.new_empty((), **f32),
@@ -118,12 +86,11 @@ _INPUTS = input_names(torch.ops.fastppo.ppo_policy_loss.default)
 
 def _setup_context(ctx, inputs, output):
     named = dict(zip(_INPUTS, inputs))
-    logprobs, entropy, weights, entropy_coef = (named[k] for k in ("logprobs", "entropy", "weights", "entropy_coef"))
     _, stats, grad = output
     ctx.mark_non_differentiable(stats, grad)
-    ctx.save_for_backward(grad, weights if entropy is not None else None)
-    ctx.logprobs_dtype = logprobs.dtype
-    ctx.entropy_coef = entropy_coef
+    ctx.save_for_backward(grad, named["weights"] if named["entropy"] is not None else None)
+    ctx.logprobs_dtype = named["logprobs"].dtype
+    ctx.entropy_coef = LossTerms.from_floats(named["terms"]).entropy_coef
 
 
 def _backward(ctx, grad_loss, _grad_stats, _grad_grad):
@@ -148,12 +115,7 @@ class LossSpec:
     weights: Tensor  # fp32 aggregation weight per token
     valid: Tensor  # bool
     ref_logprobs: Optional[Tensor]
-    clip_low: float
-    clip_high: float
-    dual_clip: float  # 0 when off
-    kl_coef: float
-    kl_estimator: int  # 1, 2, 3 for k1, k2, k3
-    entropy_coef: float
+    terms: LossTerms
     stat_names: list  # the entries of STATS this call reports
 
     def named(self, stats: Tensor) -> dict:
@@ -168,18 +130,19 @@ def loss_spec(
     advantages: Tensor,
     mask: Tensor,
     *,
-    ref_logprobs: Optional[Tensor],
     has_entropy: bool,
-    clip_eps: float,
-    clip_eps_high: Optional[float],
-    dual_clip: Optional[float],
-    kl_coef: float,
-    kl_estimator: str,
-    entropy_coef: float,
-    agg: str,
-    num_tokens,
+    ref_logprobs: Optional[Tensor] = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    num_tokens=None,
 ) -> LossSpec:
-    """Check the loss arguments against the token shape of ``like`` and flatten them."""
+    """Check the loss options (those of :func:`ppo_policy_loss`, whose defaults these are) against the
+    token shape of ``like`` and flatten them."""
     checks.check_tensor(advantages, "advantages")
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("ref_logprobs", ref_logprobs)):
         if x is not None:
@@ -205,12 +168,7 @@ def loss_spec(
         weights=checks.as_tokens(weights),
         valid=checks.as_tokens(valid),
         ref_logprobs=None if ref_logprobs is None else checks.as_tokens(ref_logprobs.detach()),
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual,
-        kl_coef=kl_coef,
-        kl_estimator=KL_ESTIMATORS.index(kl_estimator) + 1,
-        entropy_coef=entropy_coef,
+        terms=LossTerms(clip_low, clip_high, dual, kl_coef, KL_ESTIMATORS.index(kl_estimator) + 1, entropy_coef),
         stat_names=stat_names,
     )
 
@@ -287,12 +245,7 @@ def ppo_policy_loss(
         spec.valid,
         spec.ref_logprobs,
         None if entropy is None else checks.as_tokens(entropy),
-        spec.clip_low,
-        spec.clip_high,
-        spec.dual_clip,
-        spec.kl_coef,
-        spec.kl_estimator,
-        spec.entropy_coef,
+        spec.terms,
         backend,
     )
     return loss, spec.named(stats)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 
-class KVCache:
+class StaticKVCache:
     paged = False
 
     def __init__(

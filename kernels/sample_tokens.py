@@ -41,8 +41,8 @@ value that is never specialised, so a new seed per step does not recompile.
 import triton
 import triton.language as tl
 
+from .contract import row_unit
 from .fastmath import LN2, LOG2E, exp2, log2
-from .layout import row_unit
 from .vectors import EDGE_TILE, body_columns, body_start, edge_columns, row_shift
 
 # Uniforms are clamped to [2**-32, 1): a zero would give the column noise -inf and rule it out.
@@ -281,7 +281,7 @@ def _splits(B, V, BLOCK_N, BLOCK_V):
 
 
 def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs, *, block_v=None, splits=None):
-    """The launcher of ``fastppo/ops/launchers.py``. ``block_v`` (a multiple of 4) and ``splits`` (a
+    """The launcher ``kernels/contract.py`` declares. ``block_v`` (a multiple of 4) and ``splits`` (a
     power of two) override the tiling for tests; neither changes the draw."""
     B, V = logits.shape
     if B == 0:

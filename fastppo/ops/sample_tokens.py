@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import checks, sampling_torch
+from . import checks, sample_tokens_torch
 from .dispatch import implementation, resolve_backend
 
 SEED_LIMIT = 2**63
@@ -80,11 +80,11 @@ def sample_tokens(
     inv_temperature = 1.0 if greedy else 1.0 / temperature
     with torch.no_grad():
         if filtered:  # a sort: the twin's alone
-            sampling_torch.sample_filtered(
+            sample_tokens_torch.sample_filtered(
                 logits.detach(), inv_temperature, greedy, seed, tokens, logprobs, top_k, top_p
             )
         else:
-            implementation(resolved, "sampling").sample_forward(
+            implementation(resolved, "sample_tokens").sample_forward(
                 logits.detach(), inv_temperature, greedy, seed, tokens, logprobs
             )
     return tokens, logprobs

@@ -1,4 +1,4 @@
-"""PyTorch twin of ``fastppo.kernels.sampling``: the CPU path, and the only one with top-k and top-p.
+"""PyTorch twin of ``fastppo.kernels.sample_tokens``: the CPU path, and the only one with top-k and top-p.
 
 Same draw as the kernel, Gumbel-max: ``argmax(z + g)`` with ``g = -log(-log(u))`` is an exact
 sample from ``softmax(z)``. Top-k and top-p mask the candidates before the draw; the log-prob is
@@ -10,7 +10,7 @@ taken in chunks of about ``ROW_CHUNK_ELEMENTS`` logits, so no fp32 copy of all `
 import torch
 from torch import Tensor
 
-from .logprobs_torch import ROW_CHUNK_ELEMENTS
+from .token_logprobs_torch import ROW_CHUNK_ELEMENTS
 
 
 def _top_k(z: Tensor, k: int) -> Tensor:
@@ -30,7 +30,7 @@ def _top_p(z: Tensor, p: float) -> Tensor:
 
 
 def sample_forward(logits, inv_temperature, greedy, seed, tokens, logprobs):
-    """The launcher of ``fastppo/ops/launchers.py``."""
+    """The launcher ``kernels/contract.py`` declares."""
     sample_filtered(logits, inv_temperature, greedy, seed, tokens, logprobs, top_k=0, top_p=1.0)
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastppo.ops import logprobs_torch
+from fastppo.ops import token_logprobs_torch
 from fastppo.ops.dispatch import TRITON_INSTALLED
 from tests.oracles import (
     LOGIT_SCALE_ATOL,
@@ -29,7 +29,7 @@ EXPLORE = os.environ.get("FASTPPO_HYPOTHESIS_EXAMPLES")
 
 
 def run_kernels(logits, labels, inv_temperature, block_v, *, in_place=False):
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     N = labels.numel()
     out = [torch.empty(N) for _ in range(3)]  # logp, entropy, lse
@@ -83,7 +83,7 @@ def test_in_place_backward_matches_out_of_place():
 
 def test_backward_writes_a_half_gradient_of_fp32_logits():
     # The ops from hidden states on CUDA: fp32 logits in, the gradient out in the matmuls' bf16.
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     logits = torch.randn(1, 9, 130) * 5
     labels = torch.randint(0, 130, (9,))
@@ -100,14 +100,14 @@ def test_backward_writes_a_half_gradient_of_fp32_logits():
 
 
 def test_kernels_and_twin_agree():
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     logits = (torch.randn(3, 7, 300) * 3).bfloat16()
     labels = torch.randint(0, 300, (21,))
     labels[4] = -100
     temperature = torch.rand(21) + 0.5
     results = {}
-    for name, impl in (("triton", kernels), ("torch", logprobs_torch)):
+    for name, impl in (("triton", kernels), ("torch", token_logprobs_torch)):
         out = [torch.empty(21) for _ in range(3)]
         impl.logprobs_forward(logits, labels, temperature, 1.0, -100, *out)
         grad = torch.empty_like(logits)
@@ -124,7 +124,7 @@ def test_kernels_and_twin_agree():
 def test_temperature_and_ignore_index_are_runtime_arguments():
     # Only tile sizes and feature switches are compile-time constants: a new temperature or
     # ignore_index never compiles a new kernel.
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     for kernel in (kernels._logprobs_fwd_kernel, kernels._logprobs_bwd_kernel):
         constexprs = set(kernel.fn.__annotations__)
@@ -146,7 +146,7 @@ def test_temperature_and_ignore_index_are_runtime_arguments():
 
 
 def test_the_row_unit_is_the_largest_power_of_two_up_to_16_dividing_every_row_stride_and_v():
-    from fastppo.kernels.layout import row_unit
+    from fastppo.kernels.contract import row_unit
 
     assert row_unit(1000, 1000 * 7, 1000) == 8
     assert row_unit(151936, 151936) == 16
@@ -158,12 +158,12 @@ def test_the_row_unit_is_the_largest_power_of_two_up_to_16_dividing_every_row_st
 @pytest.mark.parametrize("width", [1000, 1004, 1001])  # row units 8, 4 and 1 for V = 1000
 def test_rows_read_in_units_agree_with_the_twin(width):
     # V = 1000 inside rows `width` apart: the launchers pass strides and V in units of 8, 4 or 1.
-    from fastppo.kernels import logprobs as kernels
+    from fastppo.kernels import token_logprobs as kernels
 
     logits = (torch.randn(2, 3, width) * 3).bfloat16()[:, :, :1000]
     labels = torch.tensor([0, 999, 5, -100, 998, 17])
     results = {}
-    for name, impl in (("triton", kernels), ("torch", logprobs_torch)):
+    for name, impl in (("triton", kernels), ("torch", token_logprobs_torch)):
         out = [torch.empty(6) for _ in range(3)]
         impl.logprobs_forward(logits, labels, None, 1.0, -100, *out)
         grad = torch.zeros(2, 3, width, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""PyTorch twin of ``fastppo.kernels.logprobs``: the CPU production path and the kernels' reference.
+"""PyTorch twin of ``fastppo.kernels.token_logprobs``: the CPU production path and the kernels' reference.
 
 Same launcher signatures as the Triton kernels, so an op calls either without knowing which.
 It walks the rows in chunks of about ``ROW_CHUNK_ELEMENTS`` logits, so it never holds an fp32
@@ -53,7 +53,7 @@ def _label_masks(labels, V, ignore_index):
 
 
 def logprobs_forward(logits, labels, temperature, inv_temperature, ignore_index, logp, entropy, lse, stats=None):
-    """The launcher of ``launchers.py``. Per chunk, with ``d = z - max z``: ``lse = max + log s``
+    """The launcher ``kernels/contract.py`` declares. Per chunk, with ``d = z - max z``: ``lse = max + log s``
     for ``s = sum exp(d)``, and ``entropy = log s - sum exp(d) d / s``, the kernel's
     cancellation-free form; without the entropy, one ``logsumexp``. Few passes over each chunk are
     what make this fast on a CPU.
@@ -99,7 +99,7 @@ def _box(t, b0, b1, t0, t1):
 def logprobs_backward(
     logits, grad, labels, temperature, inv_temperature, ignore_index, lse, entropy, grad_logp, grad_entropy
 ):
-    """The launcher of ``launchers.py``, a box of rows at a time: ``dz = scale x (g ([label] - p) -
+    """The launcher ``kernels/contract.py`` declares, a box of rows at a time: ``dz = scale x (g ([label] - p) -
     g_H p (log p + H))`` per row, ``g`` and ``g_H`` the upstream gradients of the log-prob and the
     entropy, ``p`` the softmax. Four passes over a box without the entropy, eight with it, in place
     in the box of ``grad`` where that is fp32 and its rows are one run (else in a box of their own,
