@@ -90,11 +90,12 @@ def main(argv=None) -> int:
 
 
 def exit_after_sharding(code: int) -> None:
-    """Exit now, without the interpreter's teardown. After ``fully_shard`` something inside torch
-    keeps the gloo process group alive past ``destroy_process_group``, and its threads, still
-    joinable when the interpreter destroys them at exit, abort the process ("terminate called
-    without an active exception"): a run that wrote everything would report a crash. Everything
-    is on disk and closed by then (each save atomic, the logs flushed)."""
+    """Exit now, without the interpreter's teardown. After ``fully_shard`` (or a model split with
+    DTensor, ``rollout/tensor_parallel.py``) something inside torch keeps the gloo process group
+    alive past ``destroy_process_group``, and its threads, still joinable when the interpreter
+    destroys them at exit, abort the process ("terminate called without an active exception"): a
+    run that wrote everything would report a crash. Everything is on disk and closed by then (each
+    save atomic, the logs flushed)."""
     import os
 
     sys.stdout.flush()

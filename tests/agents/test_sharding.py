@@ -10,7 +10,8 @@ from fastppo.agents.calls import Call
 from fastppo.trainer import TrainConfig
 from tests.agents.runs import TEMPLATE, char_tokenizer, turn_taking_policy
 from tests.oracles import relative_error
-from tests.trainer.parallel.test_distributed import FIELDS, _spawn, one_update, rank_environment
+from tests.ranks import rank_environment, spawn
+from tests.trainer.parallel.test_distributed import FIELDS, one_update
 from tests.trainer.parallel.test_sharding import leave
 
 
@@ -48,7 +49,7 @@ def test_two_sharded_ranks_make_the_episode_update_of_one_unsharded_rank(tmp_pat
         "kl_coef": 0.02,
     }
     assert TEMPLATE  # the tokenizer saved with it renders the prompts and the results
-    _spawn(_episode_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
+    spawn(_episode_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
     single = one_update(
         TrainConfig.from_flat({**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one")}).validate()

@@ -1,13 +1,11 @@
 """Whitening (local and across gloo ranks), group baselines, KL-shaped rewards, KL estimators."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fastppo
+from tests.ranks import spawn
 
 
 def whiten_oracle(x, mask, shift_mean=True, eps=1e-8):
@@ -65,10 +63,7 @@ def test_whiten_global_statistics_across_two_gloo_ranks(tmp_path):
     # gloo ranks on CPU tensors; ranks hold different amounts
     xs = [torch.randn(3, 8, device="cpu") + 2, torch.randn(5, 8, device="cpu") * 4 - 1]
     masks = [torch.rand(3, 8, device="cpu") > 0.3, torch.rand(5, 8, device="cpu") > 0.6]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_whiten_worker, args=(port, xs, masks, str(tmp_path)), nprocs=2, join=True)
+    spawn(_whiten_worker, xs, masks, str(tmp_path))
     got = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])
     expected = whiten_oracle(torch.cat(xs), torch.cat(masks))
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)

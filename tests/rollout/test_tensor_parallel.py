@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fastppo
 from fastppo.rollout.tensor_parallel import Unsharded, tp_plan
-from tests.trainer.parallel.test_distributed import _spawn, rank_environment
+from tests.ranks import rank_environment, spawn
 
 from .models import FAMILIES, LLAMA_LIKE, interface_model
 
@@ -99,7 +99,7 @@ def _check(found: dict, world: int) -> None:
     ids=str,
 )
 def test_two_ranks_decode_the_whole_models_tokens(tmp_path, families):
-    _spawn(_worker, str(tmp_path), families, 2)
+    spawn(_worker, str(tmp_path), families, 2)
     for rank in range(2):
         _check(json.loads((tmp_path / f"rank{rank}.json").read_text()), 2)
 
@@ -107,7 +107,7 @@ def test_two_ranks_decode_the_whole_models_tokens(tmp_path, families):
 @pytest.mark.slow
 def test_four_ranks_decode_the_whole_models_tokens(tmp_path):
     # four KV heads, one a rank; and two, each on two ranks (the key and value projections whole on each)
-    _spawn(_worker, str(tmp_path), ["llama4kv", "llama"], 4, world=4)
+    spawn(_worker, str(tmp_path), ["llama4kv", "llama"], 4, world=4)
     for rank in range(4):
         _check(json.loads((tmp_path / f"rank{rank}.json").read_text()), 4)
 

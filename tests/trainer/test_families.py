@@ -87,7 +87,7 @@ def test_a_sharded_run_decodes_a_family_over_the_cache(tmp_path):
     import subprocess
     import sys
 
-    from tests.trainer.parallel.test_distributed import free_port
+    from tests.ranks import free_port
 
     saved_model(tmp_path / "model", "qwen3_moe")
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}"]

@@ -1,19 +1,17 @@
 """Data parallelism: two gloo ranks on the CPU make the same update as one rank on all the prompts."""
 
-import faulthandler
 import json
 import os
-import socket
 import zlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fastppo.rollout import Rollout
 from fastppo.rollout.turns import Turns
 from fastppo.trainer import PPOTrainer, TrainConfig
+from tests.ranks import free_port, rank_environment, spawn
 
 FIELDS = dict(
     task="arithmetic", samples_per_prompt=4, minibatches=1, ppo_epochs=1, iterations=1, save=False, evaluate=False
@@ -70,21 +68,6 @@ def prompt_by_prompt(generate):
     return rollout
 
 
-def rank_environment(rank, port, world=2):
-    """Rank ``rank`` of ``world``, as torchrun would set it up; its sampler's ``decoder="auto"`` pinned to a
-    hand-written forward, as conftest.py pins it in the tests' own process (a rank's rollouts are
-    compared with that process's)."""
-    from fastppo.rollout import decoders
-
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_default_device("cpu")
-    if world > (os.cpu_count() or 1):  # more ranks than cores: a thread each, not every rank a thread a core
-        torch.set_num_threads(1)
-    decoders._faster = lambda *args: ("lean", None)
-
-
 def one_update(config: TrainConfig) -> dict:
     """One iteration with rollouts identical however rows are split: the whole gradient of its
     one optimizer step, the policy's and the critic's whole weights after it (a sharded run's on
@@ -138,7 +121,7 @@ def _worker(rank, port, out_dir, fields):
 def test_two_ranks_make_the_update_of_one_rank_on_all_prompts(tmp_path, options):
     """Each loss normalised over both ranks' step: tokens, or rows (seq-mean), or rows x the budget."""
     fields = {**FIELDS, "kl_coef": 0.02, **options}
-    _spawn(_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
+    spawn(_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = one_update(
         TrainConfig.from_flat(
@@ -179,7 +162,7 @@ def test_destroying_the_process_group_ends_its_threads(tmp_path):
     interpreter shutdown, where one freeing its last all-reduce aborts the rank. Two held one here:
     torch._dynamo imported after the group existed (transformers imports it), and the trainer,
     which one_update's test hook keeps alive in a reference cycle."""
-    _spawn(_threads_worker, str(tmp_path), {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2})
+    spawn(_threads_worker, str(tmp_path), {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2})
     for rank in range(2):
         threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert not [name for name in threads if "gloo" in name], threads
@@ -207,40 +190,19 @@ def test_every_rank_is_refused_a_run_directory_another_run_holds(tmp_path):
 
     process = holder(tmp_path / "run")
     try:
-        _spawn(_refused_worker, str(tmp_path), {**FIELDS, "prompts_per_iteration": 2})
+        spawn(_refused_worker, str(tmp_path), {**FIELDS, "prompts_per_iteration": 2})
     finally:
         process.communicate("")
     refusals = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert refusals[0] == refusals[1] and f"in use by a live run, pid {process.pid}" in refusals[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# A rank that has not finished in this long prints every thread's stack and exits, so a collective that
-# never completes fails its test with each rank's stack, under pytest's own timeout, and leaves no rank behind
-RANK_WATCHDOG_S = 600
-
-
-def _watched(rank, target, *args):
-    faulthandler.dump_traceback_later(RANK_WATCHDOG_S, exit=True)
-    target(rank, *args)
-
-
-def _spawn(target, *args, world=2):
-    port = free_port()
-    mp.spawn(_watched, args=(target, port, *args), nprocs=world, join=True)
-
-
 def straight_and_resumed(tmp_path, fields: dict) -> list:
     """The metrics rows of two two-rank runs of ``fields``: 3 iterations straight, and 2 then resumed to 3
     (timings aside)."""
-    _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 3}, 0)
-    _spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
-    _spawn(_train_worker, str(tmp_path / "split"), None, 3)
+    spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 3}, 0)
+    spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
+    spawn(_train_worker, str(tmp_path / "split"), None, 3)
     return [
         [
             {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
@@ -267,10 +229,10 @@ def test_two_ranks_streaming_resume_exactly_with_rows_in_flight(tmp_path):
     import shutil
 
     fields = {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "save": True, "max_staleness": 1}
-    _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 4, "save_every": 2}, 0)
+    spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 4, "save_every": 2}, 0)
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "run" / "checkpoint-4")
-    _spawn(_train_worker, str(tmp_path / "resumed"), None, 4)
+    spawn(_train_worker, str(tmp_path / "resumed"), None, 4)
     rows = [
         [
             {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
@@ -298,7 +260,7 @@ def _decoder_worker(rank, port, out_dir, fields):
 
 def test_every_rank_runs_the_decoder_rank_0_timed_faster(tmp_path):
     """With ``decoder="auto"``, ranks whose timings disagree still run one decoder: rank 0's."""
-    _spawn(_decoder_worker, str(tmp_path), {**FIELDS, "max_staleness": 1})  # a held-out sampler of its own
+    spawn(_decoder_worker, str(tmp_path), {**FIELDS, "max_staleness": 1})  # a held-out sampler of its own
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["lean lean", "lean lean"]
 
 
@@ -379,7 +341,7 @@ def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
         "filter_groups_attempts": 3,
         "reward": f"{__name__}:rank_specific_reward",
     }
-    _spawn(_filter_worker, str(tmp_path), fields)
+    spawn(_filter_worker, str(tmp_path), fields)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["stats"]["sampling_attempts"] for r in ranks] == [3.0, 3.0]  # rank 0 never fills up
     assert [r["drawn"] for r in ranks] == [3 * 2 * 2] * 2

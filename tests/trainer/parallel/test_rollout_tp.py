@@ -12,8 +12,9 @@ import torch
 from fastppo.errors import UsageError
 from fastppo.trainer import PPOTrainer, TrainConfig
 from fastppo.trainer.modeling.rollout_tp import RolloutGroup, check_rollout_tp, check_splittable
+from tests.ranks import rank_environment, spawn
 
-from .test_distributed import FIELDS, _spawn, rank_environment, straight_and_resumed
+from .test_distributed import FIELDS, straight_and_resumed
 
 
 def _expected_part(whole: torch.Tensor, target, group: RolloutGroup) -> torch.Tensor:
@@ -70,7 +71,7 @@ def _copy_checked(tmp_path, world: int, split: int = 2, whole_share: float = 0.0
     nothing more; ``whole_share``: what the parts every rank holds whole (norms; key and value
     projections where the KV heads are fewer than the ranks) add to its 1/``split`` of the model."""
     fields = {**FIELDS, "estimator": "grpo", "prompts_per_iteration": 2, "fsdp": True, "rollout_tp": split, **options}
-    _spawn(_copy_worker, str(tmp_path), world, fields, world=world)
+    spawn(_copy_worker, str(tmp_path), world, fields, world=world)
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for result in found:
         assert result["worst"] <= 1e-6  # fp32 on the CPU: the shares exactly (LoRA merged in fp32)
@@ -159,7 +160,7 @@ def test_each_rank_holds_at_start_up_what_the_plan_s_start_up_line_says(tmp_path
     """Policy, reference and critic read shard by shard, the split copy and the KV cache without
     storage until the first rollout: every tensor alive on a rank is its shards, as planned."""
     fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "fsdp": True, "rollout_tp": 2}
-    _spawn(_start_up_worker, str(tmp_path), fields)
+    spawn(_start_up_worker, str(tmp_path), fields)
     for rank in range(2):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # beyond the plan: the buffers (rotary frequencies) and the sampler's small tables, under 1%

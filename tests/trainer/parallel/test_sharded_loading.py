@@ -11,8 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fastppo.trainer.parallel import sharded_loading
-
-from .test_distributed import _spawn, rank_environment
+from tests.ranks import rank_environment, spawn
 
 
 def _saved(directory, dtype=torch.bfloat16, **sizes) -> str:
@@ -79,7 +78,7 @@ def _worker(rank, port, out, path, measure, world=2):
 
 def test_a_sharded_load_holds_from_pretrained_s_values_bit_for_bit(tmp_path):
     path = _saved(tmp_path / "model")
-    _spawn(_worker, str(tmp_path), path, None)
+    spawn(_worker, str(tmp_path), path, None)
     for rank in range(2):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["shards_equal"] and found["logits_equal"]
@@ -94,7 +93,7 @@ def test_each_rank_s_host_memory_grows_by_its_shards_not_the_model(tmp_path):
     grown = {}
     for measure in ("sharded", "whole"):
         (tmp_path / measure).mkdir()
-        _spawn(_worker, str(tmp_path / measure), path, measure, 4, world=4)
+        spawn(_worker, str(tmp_path / measure), path, measure, 4, world=4)
         grown[measure] = [json.loads((tmp_path / measure / f"rank{r}.json").read_text()) for r in range(4)]
     for sharded, whole in zip(grown["sharded"], grown["whole"]):
         assert sharded["held"] <= model_bytes / 4 + 4096

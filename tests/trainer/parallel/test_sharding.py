@@ -14,8 +14,9 @@ from fastppo.errors import UsageError
 from fastppo.trainer import PPOTrainer, TrainConfig
 from fastppo.trainer.modeling.critic import Critic
 from tests.oracles import relative_error
+from tests.ranks import rank_environment, spawn
 
-from .test_distributed import FIELDS, _spawn, _train_worker, one_update, prompt_by_prompt, rank_environment
+from .test_distributed import FIELDS, _train_worker, one_update, prompt_by_prompt
 
 
 def _update_worker(rank, port, out_dir, fields):
@@ -65,7 +66,7 @@ def test_two_sharded_ranks_make_the_update_of_one_unsharded_rank(tmp_path, optio
     if options.pop("tied", False):  # the head's gradient and the embedding's are one
         options.update(model=tied_model(tmp_path / "tied"), reward=f"{__name__}:completion_length")
     fields = {**FIELDS, "kl_coef": 0.02, **options}
-    _spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
+    spawn(_update_worker, str(tmp_path), {**fields, "prompts_per_iteration": 2})
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
     fields.pop("rollout_tp", None)  # one rank decodes whole
     single = one_update(
@@ -88,10 +89,10 @@ def test_two_sharded_ranks_resumed_after_two_iterations_equal_four_straight(tmp_
     """Bitwise: the same world size reduces in the same order, and every rank's random states, the
     shards of the weights and of both AdamW states come back."""
     fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "prompts_per_iteration": 2, "save": True, "fsdp": True}
-    _spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 4}, 0)
-    _spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
+    spawn(_train_worker, str(tmp_path / "straight"), {**fields, "iterations": 4}, 0)
+    spawn(_train_worker, str(tmp_path / "split"), {**fields, "iterations": 2}, 0)
     assert (tmp_path / "split" / "run" / "checkpoint-2" / "shards" / ".metadata").is_file()
-    _spawn(_train_worker, str(tmp_path / "split"), None, 4)
+    spawn(_train_worker, str(tmp_path / "split"), None, 4)
     rows = [
         [
             {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "tokens_per_s"))}
@@ -149,7 +150,7 @@ def test_the_consolidated_models_load_with_from_pretrained_and_equal_the_unshard
     from transformers import AutoModelForCausalLM
 
     fields = {**FIELDS, "estimator": "gae", "kl_coef": 0.02, "iterations": 2, "save": True, "save_dtype": "float32"}
-    _spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
+    spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
     trained(
         TrainConfig.from_flat(
             {**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"), "device": "cpu"}
@@ -167,7 +168,7 @@ def test_a_sharded_lora_run_saves_the_adapter_and_the_merged_model_of_the_unshar
     from transformers import AutoModelForCausalLM
 
     fields = {**FIELDS, "lora_rank": 4, "merge_lora": True, "iterations": 2, "save": True, "save_dtype": "float32"}
-    _spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
+    spawn(_save_worker, str(tmp_path / "sharded"), {**fields, "prompts_per_iteration": 2})
     trained(
         TrainConfig.from_flat(
             {**fields, "prompts_per_iteration": 4, "out": str(tmp_path / "one" / "run"), "device": "cpu"}
@@ -214,11 +215,11 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_to_resume_f
         "keep_checkpoints": 0,
     }
     with pytest.raises(mp.ProcessExitedException):
-        _spawn(_killed_worker, str(tmp_path), fields)
+        spawn(_killed_worker, str(tmp_path), fields)
     run = tmp_path / "run"
     assert (run / "checkpoint-1").is_dir() and not (run / "checkpoint-2").exists()
     assert any(p.name.startswith(".checkpoint-2.tmp-") for p in run.iterdir())  # the shards of the kill
-    _spawn(_train_worker, str(tmp_path), None, 3)
+    spawn(_train_worker, str(tmp_path), None, 3)
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "checkpoint"))) == [
         "checkpoint-1",
@@ -264,7 +265,7 @@ def test_each_sharded_rank_holds_half_the_weights_and_optimizer_state_and_no_rol
     measured = {}
     for mode, fsdp in (("replicated", False), ("sharded", True)):
         (tmp_path / mode).mkdir()
-        _spawn(_memory_worker, str(tmp_path / mode), {**fields, "fsdp": fsdp})
+        spawn(_memory_worker, str(tmp_path / mode), {**fields, "fsdp": fsdp})
         measured[mode] = [torch.load(tmp_path / mode / f"rank{rank}.pt") for rank in range(2)]
     for whole, held in zip(measured["replicated"], measured["sharded"]):
         # half, give or take FSDP's padding of rows to a multiple of the world size and the AdamW
@@ -300,7 +301,7 @@ def test_under_bf16_autocast_sharded_ranks_compute_what_replicated_ranks_do(tmp_
     grads = {}
     for mode, fsdp in (("replicated", False), ("sharded", True)):
         (tmp_path / mode).mkdir()
-        _spawn(_gradient_worker, str(tmp_path / mode), {**fields, "fsdp": fsdp})
+        spawn(_gradient_worker, str(tmp_path / mode), {**fields, "fsdp": fsdp})
         grads[mode] = torch.load(tmp_path / mode / "grads.pt")
     for part in ("policy", "critic"):
         expected, got = grads["replicated"][part], grads["sharded"][part]
